@@ -1,0 +1,40 @@
+"""Deployment / engine arguments shared by the CLI, the recipes, the planner and the engine.
+
+Defaults follow MAX (spec/serving.md §7–§9). Field names match the CLI flags
+(``--max-batch-input-tokens`` -> ``max_batch_input_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything needed to build an engine besides the checkpoint itself.
+
+    model: local directory or hub id (None = the embedded default checkpoint).
+    dtype: compute ("activation") dtype name: "bfloat16" (default) or "float32".
+    devices: "cpu", "cpu:N" (N CPU ranks), "gpu", "gpu:0,1,...".
+    kv_cache_format: "bfloat16" | "float32" | "float8_e4m3fn".
+    num_kv_pages: override the planner's page count (tests use tiny pools to force preemption).
+    weight_dequant: "load" (dequantise at load) or "runtime" (keep FP4 experts packed).
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "bfloat16"
+    devices: str = "cpu"
+    data_parallel_degree: int = 1
+    ep_size: int = 1
+    ep_use_allreduce: bool = False
+    max_batch_input_tokens: int = 8192
+    max_batch_size: int = 256
+    max_length: int | None = None
+    device_memory_utilization: float = 0.9
+    kv_cache_page_size: int = 128
+    kv_cache_format: str = "bfloat16"
+    enable_prefix_caching: bool = True
+    num_kv_pages: int | None = None
+    weight_dequant: str = "load"
+    seed: int = 0
