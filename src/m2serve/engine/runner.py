@@ -1,0 +1,97 @@
+"""Model runner: turns a scheduled step into a ragged `ForwardBatch` and runs the model.
+
+Layout of the batch is spec/serving.md §6. One step may mix prefill chunks and decodes: request b
+contributes tokens [c_b, c_b + n_b) of its sequence (c_b = num_computed_tokens), at positions
+c_b + i, written to slots ``table[p // S] * S + p % S``; attention sees its cached pages plus the
+causal part of its own chunk (context_lens = c_b + n_b).
+
+Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from m2serve.engine.kv_cache import KVCacheManager
+from m2serve.engine.scheduler import ScheduledRequest
+from m2serve.model.batch import ForwardBatch, KVStorage
+
+
+def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
+    """True while a request that asked for prompt logprobs still computes prompt positions."""
+    r = s.request
+    return (r.sampling_params.prompt_logprobs is not None
+            and r.num_computed_tokens < r.num_prompt_tokens - 1
+            and len(r.prompt_logprobs) < r.num_prompt_tokens)
+
+
+def logits_rows(s: ScheduledRequest) -> int:
+    """How many of the chunk's last positions need logits: all of them for prompt logprobs,
+    the last one when the chunk completes the sequence (it samples), else none."""
+    if wants_prompt_logprobs(s):
+        return s.num_new_tokens
+    return 1 if s.completes else 0
+
+
+def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
+                device: torch.device | str = "cpu") -> ForwardBatch:
+    """The `ForwardBatch` of one step (spec/serving.md §6); request order = ``scheduled`` order.
+
+    Block tables are padded with page 0 (never read: context_lens bounds every read).
+    """
+    S = kv.page_size
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    offsets = [0]
+    context_lens: list[int] = []
+    n_logits: list[int] = []
+    tables: list[list[int]] = []
+    for s in scheduled:
+        r = s.request
+        c, n = r.num_computed_tokens, s.num_new_tokens
+        table = kv.block_table(r.request_id)
+        tokens.extend(r.all_token_ids[c:c + n])
+        pos = range(c, c + n)
+        positions.extend(pos)
+        slots.extend(table[p // S] * S + p % S for p in pos)
+        offsets.append(offsets[-1] + n)
+        context_lens.append(c + n)
+        n_logits.append(logits_rows(s))
+        tables.append(table)
+    width = max((len(t) for t in tables), default=0)
+    block_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)  # [B, max_pages]
+    for b, t in enumerate(tables):
+        block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return ForwardBatch(
+        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),            # [T]
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),      # [T]
+        input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),  # [B+1]
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),       # [T]
+        block_tables=block_tables.to(device),                                     # [B, max_pages]
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),  # [B]
+        return_n_logits=torch.tensor(n_logits, dtype=torch.int64, device=device),  # [B]
+    )
+
+
+@dataclass(slots=True)
+class ModelRunner:
+    """Runs ``model(batch, kv) -> logits [N, V] fp32`` (docs/architecture.md, model contract)."""
+
+    model: Callable[[ForwardBatch, KVStorage], torch.Tensor]
+    kv_storage: KVStorage
+    device: torch.device | str = "cpu"
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> list[torch.Tensor]:
+        """Run one step; returns each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
+        batch = build_batch(scheduled, kv, self.device)
+        counts = batch.return_n_logits.tolist()
+        if sum(counts) == 0:
+            self.model(batch, self.kv_storage)
+            return [torch.empty(0) for _ in scheduled]
+        logits = self.model(batch, self.kv_storage).float()   # [N, V]
+        return list(torch.split(logits, counts))

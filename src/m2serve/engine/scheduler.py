@@ -1,0 +1,153 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+There is no prefill or decode phase (vLLM v1's invariant): each request's
+``num_computed_tokens`` catches up with its ``num_tokens``. A step gives running requests their
+next chunk first (a decode is a chunk of one), oldest first, then admits waiting requests, while
+ALL tokens of the step stay within ``max_batch_input_tokens`` (spec/serving.md §8) and at most
+``max_batch_size`` requests run. A prompt longer than the remaining budget is chunked across steps.
+When the KV pool runs out, the newest running request is preempted: its pages are freed and it goes
+back to the front of the waiting queue with ``num_computed_tokens = 0`` (recompute; its generated
+tokens are kept, so the final output is unchanged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from m2serve.engine.kv_cache import KVCacheManager
+from m2serve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed, num_computed + num_new)."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the request's last token (its logits give the next one)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run in one step, in batch order, plus the requests preempted while building it."""
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens computed in this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters: steps that split a prompt, preemptions, scheduled steps."""
+
+    chunked_prefill_steps: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class Scheduler:
+    """Waiting and running queues over a `KVCacheManager` (spec/serving.md §8).
+
+    max_batch_input_tokens: budget of tokens per step (prefill chunks and decodes alike);
+    max_batch_size: most running requests (clamped to the token budget, as in MAX).
+    """
+
+    kv: KVCacheManager
+    max_batch_input_tokens: int
+    max_batch_size: int
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_input_tokens <= 0:
+            raise ValueError(f"max_batch_input_tokens={self.max_batch_input_tokens} must be positive")
+        if self.max_batch_size <= 0:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be positive")
+        self.max_batch_size = min(self.max_batch_size, self.max_batch_input_tokens)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (validated by the engine)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Any request waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the next step's chunks; may preempt (see the module docstring)."""
+        budget = self.max_batch_input_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()   # newest; never one already scheduled (index < i)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # Admit waiting requests only when nothing had to be preempted (memory is tight).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            prefix = ([], [])
+            if req.sampling_params.prompt_logprobs is None:
+                prefix = self.kv.find_cached_prefix(req.all_token_ids)
+            num_hit = len(prefix[0]) * self.kv.page_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate(req.request_id, num_hit + n, prefix):
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+        self.stats.steps += bool(scheduled)
+        if any(not s.completes for s in scheduled):
+            self.stats.chunked_prefill_steps += 1
+        return SchedulerOutput(scheduled, preempted)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished, drop it from its queue and free its pages at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
