@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-import torch
-
-if TYPE_CHECKING:
-    from m2serve.engine.sampling import SamplingParams
+from m2serve.engine.sampling import SamplingParams, SamplingState, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -30,35 +26,42 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence (n = 1) in the engine.
 
-    prompt_token_ids: the prompt; output_token_ids: tokens generated so far (the sampler reads
-    them for penalties); all_token_ids: prompt + output; num_computed_tokens: tokens whose K/V
+    prompt_token_ids: the prompt; all_token_ids: prompt + generated tokens; state: the sampler's
+    per-request state (resolved params, output tokens for penalties, seeded generator, reasoning
+    flag; engine/sampling.py), which survives preemption; num_computed_tokens: tokens whose K/V
     are in the cache; num_cached_tokens: prompt tokens served from the prefix cache at the first
-    admission; generator: the request's seeded RNG (None = the engine's); in_reasoning: inside
-    the ``<think>`` block (the sampler uses thinking_temperature there).
-    arrival: admission order; the newest running request is preempted first.
+    admission (-1 before it); arrival: admission order (the newest running request is preempted
+    first); max_length: the max context in tokens; logprobs / prompt_logprobs: accumulated
+    entries; num_sent_tokens: output tokens already returned in a RequestOutput.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    state: SamplingState
     arrival: int
-    eos_token_ids: tuple[int, ...] = ()
-    max_length: int | None = None
+    max_length: int
     all_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    in_reasoning: bool = False
     num_preemptions: int = 0
-    logprobs: list[Any] = field(default_factory=list)
-    prompt_logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_sent_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        """The request's resolved sampling parameters."""
+        return self.state.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far (kept by the sampler state)."""
+        return self.state.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -73,17 +76,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
-        return len(self.output_token_ids)
+        return len(self.state.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
         """True once a finish reason is set."""
         return self.status is RequestStatus.FINISHED
-
-    def append_token(self, token_id: int) -> None:
-        """Record one sampled token (K/V for it are computed in the next step)."""
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
 
 @dataclass(slots=True)
@@ -92,8 +90,8 @@ class RequestOutput:
 
     new_token_ids: tokens generated since the previous output of this request;
     finished / finish_reason: "stop" (EOS or a stop token id), "length" (max_tokens or the
-    max context), "abort"; new_logprobs: one entry per new token, as the sampler returns them
-    (None unless requested); prompt_logprobs: one entry per prompt token, first entry None
+    max context), "abort"; new_logprobs: one `TokenLogprobs` per new token (None unless
+    requested); prompt_logprobs: one entry per prompt token, first entry None
     (only in the first output of a request that asked for them); num_prompt_tokens,
     num_cached_tokens: prompt length and the prompt tokens served by the prefix cache.
     """
@@ -102,7 +100,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    new_logprobs: list[Any] | None = None
-    prompt_logprobs: list[Any] | None = None
+    new_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

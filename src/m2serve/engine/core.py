@@ -1,0 +1,284 @@
+"""`LLMEngine`: the step loop over scheduler, runner and sampler (token ids only).
+
+``step()`` = apply queued adds/aborts → ``Scheduler.schedule`` → ``ModelRunner.run`` → sample the
+requests whose chunk completed their sequence → stop checks → free finished requests' pages →
+``RequestOutput`` per request that produced something. The engine is driven by one thread calling
+``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
+validate and append to an inbox under a lock, which ``step()`` drains first (docs/architecture.md,
+engine contract).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from m2serve.config.engine_args import EngineArgs
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.engine.kv_cache import KVCacheManager
+from m2serve.engine.request import Request, RequestOutput
+from m2serve.engine.runner import ModelRunner, wants_prompt_logprobs
+from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logprobs, sample
+from m2serve.engine.scheduler import ScheduledRequest, Scheduler
+from m2serve.model.batch import ForwardBatch, KVStorage
+
+log = logging.getLogger(__name__)
+
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+_COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Snapshot of the engine's gauges and counters (docs/architecture.md, engine contract).
+
+    prefix_cache_queries / prefix_cache_hits count prompt tokens looked up / found in the prefix
+    cache; chunked_prefill_steps counts steps in which some prompt was split; generated_tokens counts
+    sampled tokens.
+    """
+
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_free: int
+    kv_page_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    chunked_prefill_steps: int
+    preemptions: int
+    generated_tokens: int
+    steps: int
+
+
+def kv_cache_dtype(name: str) -> torch.dtype:
+    """torch dtype for ``kv_cache_format``; ValueError naming the choices."""
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_format={name!r} is not supported; use one of {sorted(_KV_DTYPES)}")
+    return _KV_DTYPES[name]
+
+
+def resolve_device(devices: str) -> torch.device:
+    """Single-device string of EngineArgs.devices ("cpu", "gpu", "gpu:N") -> torch.device."""
+    if devices == "cpu":
+        return torch.device("cpu")
+    if devices == "gpu":
+        return torch.device("cuda", 0)
+    if devices.startswith("gpu:") and "," not in devices:
+        return torch.device("cuda", int(devices[4:]))
+    raise ValueError(f"devices={devices!r}: LLMEngine runs one device ('cpu', 'gpu' or 'gpu:N'); "
+                     "multi-device deployments go through parallel/")
+
+
+@dataclass(slots=True)
+class LLMEngine:
+    """Token-ids-in, token-ids-out engine over one model replica (issue 4 items 1–3).
+
+    Build with :meth:`from_args` (loads the checkpoint) or :meth:`from_model` (an already built
+    ``model(batch, kv) -> logits [N, V] fp32``). ``max_length`` is the max context in tokens.
+    """
+
+    config: MiniMaxM2Config
+    scheduler: Scheduler
+    runner: ModelRunner
+    max_length: int
+    generator: torch.Generator
+    requests: dict[str, Request] = field(default_factory=dict)
+    inbox: list[tuple[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live_ids: set[str] = field(default_factory=set)
+    arrivals: int = 0
+    generated_tokens: int = 0
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
+        from m2serve.model import load_model
+
+        if args.model is None:
+            raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
+        if args.dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_COMPUTE_DTYPES)}")
+        device = resolve_device(args.devices)
+        config = MiniMaxM2Config.from_pretrained(args.model)
+        model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=device)
+        return cls.from_model(model, config, args, device=device)
+
+    @classmethod
+    def from_model(cls, model: Callable[[ForwardBatch, KVStorage], torch.Tensor], config: MiniMaxM2Config,
+                   args: EngineArgs, device: torch.device | str = "cpu",
+                   kv_scales: tuple[list[float], list[float]] | None = None) -> LLMEngine:
+        """Engine around a built model. ``kv_scales`` = per-layer (k_scale, v_scale) for fp8 KV;
+        by default taken from ``model.kv_scales`` when the model has it, else 1.0."""
+        dtype = kv_cache_dtype(args.kv_cache_format)
+        S = args.kv_cache_page_size
+        if S <= 0:
+            raise ValueError(f"kv_cache_page_size={S} must be positive")
+        num_pages = args.num_kv_pages if args.num_kv_pages is not None else _planned_pages(config, args)
+        capacity = num_pages * S
+        max_length = args.max_length or config.max_position_embeddings
+        if max_length > capacity:
+            if args.max_length is not None:
+                raise ValueError(f"max_length={args.max_length} does not fit in the KV cache: {num_pages} "
+                                 f"pages x {S} tokens = {capacity} tokens; set max_length <= {capacity}")
+            log.warning("max_length lowered from %d to %d tokens: the KV cache holds %d pages of %d",
+                        max_length, capacity, num_pages, S)
+            max_length = capacity
+        if kv_scales is None:
+            kv_scales = getattr(model, "kv_scales", None)
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        storage = KVStorage.allocate(config.num_hidden_layers, num_pages, S, config.num_key_value_heads,
+                                     config.head_dim, dtype, device, k_scale, v_scale)
+        kv = KVCacheManager(num_pages, S, args.enable_prefix_caching)
+        scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size)
+        return cls(config=config, scheduler=scheduler, runner=ModelRunner(model, storage, device),
+                   max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request; thread-safe. It joins the batch at the next ``step()``.
+
+        Raises ValueError for an empty prompt, a token id outside the vocabulary, a prompt longer
+        than the max context (stating both numbers), or a request_id already in use.
+        """
+        params = (sampling_params or SamplingParams()).resolved(self.config.generation)
+        params.check_token_ids(self.config.vocab_size)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        V = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the "
+                             f"vocabulary [0, {V})")
+        if len(ids) > self.max_length:
+            raise ValueError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than the max "
+                             f"context of {self.max_length} tokens; shorten the prompt or raise max_length")
+        with self.lock:
+            if request_id in self.live_ids:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.live_ids.add(request_id)
+            state = SamplingState.new(params, ids, self.config.eos_token_ids)
+            req = Request(request_id, ids, state, arrival=self.arrivals, max_length=self.max_length)
+            self.arrivals += 1
+            self.inbox.append(("add", req))
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its pages are freed at the start of the next step, which
+        returns its final output with finish_reason "abort". Unknown ids are ignored."""
+        with self.lock:
+            self.inbox.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request queued, waiting or running."""
+        with self.lock:
+            return bool(self.inbox) or self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> EngineStats:
+        """Current gauges and counters."""
+        kv, s = self.scheduler.kv, self.scheduler
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), kv_pages_total=kv.num_pages,
+            kv_pages_used=kv.num_used_pages, kv_pages_free=kv.num_free_pages, kv_page_size=kv.page_size,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            chunked_prefill_steps=s.stats.chunked_prefill_steps, preemptions=s.stats.preemptions,
+            generated_tokens=self.generated_tokens, steps=s.stats.steps)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that produced tokens or finished."""
+        outputs = self._drain_inbox()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return outputs
+        logits = self.runner.run(out.scheduled, self.scheduler.kv)
+        sampling: list[ScheduledRequest] = []
+        rows: list[torch.Tensor] = []
+        for s, lg in zip(out.scheduled, logits, strict=True):
+            r = s.request
+            completes = s.completes        # read before num_computed_tokens moves
+            if wants_prompt_logprobs(s):
+                self._add_prompt_logprobs(r, lg)
+            r.num_computed_tokens += s.num_new_tokens
+            self.scheduler.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
+            if completes:
+                sampling.append(s)
+                rows.append(lg[-1])
+        if sampling:
+            reqs = [s.request for s in sampling]
+            drawn = sample(torch.stack(rows), [r.state for r in reqs], self.generator)   # [B, V] in
+            for r, t, lp in zip(reqs, drawn.token_ids, drawn.logprobs, strict=True):
+                r.all_token_ids.append(t)   # the sampler state already appended it to the output
+                if r.sampling_params.logprobs is not None:
+                    r.logprobs.append(lp)
+                self.generated_tokens += 1
+                reason = r.state.finish_reason(t)
+                if reason is None and r.num_tokens >= r.max_length:
+                    reason = "length"
+                if reason is not None:
+                    self._finish(r, reason)
+                outputs.append(self._output(r))
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self.lock:
+            inbox, self.inbox = self.inbox, []
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
+                self.requests[item.request_id] = item
+                self.scheduler.add(item)
+            else:
+                r = self.requests.get(item)
+                if r is not None:
+                    self._finish(r, "abort")
+                    outputs.append(self._output(r))
+        return outputs
+
+    def _finish(self, r: Request, reason: str) -> None:
+        self.scheduler.finish(r, reason)
+        del self.requests[r.request_id]
+        with self.lock:
+            self.live_ids.discard(r.request_id)
+
+    def _output(self, r: Request) -> RequestOutput:
+        new = r.output_token_ids[r.num_sent_tokens:]
+        p = r.sampling_params
+        first = r.num_sent_tokens == 0
+        out = RequestOutput(
+            request_id=r.request_id, new_token_ids=new, finished=r.is_finished,
+            finish_reason=r.finish_reason,
+            new_logprobs=r.logprobs[r.num_sent_tokens:] if p.logprobs is not None else None,
+            prompt_logprobs=r.prompt_logprobs if first and p.prompt_logprobs is not None else None,
+            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0))
+        r.num_sent_tokens = r.num_output_tokens
+        return out
+
+    def _add_prompt_logprobs(self, r: Request, logits: torch.Tensor) -> None:
+        """Prompt logprobs of the chunk: row i (position c + i) scores prompt token c + i + 1.
+        Entry 0 is None (the first token has no logprob); rows already recorded before a
+        preemption are skipped."""
+        if not r.prompt_logprobs:
+            r.prompt_logprobs.append(None)
+        c = r.num_computed_tokens
+        first = max(len(r.prompt_logprobs) - 1 - c, 0)           # first new row to keep
+        last = min(logits.shape[0], r.num_prompt_tokens - 1 - c)  # rows that score prompt tokens
+        if last <= first:
+            return
+        nxt = torch.tensor(r.prompt_token_ids[c + 1 + first:c + 1 + last], dtype=torch.int64)
+        k = r.sampling_params.prompt_logprobs
+        r.prompt_logprobs.extend(compute_logprobs(logits[first:last], nxt.to(logits.device), [k] * len(nxt)))
+
+
+def _planned_pages(config: MiniMaxM2Config, args: EngineArgs) -> int:
+    from m2serve.engine.planner import plan_memory
+
+    return plan_memory(config, args).num_pages

@@ -1,0 +1,173 @@
+"""Engine plumbing on the toy paged-attention model (tests/engine/conftest.py).
+
+Reference: the same toy model run on the whole sequence in one call with a fresh KV pool for every
+token (no paging across steps, no batching, no cache reuse), so any wrong slot, position, block
+table, chunk boundary or stale page in the engine changes the tokens. Spec: serving.md §6 (batch
+layout), §8 (token budget, chunked prefill, preemption), issue 4 items 1–3.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from m2serve.config.engine_args import EngineArgs
+from m2serve.engine.core import LLMEngine
+from m2serve.engine.sampling import SamplingParams
+from m2serve.model.batch import ForwardBatch, KVStorage
+
+GREEDY = dict(temperature=0.0)
+
+
+def full_logits(model, config, tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), V] of every position, one call, fresh pool, page size = len."""
+    n = len(tokens)
+    kv = KVStorage.allocate(1, 1, n, config.num_key_value_heads, config.head_dim, torch.float32)
+    batch = ForwardBatch(
+        tokens=torch.tensor(tokens), positions=torch.arange(n), input_row_offsets=torch.tensor([0, n]),
+        slot_mapping=torch.arange(n), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        context_lens=torch.tensor([n], dtype=torch.int32), return_n_logits=n)
+    return model(batch, kv)
+
+
+def reference_greedy(model, config, prompt: list[int], max_tokens: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(int(full_logits(model, config, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def make_engine(model, config, **kw) -> LLMEngine:
+    args = EngineArgs(dtype="float32", kv_cache_format="float32", **kw)
+    return LLMEngine.from_model(model, config, args)
+
+
+def run_all(engine: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_batched_chunked_cached_preempted_equals_reference(toy_model, toy_config):
+    rng = random.Random(0)
+    shared = [rng.randrange(64) for _ in range(20)]
+    prompts = {}
+    for i in range(12):
+        head = shared[:rng.randrange(5, 20)] if i % 2 else []
+        prompts[f"r{i}"] = head + [rng.randrange(64) for _ in range(rng.randrange(3, 30))]
+    # Tiny pool (10 pages x 4 tokens) and budget 16: chunking, prefix hits and preemption all occur.
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=10,
+                      max_batch_input_tokens=16, max_batch_size=6)
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
+    got = run_all(eng)
+    sizes = [b.input_row_offsets.diff().tolist() for b in toy_model.calls]
+    st = eng.stats
+    assert st.chunked_prefill_steps > 0 and st.preemptions > 0 and st.prefix_cache_hits > 0
+    for rid, p in prompts.items():
+        assert got[rid] == reference_greedy(toy_model, toy_config, p, 6), rid
+    # serving.md §8: every step within the token budget and the batch-size cap; some step mixes a
+    # prefill chunk with decodes.
+    assert max(sum(s) for s in sizes) <= 16 and max(len(s) for s in sizes) <= 6
+    assert any(1 in s and max(s) > 1 for s in sizes)
+    # No leaks: every page back in the free queue.
+    assert st.kv_pages_free == st.kv_pages_total == 10 and st.kv_pages_used == 0
+
+
+def test_abort_frees_pages_at_once(toy_model, toy_config):
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16)
+    eng.add_request("a", list(range(10)), SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY))
+    eng.add_request("b", list(range(5)), SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY))
+    eng.step()
+    eng.step()
+    assert eng.stats.kv_pages_used == 3 + 2       # 11 and 6 tokens in pages of 4
+    eng.abort_request("a")
+    outs = eng.step()
+    a = [o for o in outs if o.request_id == "a"]
+    assert len(a) == 1 and a[0].finished and a[0].finish_reason == "abort"
+    assert eng.stats.kv_pages_used == 2 and eng.stats.running == 1
+    eng.abort_request("b")
+    eng.abort_request("unknown")                  # ignored
+    eng.step()
+    assert not eng.has_unfinished_requests()
+    assert eng.stats.kv_pages_free == 16
+
+
+def test_too_long_prompt_rejected_with_both_numbers(toy_model, toy_config):
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=8)   # 32 tokens
+    assert eng.max_length == 32
+    with pytest.raises(ValueError, match=r"33 tokens.*max context of 32"):
+        eng.add_request("x", [1] * 33)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("y", [64])
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("z", [])
+    eng.add_request("w", [1] * 32, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("w", [1])
+    out = run_all(eng)
+    assert len(out["w"]) == 1                     # the context is full after one token
+    with pytest.raises(ValueError, match="max_length=40 does not fit"):
+        make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=8, max_length=40)
+
+
+def test_stop_token_and_max_tokens(toy_model, toy_config):
+    prompt = [3, 1, 4, 1, 5]
+    ref = reference_greedy(toy_model, toy_config, prompt, 8)
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16)
+    eng.add_request("s", prompt, SamplingParams(stop_token_ids=[ref[3]], max_tokens=8, **GREEDY))
+    eng.add_request("m", prompt, SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY))
+    finals = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            finals.setdefault(o.request_id, []).append(o)
+    s_tokens = [t for o in finals["s"] for t in o.new_token_ids]
+    assert s_tokens == ref[:ref.index(ref[3]) + 1] and finals["s"][-1].finish_reason == "stop"
+    assert [t for o in finals["m"] for t in o.new_token_ids] == ref[:2]
+    assert finals["m"][-1].finish_reason == "length"
+
+
+def test_prompt_logprobs_match_full_forward(toy_model, toy_config):
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    lp = torch.log_softmax(full_logits(toy_model, toy_config, prompt), -1)
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16, max_batch_input_tokens=4)
+    eng.add_request("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2, logprobs=1, **GREEDY))
+    outs = [o for _ in range(10) for o in eng.step()]
+    first = outs[0]
+    assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        e = first.prompt_logprobs[i]
+        assert e.token_id == prompt[i]
+        assert e.logprob == pytest.approx(float(lp[i - 1, prompt[i]]), abs=1e-5)
+        assert [t for t, _ in e.top] == lp[i - 1].topk(2).indices.tolist()
+    assert first.new_logprobs[0].token_id == first.new_token_ids[0] == int(lp[-1].argmax())
+
+
+def test_add_and_abort_from_other_threads(toy_model, toy_config):
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=64)
+    finished: dict[str, str] = {}
+    stop = threading.Event()
+
+    def drive():
+        while not stop.is_set() or eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finished[o.request_id] = o.finish_reason
+
+    t = threading.Thread(target=drive)
+    t.start()
+    for i in range(20):
+        eng.add_request(f"t{i}", [i + 1] * 5, SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+        if i % 3 == 0:
+            eng.abort_request(f"t{i}")
+    stop.set()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert sorted(finished) == sorted(f"t{i}" for i in range(20))
+    assert all(r == "abort" for k, r in finished.items() if int(k[1:]) % 3 == 0)
+    assert eng.stats.kv_pages_free == 64
