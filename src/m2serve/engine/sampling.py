@@ -301,7 +301,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     lp = torch.log_softmax(logits.float(), dim=-1)                       # [N, V]
     chosen = lp.gather(1, token_ids.view(-1, 1)).squeeze(1)              # [N]
     rank = (lp > chosen.unsqueeze(1)).sum(1) + 1                         # [N]
-    kmax = max(num_top, default=0)
+    kmax = min(max(num_top, default=0), lp.shape[1])
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
     chosen_l, rank_l, tv, ti = chosen.tolist(), rank.tolist(), top_v.tolist(), top_i.tolist()
     out = []

@@ -1,0 +1,364 @@
+"""Sampler tests (spec/serving.md §10: penalties -> temperature -> top-k -> top-p -> min-p -> draw).
+
+Every expected value is derived by hand in the test from the fixed logits (math module only), never
+recorded from the sampler. The returned logprobs are those of the distribution the token was drawn
+from, so they expose the mask: filtered tokens are absent from the top list.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m2serve.config.model_config import GenerationDefaults
+from m2serve.engine.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingState,
+    compute_logprobs,
+    sample,
+)
+
+NO_DEFAULTS = GenerationDefaults()
+MINIMAX = GenerationDefaults(temperature=1.0, top_p=0.95, top_k=40)  # spec/model.md §1
+
+
+def state(prompt=(), eos=(), output=(), **kw) -> SamplingState:
+    """A state with resolved params (temperature 1, top_p 1, top_k off unless given)."""
+    st = SamplingState.new(SamplingParams(**kw).resolved(NO_DEFAULTS), list(prompt), eos)
+    st.output_token_ids.extend(output)
+    return st
+
+
+def log_softmax(xs: list[float]) -> list[float]:
+    """Hand reference: log-softmax with -inf entries excluded."""
+    m = max(xs)
+    z = m + math.log(sum(math.exp(x - m) for x in xs if x != -math.inf))
+    return [x - z if x != -math.inf else -math.inf for x in xs]
+
+
+def draw_dist(logits: list[float], **kw) -> dict[int, float]:
+    """{token id: logprob} of the distribution one draw uses, as the sampler reports it."""
+    st = state(logprobs=MAX_LOGPROBS, **kw)
+    out = sample(torch.tensor([logits]), [st], torch.Generator().manual_seed(0))
+    return dict(out.logprobs[0].top)
+
+
+def assert_dist(got: dict[int, float], want: dict[int, float]) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=1e-5), k
+
+
+# --- masks on fixed logits (serving.md §10 extension fields) ---------------------------------
+
+P4 = [0.5, 0.25, 0.15, 0.1]
+LOG_P4 = [math.log(p) for p in P4]
+
+
+def test_top_k_keeps_k_largest():
+    logits = [3.0, 1.0, 2.0, 0.0, -1.0]
+    want = log_softmax([3.0, -math.inf, 2.0, -math.inf, -math.inf])
+    assert_dist(draw_dist(logits, top_k=2), {0: want[0], 2: want[2]})
+    # top_k <= 0 disables it: every token stays
+    assert len(draw_dist(logits, top_k=0)) == 5
+    assert len(draw_dist(logits, top_k=-1)) == 5
+
+
+def test_top_k_keeps_all_ties_at_the_boundary():
+    logits = [2.0, 1.0, 1.0, 0.0]
+    assert set(draw_dist(logits, top_k=2)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.7, [0, 1]), (0.8, [0, 1, 2]), (0.4, [0]), (1.0, [0, 1, 2, 3])])
+def test_top_p_smallest_set_reaching_p(top_p, kept):
+    # probabilities 0.5, 0.25, 0.15, 0.1: mass of strictly more likely tokens 0, .5, .75, .9
+    s = sum(P4[i] for i in kept)
+    assert_dist(draw_dist(LOG_P4, top_p=top_p), {i: math.log(P4[i] / s) for i in kept})
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    # after top_k=3: .5/.9, .25/.9, .15/.9 = .556 .278 .167; token 2 has .833 before it >= .8 -> dropped
+    # (on the raw distribution it would be kept: .75 < .8), so this shows top-k runs first.
+    assert_dist(draw_dist(LOG_P4, top_k=3, top_p=0.8), {0: math.log(0.5 / 0.75), 1: math.log(0.25 / 0.75)})
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.25, [0, 1, 2]), (0.35, [0, 1]), (0.6, [0]), (0.0, [0, 1, 2, 3])])
+def test_min_p_drops_below_min_p_times_p_max(min_p, kept):
+    # thresholds .125 / .175 / .3 on probabilities .5 .25 .15 .1
+    s = sum(P4[i] for i in kept)
+    assert_dist(draw_dist(LOG_P4, min_p=min_p), {i: math.log(P4[i] / s) for i in kept})
+
+
+def test_temperature_scales_logits():
+    logits = [1.0, 0.5, -0.25]
+    want = log_softmax([x / 0.5 for x in logits])
+    assert_dist(draw_dist(logits, temperature=0.5), dict(enumerate(want)))
+
+
+def test_logit_bias_added_before_everything():
+    logits = [0.0, 0.0, 0.0, 0.0, 0.0]
+    want = log_softmax([0.0, -100.0, 0.0, 2.0, 0.0])
+    assert_dist(draw_dist(logits, logit_bias={3: 2.0, "1": -100}), dict(enumerate(want)))
+    greedy = sample(torch.tensor([logits]), [state(temperature=0, logit_bias={3: 0.5})])
+    assert greedy.token_ids == [3]
+
+
+def test_repetition_penalty_on_prompt_and_output_tokens():
+    # token 0 (prompt, positive) / 2 -> 1.0; token 1 (output, negative) * 2 -> -2.0; 2, 3 untouched
+    logits = [2.0, -1.0, 1.0, 0.5]
+    want = log_softmax([1.0, -2.0, 1.0, 0.5])
+    assert_dist(draw_dist(logits, prompt=[0], output=[1, 1], repetition_penalty=2.0), dict(enumerate(want)))
+
+
+def test_presence_penalty_on_output_tokens_only():
+    logits = [2.0, -1.0, 1.0, 0.5]
+    want = log_softmax([2.0, -1.5, 0.5, 0.5])  # outputs 1, 1, 2 -> -0.5 once each; prompt 0 untouched
+    assert_dist(draw_dist(logits, prompt=[0], output=[1, 1, 2], presence_penalty=0.5), dict(enumerate(want)))
+
+
+def test_frequency_penalty_scales_with_count():
+    logits = [2.0, -1.0, 1.0, 0.5]
+    want = log_softmax([2.0, -2.0, 0.5, 0.5])  # token 1 twice -> -1.0, token 2 once -> -0.5
+    assert_dist(draw_dist(logits, prompt=[0], output=[1, 1, 2], frequency_penalty=0.5),
+                dict(enumerate(want)))
+
+
+def test_penalty_counts_follow_drawn_tokens():
+    # greedy with a strong frequency penalty must alternate between two equal-ish tokens
+    st = state(temperature=0, frequency_penalty=2.0)
+    logits = torch.tensor([[1.0, 0.9, -5.0]])
+    toks = [sample(logits, [st]).token_ids[0] for _ in range(4)]
+    assert toks == [0, 1, 0, 1]  # 1.0 > .9; then -1.0 < .9; then -1.0 > -1.1; then -3.0 < -1.1
+    assert st.output_token_ids == toks
+
+
+def test_greedy_ignores_filters_and_returns_unscaled_logprobs():
+    logits = [0.2, 1.5, 1.4]
+    st = state(temperature=0.0, top_k=1, top_p=0.1, logprobs=3)
+    out = sample(torch.tensor([logits]), [st])
+    assert out.token_ids == [1]
+    assert_dist(dict(out.logprobs[0].top), dict(enumerate(log_softmax(logits))))
+    assert out.logprobs[0].rank == 1
+
+
+def test_min_tokens_masks_eos_and_stop_ids_then_releases():
+    eos, stop = 4, 3
+    logits = torch.tensor([[0.0, 1.0, 0.5, 8.0, 9.0]])  # eos then stop id most likely
+    st = state(eos=(eos,), temperature=0, min_tokens=2, stop_token_ids=[stop])
+    toks = [sample(logits, [st]).token_ids[0] for _ in range(3)]
+    assert toks == [1, 1, eos]
+
+
+def test_finish_reasons_eos_stop_ids_ignore_eos_and_max_tokens():
+    st = state(eos=(7,), stop_token_ids=[5], max_tokens=3)
+    st.append(1)
+    assert st.finish_reason(1) is None
+    st.append(7)
+    assert st.finish_reason(7) == "stop"
+    ign = state(eos=(7,), stop_token_ids=[5], max_tokens=3, ignore_eos=True)
+    ign.append(7)
+    assert ign.finish_reason(7) is None  # eos does not stop ...
+    ign.append(5)
+    assert ign.finish_reason(5) == "stop"  # ... stop ids still do
+    ign.append(2)
+    assert ign.finish_reason(2) == "length"
+
+
+def test_logprobs_rank_and_filtered_tokens_not_listed():
+    logits = [3.0, 1.0, 2.0, 0.0]
+    st = state(top_k=2, logprobs=4, seed=1)
+    out = sample(torch.tensor([logits]), [st])
+    lp = out.logprobs[0]
+    assert len(lp.top) == 2  # only the two survivors, even though 4 were asked
+    want = log_softmax([3.0, -math.inf, 2.0, -math.inf])
+    assert lp.logprob == pytest.approx(want[lp.token_id], abs=1e-6)
+    assert lp.rank == (1 if lp.token_id == 0 else 2)
+
+
+def test_logprobs_zero_gives_chosen_token_only():
+    out = sample(torch.tensor([[0.0, 1.0]] * 2), [state(temperature=0, logprobs=0), state(temperature=0)])
+    assert out.logprobs[0].top == [] and out.logprobs[0].logprob == pytest.approx(log_softmax([0, 1])[1])
+    assert out.logprobs[1] is None
+
+
+def test_compute_logprobs_is_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    lp = compute_logprobs(logits, torch.tensor([0, 2]), [2, 0])
+    ref0 = log_softmax([1.0, 2.0, 0.0])
+    assert lp[0].logprob == pytest.approx(ref0[0]) and lp[0].rank == 2
+    assert [t for t, _ in lp[0].top] == [1, 0]
+    assert lp[1].logprob == pytest.approx(math.log(1 / 3)) and lp[1].top == []
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+# Chi-square critical values at alpha = 0.001, from the chi-square quantile tables (df 7: 24.322,
+# df 2: 13.816; df 2 is also exact by hand: -2 ln 0.001 = 13.8155).
+CHI2_999 = {7: 24.322, 2: 13.816}
+
+
+def chi_square(tokens: torch.Tensor, probs: list[float]) -> float:
+    n = tokens.numel()
+    counts = torch.bincount(tokens, minlength=len(probs)).tolist()
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0) + (
+        math.inf if any(c and p == 0 for c, p in zip(counts, probs)) else 0.0)
+
+
+def test_chi_square_20k_draws_temperature_1():
+    probs = [0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02]
+    N = 20_000
+    logits = torch.tensor([math.log(p) for p in probs]).repeat(N, 1)
+    states = [state() for _ in range(N)]
+    toks = torch.tensor(sample(logits, states, torch.Generator().manual_seed(1234)).token_ids)
+    assert chi_square(toks, probs) < CHI2_999[7]
+    # the same statistic rejects a wrong hypothesis (power check): uniform over 8
+    assert chi_square(toks, [1 / 8] * 8) > CHI2_999[7]
+
+
+def test_chi_square_top_k_renormalised_seeded_rows():
+    # 20k requests with their own seeds, top_k 3 on the same distribution: draws follow .3/.65 ...
+    probs = [0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02]
+    N = 20_000
+    logits = torch.tensor([math.log(p) for p in probs]).repeat(N, 1)
+    toks = torch.tensor(sample(logits, [state(top_k=3, seed=i) for i in range(N)]).token_ids)
+    assert int((toks >= 3).sum()) == 0
+    assert chi_square(toks, [0.3 / 0.65, 0.2 / 0.65, 0.15 / 0.65]) < CHI2_999[2]
+
+
+# --- seeded reproducibility across batch compositions ------------------------------------------
+
+def _run(target_kw, others: list[dict], position: int, steps: int, seed_logits: int) -> list[int]:
+    """Drive one target request through ``steps`` steps with the given neighbours; the target's
+    logits row is the same in every run, the neighbours' rows are random."""
+    g = torch.Generator().manual_seed(seed_logits)
+    neigh_g = torch.Generator().manual_seed(999 + position + len(others))
+    target = state(**target_kw)
+    neigh = [state(**kw) for kw in others]
+    toks = []
+    for _ in range(steps):
+        row = (torch.randn(1, 512, generator=g) * 3).bfloat16().float()  # bf16 -> many exact ties
+        rows = torch.randn(len(others), 512, generator=neigh_g) * 3
+        batch = torch.cat([rows[:position], row, rows[position:]])
+        states = neigh[:position] + [target] + neigh[position:]
+        out = sample(batch, states, torch.Generator().manual_seed(len(others)))
+        toks.append(out.token_ids[position])
+    return toks
+
+
+@pytest.mark.parametrize("target", [dict(seed=7), dict(seed=7, top_k=40, top_p=0.9),
+                                    dict(seed=7, top_k=5, min_p=0.1, temperature=0.7, logprobs=2,
+                                         repetition_penalty=1.3)])
+def test_seeded_sampling_same_whatever_else_is_in_the_batch(target):
+    alone = _run(target, [], 0, 24, seed_logits=3)
+    crowd = [dict(temperature=0), dict(top_k=200, seed=1), dict(top_p=0.5), dict(top_k=0, top_p=1.0),
+             dict(min_p=0.2, temperature=1.5, logprobs=5), dict(top_k=3, presence_penalty=1.0)]
+    assert _run(target, crowd, 3, 24, seed_logits=3) == alone
+    assert _run(target, crowd[:2], 0, 24, seed_logits=3) == alone
+    assert _run(target, crowd[2:], 4, 24, seed_logits=3) == alone
+    other_seed = dict(target, seed=8)
+    assert _run(other_seed, [], 0, 24, seed_logits=3) != alone  # the seed matters
+
+
+# --- thinking_temperature switch (serving.md §10; state from chat-and-parsers.md P1) ----------
+
+THINK_END, TOOL_START = 11, 12
+
+
+def thinking_state(**kw) -> SamplingState:
+    kw = dict(temperature=0.5, thinking_temperature=2.0, start_in_reasoning=True,
+              reasoning_end_token_ids=[THINK_END, TOOL_START]) | kw
+    return state(**kw)
+
+
+def test_thinking_temperature_until_an_end_token_id():
+    st = thinking_state()
+    assert st.in_reasoning and st.temperature == 2.0
+    for t in (1, 2, 200):  # ordinary ids keep reasoning
+        st.append(t)
+    assert st.temperature == 2.0
+    st.append(THINK_END)
+    assert not st.in_reasoning and st.temperature == 0.5
+    st.append(1)
+    assert st.temperature == 0.5  # never switches back
+
+
+def test_tool_call_start_also_ends_reasoning():
+    st = thinking_state()
+    st.append(TOOL_START)
+    assert st.temperature == 0.5
+
+
+def test_no_thinking_temperature_without_start_in_reasoning_or_field():
+    assert thinking_state(start_in_reasoning=False).temperature == 0.5
+    assert thinking_state(thinking_temperature=None).temperature == 0.5
+
+
+def test_sampler_uses_thinking_temperature_then_temperature():
+    # greedy while thinking (thinking_temperature 0) picks the end id; the next draw is at T=0.5,
+    # visible in the returned logprobs (distribution of logits / 0.5)
+    logits = [0.0] * 16
+    logits[THINK_END] = 1.0
+    st = thinking_state(thinking_temperature=0.0, logprobs=MAX_LOGPROBS, seed=3)
+    first = sample(torch.tensor([logits]), [st])
+    assert first.token_ids == [THINK_END] and not st.in_reasoning
+    second = sample(torch.tensor([logits]), [st])
+    want = log_softmax([x / 0.5 for x in logits])
+    assert_dist(dict(second.logprobs[0].top), dict(enumerate(want)))
+
+
+# --- params: defaults and validation -------------------------------------------------------
+
+def test_none_takes_generation_config_defaults():
+    r = SamplingParams().resolved(MINIMAX)
+    assert (r.temperature, r.top_p, r.top_k) == (1.0, 0.95, 40)
+    r = SamplingParams(temperature=0.3, top_k=-1).resolved(MINIMAX)
+    assert (r.temperature, r.top_p, r.top_k) == (0.3, 0.95, 0)
+    r = SamplingParams().resolved(NO_DEFAULTS)
+    assert (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, 0)
+
+
+def test_unresolved_params_refused_by_state():
+    with pytest.raises(ValueError, match="resolved"):
+        SamplingState.new(SamplingParams(), [1])
+
+
+def test_child_params_for_n():
+    p = SamplingParams(n=3, seed=5)
+    assert [(c.n, c.seed) for c in (p.child(0), p.child(2))] == [(1, 5), (1, 7)]
+    assert SamplingParams(n=2).child(1).seed is None
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=2.5), "top_k"),
+    (dict(min_p=1.1), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(n=0), "n"),
+    (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(thinking_temperature=-1), "thinking_temperature"),
+    (dict(reasoning_end_token_ids=["a"]), "reasoning_end_token_ids"),
+])
+def test_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_token_ids_checked_against_vocab():
+    SamplingParams(logit_bias={9: 1}).check_token_ids(10)
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 10 .*\[0, 10\)"):
+        SamplingParams(stop_token_ids=[10]).check_token_ids(10)
+
+
+def test_stop_string_normalised_to_tuple():
+    assert SamplingParams(stop="###").stop == ("###",)
+
+
+def test_bad_logits_shape():
+    with pytest.raises(ValueError, match="one row per request"):
+        sample(torch.zeros(2, 4), [state()])
