@@ -1,0 +1,53 @@
+"""FP8 block (128x128, e4m3) quantise / dequantise (checkpoints.md §6, DeepSeek-V3 convention).
+
+``weight_scale_inv`` is multiplied, despite its name: ``W[i, j] = fp32(q[i, j]) *
+s[i // 128, j // 128]``, one fp32 product, then one rounding to the target dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+E4M3_MAX = 448.0
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] -> [N/b, b, K/b, b] view after zero-padding N and K up to multiples of b."""
+    n, k = x.shape
+    pn, pk = -(-n // block) * block, -(-k // block) * block
+    if (pn, pk) != (n, k):
+        x = torch.nn.functional.pad(x, (0, pk - k, 0, pn - n))
+    return x.reshape(pn // block, block, pk // block, block)
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``w`` [N, K] (any float dtype) to e4m3 with one fp32 scale per block.
+
+    Per block (checkpoints.md §8): ``s = amax / 448`` (1.0 for an all-zero block),
+    ``q = e4m3(W / s)``. Returns ``q`` float8_e4m3fn [N, K] and ``weight_scale_inv`` = s, float32
+    [ceil(N/b), ceil(K/b)].
+    """
+    n, k = w.shape
+    wb = _blocks(w.float(), block)  # [N/b, b, K/b, b]
+    amax = wb.abs().amax(dim=(1, 3))  # [N/b, K/b]
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (wb / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(wb.shape[0] * block, wb.shape[2] * block)[:n, :k].contiguous()
+    return q, s
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                         block: int = BLOCK) -> torch.Tensor:
+    """``q`` e4m3 [N, K], ``scale_inv`` [ceil(N/b), ceil(K/b)] -> dense [N, K] of ``dtype``.
+
+    fp32(q) * fp32(s) per block, then one cast (checkpoints.md §6). Raises ValueError naming
+    both shapes if the scale grid does not cover q.
+    """
+    n, k = q.shape
+    grid = (-(-n // block), -(-k // block))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]} "
+                         f"in {block}x{block} blocks (expected {list(grid)})")
+    s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (q.float() * s).to(dtype)

@@ -1,0 +1,199 @@
+"""Strict, streaming state-dict loading (checkpoints.md §1, §3, §4, §6).
+
+:func:`plan_checkpoint` checks every header against the config before any data is read
+(missing / unknown / wrong-shape tensors, unsupported encodings); :func:`iter_weights` then
+yields one ready tensor at a time (dense, in the compute dtype; router in fp32), so peak memory
+stays near the final model size. Every linear weight goes through :func:`dequantize_linear`,
+the one dispatch point per storage kind.
+
+Shard hook: ``plan(name, global_shape)`` returns None (whole tensor), ``"skip"`` (not on this
+rank) or ``(dim, start, end)`` (read only that slice; FP8 slices must start on a 128 boundary).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.formats import names
+from m2serve.formats.detect import FP8_BLOCK, LinearKind, detect_encoding, linear_kind
+from m2serve.formats.fp8 import dequantize_fp8_block
+from m2serve.formats.safetensors_io import CheckpointReader, TensorInfo
+
+log = logging.getLogger(__name__)
+
+Slice = tuple[int, int, int]
+ShardPlan = Callable[[str, tuple[int, ...]], Slice | None | Literal["skip"]]
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the config: missing, unknown or wrong-shape tensors."""
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """What :func:`iter_weights` will read: canonical name -> file tensor, companions, kinds."""
+
+    reader: CheckpointReader
+    config: MiniMaxM2Config
+    files: dict[str, str] = field(default_factory=dict)  # canonical name -> name in the file
+    companions: dict[str, dict[str, TensorInfo]] = field(default_factory=dict)
+    kinds: dict[str, LinearKind] = field(default_factory=dict)
+    kv_scales: dict[tuple[int, str], str] = field(default_factory=dict)  # (layer, "k"|"v") -> name
+
+
+def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPlan:
+    """Match the checkpoint's headers against ``config`` (checkpoints.md §3.7 strictness).
+
+    Raises CheckpointMismatchError listing (first 10) missing tensors, leftover unknown tensors
+    or shape mismatches (tensor, expected vs found); ValueError / NotImplementedError from
+    encoding detection.
+    """
+    detect_encoding(config.quantization_config, config.source)
+    expected = names.expected_shapes(config)
+    plan = LoadPlan(reader, config)
+    unknown: list[str] = []
+    dropped: dict[str, int] = {}
+    companions: dict[str, dict[str, TensorInfo]] = {}
+    for fname, info in reader.tensors.items():
+        reason = names.drop_reason(fname, config.num_hidden_layers)
+        if reason:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
+        kv = names.kv_scale_of(fname)
+        if kv is not None:
+            plan.kv_scales[kv] = fname
+            continue
+        comp = names.split_companion(fname)
+        if comp is not None:
+            companions.setdefault(names.canonical_name(comp[0]), {})[comp[1]] = info
+            continue
+        canon = names.canonical_name(fname)
+        if canon not in expected:
+            unknown.append(fname)
+        elif canon in plan.files:
+            raise CheckpointMismatchError(f"tensor {canon} appears twice ({plan.files[canon]} and {fname})")
+        else:
+            plan.files[canon] = fname
+    if dropped:
+        log.debug("dropped tensors: %s", dropped)
+    for weight, comps in companions.items():
+        if weight not in plan.files or not names.is_linear(weight):
+            unknown.extend(c.name for c in comps.values())
+    if unknown:
+        raise CheckpointMismatchError(
+            f"{reader.path}: {len(unknown)} unknown tensor(s) not used by a MiniMax-M2 model with "
+            f"this config: {', '.join(sorted(unknown)[:10])}")
+    missing = [n for n in expected if n not in plan.files]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{reader.path}: {len(missing)} required tensor(s) missing: {', '.join(missing[:10])}")
+    for canon, fname in plan.files.items():
+        info = reader.tensors[fname]
+        if info.shape != expected[canon]:
+            raise CheckpointMismatchError(
+                f"{info.file.name}: tensor {fname} has shape {list(info.shape)}, expected "
+                f"{list(expected[canon])} from {config.source}")
+        if names.is_linear(canon):
+            plan.companions[canon] = companions.get(canon, {})
+            plan.kinds[canon] = linear_kind(info, plan.companions[canon])
+        elif canon in companions:
+            raise CheckpointMismatchError(f"{fname} is not a linear weight but has scale tensors")
+    return plan
+
+
+def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple[int, int] | None = None,
+                      cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dense [N', K'] weight of linear ``name`` (canonical) in ``dtype``, optionally a slice.
+
+    The one dispatch point per linear storage kind (checkpoints.md §4): dense -> cast; FP8 block
+    -> fp32 e4m3 x scale_inv product, one rounding (§6). ``rows`` / ``cols`` are ``(start,
+    end)`` ranges; for FP8 they must start on a multiple of 128 (ValueError naming the tensor).
+    """
+    fname = plan.files[name]
+    kind = plan.kinds[name]
+    if kind is LinearKind.DENSE:
+        return plan.reader.read(fname, rows, cols).to(dtype)
+    if kind is LinearKind.FP8_BLOCK:
+        scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
+        srows, scols = (_block_range(name, r) if r else None for r in (rows, cols))
+        q = plan.reader.read(fname, rows, cols)
+        s = plan.reader.read(scale.name, srows, scols).float()
+        # a slice whose end is not block-aligned reads the block grid of the covering blocks
+        full = dequantize_fp8_block(_pad_to_blocks(q), s, dtype)
+        return full[: q.shape[0], : q.shape[1]]
+    raise NotImplementedError(f"{fname}: {kind.value} weights are not supported yet (issue 7)")
+
+
+def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
+    start, end = r
+    if start % FP8_BLOCK:
+        raise ValueError(f"{name}: FP8 slice start {start} is not a multiple of the {FP8_BLOCK}-block")
+    return start // FP8_BLOCK, -(-end // FP8_BLOCK)
+
+
+def _pad_to_blocks(q: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    pn, pk = -(-n // FP8_BLOCK) * FP8_BLOCK, -(-k // FP8_BLOCK) * FP8_BLOCK
+    if (pn, pk) == (n, k):
+        return q
+    out = torch.zeros(pn, pk, dtype=q.dtype)
+    out[:n, :k] = q
+    return out
+
+
+def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = None,
+                 progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(canonical name, tensor)`` one at a time, ready for the model.
+
+    Linear weights: dense ``dtype`` via :func:`dequantize_linear`. Router gate and correction
+    bias: float32 whatever the file holds (model.md §5.1). Everything else: ``dtype``.
+    ``shard`` is the rank's slice hook (module docstring). A tqdm bar counts bytes read; it is
+    shown when ``progress`` is True, or by default when stderr is a terminal.
+    """
+    show = sys.stderr.isatty() if progress is None else progress
+    reader = plan.reader
+    total = sum(reader.tensors[f].nbytes for f in plan.files.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar:
+        for canon, fname in plan.files.items():
+            info = reader.tensors[fname]
+            sl = shard(canon, info.shape) if shard else None
+            if sl == "skip":
+                bar.update(info.nbytes)
+                continue
+            rows = cols = None
+            if sl is not None:
+                dim, start, end = sl
+                rows, cols = ((start, end), None) if dim == 0 else (None, (start, end))
+            if canon in plan.kinds:
+                t = dequantize_linear(plan, canon, dtype, rows, cols)
+            else:
+                target = torch.float32 if names.is_router(canon) else dtype
+                t = reader.read(fname, rows, cols).to(target)
+            bar.update(info.nbytes)
+            yield canon, t
+
+
+def read_kv_scales(plan: LoadPlan) -> tuple[list[float], list[float]] | None:
+    """Per-layer (k_scale, v_scale) from the checkpoint, 1.0 where absent; None if it has none."""
+    if not plan.kv_scales:
+        return None
+    L = plan.config.num_hidden_layers
+    k, v = [1.0] * L, [1.0] * L
+    for (layer, which), fname in plan.kv_scales.items():
+        val = float(plan.reader.read(fname).float().reshape(-1)[0])
+        (k if which == "k" else v)[layer] = val
+    return k, v
+
+
+def open_checkpoint(path: str | Path, config: MiniMaxM2Config) -> LoadPlan:
+    """Open ``path`` and plan its load (see :func:`plan_checkpoint`)."""
+    return plan_checkpoint(CheckpointReader(path), config)

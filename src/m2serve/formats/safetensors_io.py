@@ -1,0 +1,184 @@
+"""Safetensors checkpoint access: which files, which tensors, header facts, sliced reads.
+
+checkpoints.md §1: with ``model.safetensors.index.json`` exactly the files named in its
+``weight_map`` are read (a stray ``*.safetensors`` beside them is ignored); without an index, a
+single ``model.safetensors``. Headers are parsed and checked against the file size before any
+data is read, so a truncated or corrupt file fails with its name instead of a late crash.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Header dtypes accepted (checkpoints.md §1); everything else is an error naming the tensor.
+HEADER_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointFormatError(ValueError):
+    """A weight file is missing, truncated or corrupt, or its index is inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor as its header describes it: ``dtype`` is the header string (e.g. ``"F8_E4M3"``)."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header (8-byte little-endian length, JSON, data).
+
+    Raises CheckpointFormatError naming the file when the header is unreadable, a tensor's byte
+    range does not match its dtype x shape, or the data section is shorter than the header says
+    (truncated file); the error names the tensor and expected vs found byte counts.
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointFormatError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise CheckpointFormatError(
+                f"{file}: corrupt or truncated safetensors header (declares {n} header bytes, "
+                f"file has {size})")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointFormatError(f"{file}: corrupt safetensors header ({e})") from e
+    data_len = size - 8 - n
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"{file}: corrupt header entry for tensor {name!r}") from e
+        if dtype not in HEADER_DTYPES:
+            raise CheckpointFormatError(
+                f"{file}: tensor {name!r} has unsupported dtype {dtype} "
+                f"(supported: {', '.join(HEADER_DTYPES)})")
+        numel = 1
+        for d in shape:
+            numel *= d
+        want = numel * HEADER_DTYPES[dtype].itemsize
+        if end - start != want:
+            raise CheckpointFormatError(
+                f"{file}: tensor {name!r} spans {end - start} bytes but dtype {dtype} x shape "
+                f"{list(shape)} needs {want}")
+        if end > data_len:
+            raise CheckpointFormatError(
+                f"{file}: truncated: tensor {name!r} ends at data byte {end} but the file holds "
+                f"only {data_len} data bytes")
+        out[name] = TensorInfo(name, file, dtype, shape, want)
+    return out
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint directory, in index order (checkpoints.md §1).
+
+    Raises FileNotFoundError naming a shard the index lists but the directory lacks, or the
+    directory when it has neither an index nor ``model.safetensors``.
+    """
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointFormatError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} names shard {f.name}, which does not exist in {path}")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}")
+
+
+class CheckpointReader:
+    """Headers of every weight file of a checkpoint and sliced, tensor-by-tensor reads.
+
+    ``tensors`` maps each name to its :class:`TensorInfo`. With an index, every name it lists
+    must be in the named shard's header and no name may appear in two shards (else
+    CheckpointFormatError naming both). Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.files = checkpoint_files(self.path)
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in self.files:
+            for name, info in read_header(f).items():
+                if name in self.tensors:
+                    raise CheckpointFormatError(
+                        f"tensor {name!r} appears in both {self.tensors[name].file.name} and {f.name}")
+                self.tensors[name] = info
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            for name, fname in json.loads(index.read_text())["weight_map"].items():
+                info = self.tensors.get(name)
+                if info is None or info.file.name != fname:
+                    raise CheckpointFormatError(
+                        f"{index} maps tensor {name!r} to {fname}, but that shard's header does "
+                        f"not contain it")
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the open file handles."""
+        self._handles.clear()
+
+    def total_bytes(self) -> int:
+        """Sum of the data bytes of all tensors (the progress bar's total)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def read(self, name: str, rows: tuple[int, int] | None = None,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored (CPU, header dtype), optionally only ``[start, end)`` of
+        dim 0 (``rows``) and/or dim 1 (``cols``).
+
+        Raises KeyError naming the tensor if absent; CheckpointFormatError naming the file if the
+        data cannot be read.
+        """
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        try:
+            if handle is None:
+                handle = safe_open(str(info.file), framework="pt", device="cpu")
+                self._handles[info.file] = handle
+            if rows is None and cols is None:
+                return handle.get_tensor(name)
+            index = [slice(None)] * len(info.shape)
+            if rows is not None:
+                index[0] = slice(*rows)
+            if cols is not None:
+                index[1] = slice(*cols)
+            return handle.get_slice(name)[tuple(index)]
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointFormatError(f"{info.file}: cannot read tensor {name!r}: {e}") from e

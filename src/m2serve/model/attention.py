@@ -1,0 +1,160 @@
+"""Paged GQA attention with cross-head QK norm and partial RoPE (spec/model.md §3 steps 2-8).
+
+Legend: T new tokens in the step, B requests, Tq most new tokens of one request, Lk longest
+context (cached + new), P pages, S page size, Hq / Hkv query / KV heads on this rank,
+G = Hq / Hkv, D head_dim, H hidden.
+
+The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]); K is written
+after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
+causally. Mixed prefill chunks and decodes run in one call: requests are padded to [B, Tq]
+queries x [B, Lk] keys and masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.norm import qk_norm
+from m2serve.model.rope import apply_rope, rope_cos_sin
+
+E4M3_MAX = 448.0
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step indices shared by every layer, built once from a ForwardBatch.
+
+    cos, sin:     [T, R/2] f32 RoPE angles of each new token.
+    slot_mapping: int64 [T] cache slot (page * S + offset) each new token's K/V is written to.
+    query_index:  int64 [B, Tq] index into [T] of request b's i-th new token (0 for padding).
+    query_valid:  bool [B, Tq] False on padding rows.
+    ctx_slots:    int64 [B, Lk] cache slot of request b's j-th context token (0 for padding).
+    mask:         bool [B, 1, 1, Tq, Lk] True where query i may attend key j (j <= pos_i).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_index: torch.Tensor
+    query_valid: torch.Tensor
+    ctx_slots: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, page_size: int, inv_freq: torch.Tensor) -> AttentionMetadata:
+        """Build the step's indices. Raises ValueError if a request's context is shorter than its
+        new tokens or its block table has too few pages for its context."""
+        dev = batch.tokens.device
+        offs = batch.input_row_offsets.to(device=dev, dtype=torch.int64)
+        n_new = offs[1:] - offs[:-1]  # [B]
+        ctx = batch.context_lens.to(device=dev, dtype=torch.int64)  # [B]
+        if bool((ctx < n_new).any()):
+            raise ValueError(f"context_lens {ctx.tolist()} shorter than new tokens {n_new.tolist()}")
+        max_pages = batch.block_tables.shape[1]
+        if bool((ctx > max_pages * page_size).any()):
+            raise ValueError(f"context_lens {ctx.tolist()} exceed block_tables capacity "
+                             f"{max_pages} pages x {page_size}")
+        B = n_new.numel()
+        Tq = int(n_new.max()) if B else 0
+        Lk = int(ctx.max()) if B else 0
+        i = torch.arange(Tq, device=dev)
+        query_valid = i[None, :] < n_new[:, None]  # [B, Tq]
+        query_index = torch.where(query_valid, offs[:-1, None] + i[None, :], 0)
+        qpos = torch.where(query_valid, batch.positions[query_index], 0)  # [B, Tq]
+        j = torch.arange(Lk, device=dev)
+        tables = batch.block_tables.to(device=dev, dtype=torch.int64)
+        page = tables[:, (j // page_size).clamp(max=max_pages - 1)]  # [B, Lk]
+        ctx_slots = torch.where(j[None, :] < ctx[:, None], page * page_size + j % page_size, 0)  # [B, Lk]
+        mask = (j[None, None, :] <= qpos[:, :, None])[:, None, None]  # [B, 1, 1, Tq, Lk]
+        cos, sin = rope_cos_sin(batch.positions, inv_freq)
+        return cls(cos, sin, batch.slot_mapping.to(torch.int64), query_index, query_valid, ctx_slots, mask)
+
+
+def write_kv(kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at ``slots`` [T] of layer ``layer``'s pages.
+
+    fp8 pages hold ``e4m3(x / scale)`` with the layer's k_scale / v_scale (clamped to ±448).
+    """
+    for pages, x, scale in ((kv.k[layer], k, kv.k_scale[layer]), (kv.v[layer], v, kv.v_scale[layer])):
+        flat = pages.view(-1, *pages.shape[2:])  # [P*S, Hkv, D]
+        if pages.dtype == torch.float8_e4m3fn:
+            x = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
+        flat[slots] = x.to(pages.dtype)
+
+
+def read_kv(kv: KVStorage, layer: int, slots: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather K, V at ``slots`` [B, Lk] -> two [B, Lk, Hkv, D] tensors of ``dtype`` (fp8: x scale)."""
+    out = []
+    for pages, scale in ((kv.k[layer], kv.k_scale[layer]), (kv.v[layer], kv.v_scale[layer])):
+        x = pages.view(-1, *pages.shape[2:])[slots]
+        out.append((x.float() * scale).to(dtype) if pages.dtype == torch.float8_e4m3fn else x.to(dtype))
+    return out[0], out[1]
+
+
+class MiniMaxM2Attention(nn.Module):
+    """Attention of one decoder layer over this rank's heads (spec/model.md §3 steps 2-8).
+
+    Weights (hub names under ``self_attn.``): q_proj [Hq·D, H], k_proj / v_proj [Hkv·D, H],
+    o_proj [H, Hq·D], q_norm [Hq·D], k_norm [Hkv·D], with Hq / Hkv the LOCAL head counts.
+    ``q_width`` / ``k_width`` are the GLOBAL QK-norm widths (Hq·D, Hkv·D of the whole model).
+    ``reduce_qk`` sums the QK-norm statistic over ranks and ``reduce_out`` the o_proj partial
+    sums (identity on one rank; spec/serving.md §4).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, q_width: int,
+                 k_width: int, scale: float, eps: float, reduce_qk: Callable[[torch.Tensor], torch.Tensor],
+                 reduce_out: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_width, self.k_width, self.scale, self.eps = q_width, k_width, scale, eps
+        self.reduce_qk, self.reduce_out = reduce_qk, reduce_out
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, q, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, kv, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, kv, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(q, hidden_size, bias=False, dtype=dtype)
+        self.q_norm = nn.Module()
+        self.q_norm.weight = nn.Parameter(torch.empty(q, dtype=dtype), requires_grad=False)
+        self.k_norm = nn.Module()
+        self.k_norm.weight = nn.Parameter(torch.empty(kv, dtype=dtype), requires_grad=False)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
+        """h [T, H] act -> attention output [T, H] act (after o_proj and ``reduce_out``)."""
+        T = h.shape[0]
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qk_norm(self.q_proj(h), self.q_norm.weight, self.eps, self.q_width, self.reduce_qk)  # [T, Hq·D]
+        k = qk_norm(self.k_proj(h), self.k_norm.weight, self.eps, self.k_width, self.reduce_qk)  # [T, Hkv·D]
+        v = self.v_proj(h).view(T, Hkv, D)
+        q = apply_rope(q.view(T, Hq, D), meta.cos, meta.sin)
+        k = apply_rope(k.view(T, Hkv, D), meta.cos, meta.sin)
+        write_kv(kv, layer, k, v, meta.slot_mapping)
+        o = paged_attention(q, kv, layer, meta, self.scale)  # [T, Hq·D]
+        return self.reduce_out(self.o_proj(o))
+
+
+def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal GQA over each request's cached + new tokens (spec/model.md §3 step 7).
+
+    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G; scores in act, x scale,
+    softmax in fp32, probabilities cast to act, then p·v.
+    """
+    T, Hq, D = q.shape
+    B, Tq = meta.query_index.shape
+    K, V = read_kv(kv, layer, meta.ctx_slots, q.dtype)  # [B, Lk, Hkv, D]
+    Hkv = K.shape[2]
+    G = Hq // Hkv
+    qp = q[meta.query_index].view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, D]
+    kt = K.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, Lk]
+    s = torch.matmul(qp, kt) * scale  # [B, Hkv, G, Tq, Lk] act
+    s = s.float().masked_fill(~meta.mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    o = torch.matmul(p, V.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Tq, D]
+    o = o.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
+    return o[meta.query_valid]  # [T, Hq·D], request order

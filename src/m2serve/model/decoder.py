@@ -1,0 +1,209 @@
+"""MiniMax-M2 decoder: layers, MoE block and the causal-LM head (spec/model.md §3).
+
+Legend: T new tokens, N returned logit rows, H hidden, V vocab, E experts, k top-k.
+
+Parameter names follow the hub layout (checkpoints.md §2) except the experts, which are
+stacked per rank (experts.py). The model takes a ParallelState (config/parallel.py); local head
+counts and the expert range come from :func:`local_dims`, and the three cross-rank reductions
+are the functions :func:`reduce_attention_output`, :func:`reduce_qk_sumsq` and
+:func:`reduce_moe_output` (identity on one rank: no collective runs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.parallel import ParallelismMode, ParallelState
+from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention
+from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.experts import MiniMaxM2Experts
+from m2serve.model.norm import rms_norm
+from m2serve.model.rope import rope_inv_freq
+from m2serve.model.router import MiniMaxM2Router
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalDims:
+    """This rank's share: heads, expert range [expert_start, expert_start + num_local_experts), I."""
+
+    num_heads: int
+    num_kv_heads: int
+    expert_start: int
+    num_local_experts: int
+    intermediate_size: int
+
+
+def local_dims(cfg: MiniMaxM2Config, parallel: ParallelState) -> LocalDims:
+    """Split heads by tp_size; experts by ep_size (TP_EP, DP_EP) or their intermediate dim by
+    tp_size (TP_TP) (spec/serving.md §1). One rank: the whole model.
+
+    Raises ValueError naming the count and the size that does not divide it.
+    """
+    tp, ep = parallel.tp_size, parallel.ep_size
+    for name, n, by in (("num_attention_heads", cfg.num_attention_heads, tp),
+                        ("num_key_value_heads", cfg.num_key_value_heads, tp),
+                        ("num_local_experts", cfg.num_local_experts, ep)):
+        if n % by:
+            raise ValueError(f"{name}={n} is not divisible by {by} ranks")
+    split_i = parallel.mode is ParallelismMode.TP_TP and tp > 1
+    if split_i and cfg.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
+    e_loc = cfg.num_local_experts // ep
+    return LocalDims(
+        num_heads=cfg.num_attention_heads // tp, num_kv_heads=cfg.num_key_value_heads // tp,
+        expert_start=parallel.ep_rank * e_loc, num_local_experts=e_loc,
+        intermediate_size=cfg.intermediate_size // tp if split_i else cfg.intermediate_size)
+
+
+def _all_reduce(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    dist.all_reduce(x, group=parallel.group)
+    return x
+
+
+def reduce_attention_output(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """Sum o_proj partial outputs over the TP group (serving.md §4); identity when tp_size == 1."""
+    return _all_reduce(x, parallel) if parallel.tp_size > 1 else x
+
+
+def reduce_qk_sumsq(sumsq: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """Sum the QK-norm sum of squares [T, 1] f32 over the TP group; identity when tp_size == 1."""
+    return _all_reduce(sumsq, parallel) if parallel.tp_size > 1 else sumsq
+
+
+def reduce_moe_output(m: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """Sum the MoE partial outputs [T, H] f32 over ranks holding other experts / intermediate
+    slices; identity on one rank."""
+    return _all_reduce(m, parallel) if parallel.tp_size > 1 or parallel.ep_size > 1 else m
+
+
+class _Norm(nn.Module):
+    """Holder of an RMSNorm γ [W] (hub ``*.weight``)."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype | None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(width, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MiniMaxM2SparseMoeBlock(nn.Module):
+    """Router (replicated, fp32) + this rank's experts; hub prefix ``block_sparse_moe.``."""
+
+    def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
+                 dtype: torch.dtype | None):
+        super().__init__()
+        self.parallel = parallel
+        self.gate = MiniMaxM2Router(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(cfg.num_local_experts, dtype=torch.float32), requires_grad=False)
+        self.experts = MiniMaxM2Experts(cfg.hidden_size, dims.intermediate_size, dims.expert_start,
+                                        dims.num_local_experts, dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] act -> [T, H] act: route, grouped experts, fp32 combine, reduce, one cast."""
+        weights, ids = self.gate(h, self.e_score_correction_bias)
+        m = self.experts(h, ids, weights)  # [T, H] f32
+        return reduce_moe_output(m, self.parallel).to(h.dtype)
+
+
+class MiniMaxM2DecoderLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then x + moe(norm(x)) (spec/model.md §3 steps 1-12)."""
+
+    def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
+                 dtype: torch.dtype | None):
+        super().__init__()
+        self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MiniMaxM2Attention(
+            cfg.hidden_size, dims.num_heads, dims.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size,
+            cfg.attention_multiplier, cfg.rms_norm_eps,
+            reduce_qk=partial(reduce_qk_sumsq, parallel=parallel),
+            reduce_out=partial(reduce_attention_output, parallel=parallel), dtype=dtype)
+        self.block_sparse_moe = MiniMaxM2SparseMoeBlock(cfg, dims, parallel, dtype)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
+        """x [T, H] act -> [T, H] act."""
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv, layer)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class MiniMaxM2Model(nn.Module):
+    """Embedding, decoder layers and final norm (hub prefix ``model.``)."""
+
+    def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
+                 dtype: torch.dtype | None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(cfg, dims, parallel, dtype)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class MiniMaxM2ForCausalLM(nn.Module):
+    """The MiniMax-M2 causal LM on one rank. Call ``model(batch, kv)`` -> fp32 logits [N, V].
+
+    Build with :func:`m2serve.model.load.load_model`; the constructor only allocates (use it
+    under ``torch.device("meta")`` and ``to_empty`` to avoid initialising memory).
+    """
+
+    def __init__(self, cfg: MiniMaxM2Config, parallel: ParallelState | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        parallel = parallel or ParallelState()
+        self.config, self.parallel = cfg, parallel
+        self.dims = local_dims(cfg, parallel)
+        self.model = MiniMaxM2Model(cfg, self.dims, parallel, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        self.kv_scales: tuple[list[float], list[float]] | None = None  # checkpoint fp8 KV scales
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activation dtype (that of the embedding)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """Run one ragged step; writes the new tokens' K/V into ``kv``.
+
+        Returns fp32 logits [N, V] for the rows ``batch.logit_row_indices()`` (request order).
+        """
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device=batch.tokens.device)
+        meta = AttentionMetadata.from_batch(batch, kv.page_size, inv_freq)
+        x = self.model.embed_tokens(batch.tokens)  # [T, H] act
+        for layer, block in enumerate(self.model.layers):
+            x = block(x, meta, kv, layer)
+        x = self.model.norm(x[batch.logit_row_indices()])  # [N, H]
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()  # [N, V] f32
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy hub tensor ``name`` (this rank's slice) into its parameter.
+
+        Raises ValueError naming the tensor and both shapes on a mismatch, KeyError if unknown.
+        """
+        m = _EXPERT.match(name)
+        if m:
+            moe = self.model.layers[int(m.group(1))].block_sparse_moe
+            moe.experts.load_expert(int(m.group(2)), m.group(3), tensor)
+            return
+        param = self.get_parameter(name)
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: got shape {list(tensor.shape)}, this rank expects {list(param.shape)}")
+        param.data.copy_(tensor)

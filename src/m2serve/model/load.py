@@ -1,0 +1,42 @@
+"""``load_model``: config + strict streaming load into a MiniMaxM2ForCausalLM (architecture.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.parallel import ParallelState
+from m2serve.formats.loader import ShardPlan, iter_weights, open_checkpoint, read_kv_scales
+from m2serve.model.decoder import MiniMaxM2ForCausalLM
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               parallel: ParallelState | None = None, shard: ShardPlan | None = None,
+               progress: bool | None = None) -> MiniMaxM2ForCausalLM:
+    """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
+
+    ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
+    load, one rounding). ``shard`` is the rank's slice hook (formats/loader.py); with the default
+    ParallelState the whole model is loaded. The headers are checked before any data is read
+    (CheckpointMismatchError / CheckpointFormatError, both ValueError). Parameters are allocated
+    uninitialised and filled tensor by tensor, so peak memory stays near the final size.
+    ``model.kv_scales`` holds per-layer (k_scale, v_scale) if the checkpoint ships them, else None.
+    """
+    cfg = MiniMaxM2Config.from_pretrained(path)
+    plan = open_checkpoint(path, cfg)
+    parallel = parallel or ParallelState()
+    with torch.device("meta"):
+        model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)
+    model.to_empty(device=device)
+    try:
+        for name, tensor in iter_weights(plan, dtype, shard, progress):
+            model.load_weight(name, tensor)
+        model.kv_scales = read_kv_scales(plan)
+    finally:
+        plan.reader.close()
+    if not cfg.use_routing_bias:
+        for layer in model.model.layers:
+            layer.block_sparse_moe.e_score_correction_bias.data.zero_()
+    return model.eval()

@@ -1,0 +1,35 @@
+"""RMSNorm in HF order and the cross-head QK norm (spec/model.md §3 steps 1, 3, 9).
+
+Legend: T tokens, W normalised width (H for hidden, Hq·D / Hkv·D for q / k on this rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-order RMSNorm: ``y = x.float() * rsqrt(mean(x², -1) + eps)``, cast to x.dtype, then * γ.
+
+    x [T, W] act, weight [W] act -> [T, W] act (spec/model.md §3, precision trap 3).
+    """
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, global_width: int,
+            reduce_sumsq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Cross-head QK norm: ONE RMS statistic per token over all heads (spec/model.md §3 step 3).
+
+    Two-phase so tensor parallelism only has to reduce the statistic (serving.md §4):
+    sum of squares of the local slice -> ``reduce_sumsq`` (identity on one rank) -> divide by the
+    GLOBAL element count ``global_width`` (Hq·D or Hkv·D) -> rsqrt -> apply, HF cast order.
+    x [T, W_local] act, weight [W_local] act -> [T, W_local] act.
+    """
+    y = x.float()
+    sumsq = reduce_sumsq(y.pow(2).sum(-1, keepdim=True))  # [T, 1] f32
+    y = y * torch.rsqrt(sumsq / global_width + eps)
+    return weight * y.to(x.dtype)
