@@ -197,6 +197,8 @@ class StreamingParser:
             tool blocks extracted), P7.
         prompt_tail: the end of the rendered prompt; decides the start state (P1).
         request_id: used only in the one-line error log of P20.
+        emit_think_prefix: passthrough only; False leaves out the ``<think>`` that P7 puts before
+            output that started in reasoning (for a server run without a reasoning parser).
 
     ``feed(text)`` returns the new :class:`ParserDelta`; ``finish()`` flushes what was held back.
     Counters for the server: ``rejected_tool_calls`` (P13, undeclared names), ``parser_error`` (P20).
@@ -204,7 +206,7 @@ class StreamingParser:
     """
 
     def __init__(self, tools: Sequence[dict[str, Any]] | None = None, mode: Mode = "split",
-                 prompt_tail: str = "", request_id: str = "") -> None:
+                 prompt_tail: str = "", request_id: str = "", emit_think_prefix: bool = True) -> None:
         if mode not in ("split", "passthrough"):
             raise ValueError(f"parser mode={mode!r} is not one of 'split', 'passthrough'")
         self.request_id = request_id
@@ -223,7 +225,7 @@ class StreamingParser:
         reasoning = starts_in_reasoning(prompt_tail)
         self._state = _State.REASONING if reasoning else _State.CONTENT
         self._at_start = not reasoning  # P2 window: only whitespace seen so far in CONTENT
-        self._think_prefix = reasoning and not self._split  # P7 passthrough "<think>" prefix
+        self._think_prefix = reasoning and not self._split and emit_think_prefix  # P7 "<think>" prefix
         self._buf = ""
         self._pos = 0
         self._name_scanned = 0
