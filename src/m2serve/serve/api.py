@@ -1,0 +1,521 @@
+"""FastAPI routes: the OpenAI-compatible HTTP surface (spec/serving.md §10, issue 5 items 1–3).
+
+Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``: 400
+invalid request (also prompts longer than the context, template errors, unsupported
+constrained decoding), 401 bad/missing API key, 404 unknown model, 503 + Retry-After when the
+waiting queue is full or the engine is down. A bad request never reaches the engine thread.
+
+Streams are Server-Sent Events (``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``). A client that
+disconnects cancels its stream task; the ``finally`` in :meth:`AsyncEngine.stream` aborts the
+request, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import m2serve
+from m2serve.engine.sampling import SamplingParams, TokenLogprobs
+from m2serve.serve import protocol as P
+from m2serve.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from m2serve.serve.llm import ChoiceAccumulator
+
+log = logging.getLogger(__name__)
+
+_GEN_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_AUTH_FREE = ("/health", "/version", "/metrics", "/docs", "/openapi.json")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """HTTP-level settings. api_key None = no authentication; retry_after_s: the 503 Retry-After."""
+
+    served_model_name: str
+    api_key: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    retry_after_s: int = 1
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(P.error_body(e.message, e.type, e.param, e.code if e.code is not None else e.status),
+                        status_code=e.status, headers=e.headers)
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI application around a (not yet started) AsyncEngine.
+
+    The engine thread starts in the app's lifespan and is shut down (remaining requests aborted)
+    when the server stops.
+    """
+    llm, metrics = engine.llm, engine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start(asyncio.get_running_loop())
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="m2serve", version=m2serve.__version__, lifespan=lifespan)
+
+    # -------------------------------------------------------------- errors, auth, counting
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        parts, param = [], None
+        for err in errs[:5]:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = param or (".".join(loc) or None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return _error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), type_))
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        if settings.api_key is not None and not path.startswith(_AUTH_FREE):
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), settings.api_key.encode()):
+                resp: Response = _error_response(APIError(
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error", code="invalid_api_key"))
+                _count(path, 401)
+                return resp
+        try:
+            resp = await call_next(request)
+        except Exception:  # noqa: BLE001 - never let one request take the server down
+            log.exception("unhandled error on %s", path)
+            resp = _error_response(APIError(500, "internal server error", "server_error"))
+        _count(path, resp.status_code)
+        return resp
+
+    def _count(path: str, status: int) -> None:
+        if path in _GEN_ROUTES:
+            metrics.requests.labels(endpoint=_GEN_ROUTES[path], status=str(status)).inc()
+
+    def check_model(name: str | None) -> None:
+        if name is None or name in (settings.served_model_name, *settings.model_aliases):
+            return
+        raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                       f"'{settings.served_model_name}'", "not_found_error", "model", "model_not_found")
+
+    # -------------------------------------------------------------- simple routes
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return _error_response(APIError(503, "engine is not running", "server_error"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": m2serve.__version__}
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=settings.served_model_name, max_model_len=llm.max_length)])
+
+    @app.post("/tokenize")
+    async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if req.messages is not None:
+            text = _render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+        else:
+            text = req.prompt or ""
+        ids = llm.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_length}
+
+    @app.post("/detokenize")
+    async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < llm.config.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})",
+                           param="tokens")
+        return {"prompt": llm.decode(req.tokens, skip_special_tokens=False)}
+
+    # -------------------------------------------------------------- helpers
+
+    def _render(messages: list[P.ChatMessage], tools: list[P.ToolDef] | None,
+                kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> str:
+        msgs = [m.model_dump(exclude_unset=True) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        try:
+            return llm.render_chat(msgs, tool_dicts, kwargs, add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad history) are 400
+            raise APIError(400, f"chat template error: {e}", param="messages") from e
+
+    def _check_length(ids: list[int]) -> None:
+        if len(ids) >= llm.max_length:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's max context is "
+                           f"{llm.max_length} tokens (at least one must be left to generate); shorten it",
+                           param="messages", code="context_length_exceeded")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+
+    def _params(req: P._SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
+                thinking_temperature: float | None = None) -> SamplingParams:
+        try:
+            p = SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias=req.logit_bias, seed=req.seed, stop=tuple(req.stop_list()),
+                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens, max_tokens=req.token_limit(), n=req.n, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, thinking_temperature=thinking_temperature)
+            p.check_token_ids(llm.config.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        return p
+
+    def _submit(base_id: str, ids: list[int], params: SamplingParams, make_parser: Any,
+                skip_special_tokens: bool, q: asyncio.Queue) -> list[str]:
+        """Submit the n choices of one prompt into the shared delta queue ``q``; returns their ids."""
+        rids: list[str] = []
+        try:
+            for i in range(params.n):
+                rid = f"{base_id}-{i}"
+                child = params.child(i)
+                proc = llm.new_processor(rid, child, make_parser(), skip_special_tokens)
+                engine.submit(rid, ids, child, proc, q)
+                rids.append(rid)
+        except QueueFullError as e:
+            for rid in rids:
+                engine.abort(rid)
+            raise APIError(503, str(e), "server_error", code="queue_full",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from e
+        except EngineDeadError as e:
+            for rid in rids:
+                engine.abort(rid)
+            raise APIError(503, str(e), "server_error", headers={"Retry-After": str(settings.retry_after_s)}) from e
+        return rids
+
+    async def _collect(request: Request, rids: list[str], q: asyncio.Queue) -> dict[str, ChoiceAccumulator]:
+        """Wait for every choice to finish; abort them if the client disconnects meanwhile."""
+        accs = {rid: ChoiceAccumulator(i) for i, rid in enumerate(rids)}
+
+        async def consume() -> None:
+            async for d in engine.stream(rids, q):
+                accs[d.request_id].add(d)
+
+        task = asyncio.ensure_future(consume())
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+            task.result()
+            return accs
+        except (ValueError, EngineDeadError) as e:
+            raise _engine_error(e) from e
+        finally:
+            if not task.done():
+                task.cancel()
+
+    # -------------------------------------------------------------- chat
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
+        check_model(req.model)
+        if req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice):
+            raise APIError(400, "tool_choice 'required' and named tool choices need constrained decoding, "
+                           "which m2serve does not support yet; use tool_choice 'auto' or 'none'",
+                           param="tool_choice")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} needs constrained decoding, "
+                           "which m2serve does not support yet; use 'text'", param="response_format")
+        prompt = _render(req.messages, req.tools, req.chat_template_kwargs)
+        ids = llm.encode(prompt)
+        _check_length(ids)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = llm.chat_params(_params(req, logprobs, thinking_temperature=req.thinking_temperature), prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
+            else None
+        mode = llm.reasoning_mode(req.reasoning_split)
+        base = P.new_id("chatcmpl")
+        q: asyncio.Queue = asyncio.Queue()
+        rids = _submit(base, ids, params, lambda: llm.new_parser(prompt, tools, mode, base), req.skip_special_tokens, q)
+        model = settings.served_model_name
+        if not req.stream:
+            accs = await _collect(request, rids, q)
+            return JSONResponse(_chat_response(base, model, accs, len(ids), req.logprobs).model_dump(mode="json"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        gen = _chat_stream(base, model, rids, q, len(ids), include_usage, req.logprobs)
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+    def _chat_response(base: str, model: str, accs: dict[str, ChoiceAccumulator], n_prompt: int,
+                       want_logprobs: bool) -> P.ChatCompletionResponse:
+        choices, n_out, n_reason, cached = [], 0, 0, 0
+        for acc in accs.values():
+            o = acc.result()
+            n_out += len(o.token_ids)
+            n_reason += o.num_reasoning_tokens
+            cached = max(cached, acc.num_cached_tokens)
+            msg = P.AssistantMessage(content=o.content, reasoning_content=o.reasoning, tool_calls=[
+                P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                for c in o.tool_calls])
+            lp = P.ChoiceLogprobs(content=_chat_logprobs(o.logprobs)) if want_logprobs else None
+            choices.append(P.ChatChoice(index=o.index, message=msg, logprobs=lp, finish_reason=o.finish_reason))
+        return P.ChatCompletionResponse(id=base, model=model, choices=choices,
+                                        usage=_usage(n_prompt, n_out, n_reason))
+
+    async def _chat_stream(base: str, model: str, rids: list[str], q: asyncio.Queue, n_prompt: int,
+                           include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+        index = {rid: i for i, rid in enumerate(rids)}
+        n_out, n_reason = {}, {}
+
+        def chunk(i: int, delta: P.DeltaMessage, finish: str | None = None,
+                  logprobs: list[TokenLogprobs] | None = None) -> str:
+            lp = P.ChoiceLogprobs(content=_chat_logprobs(logprobs)) if want_logprobs and logprobs else None
+            c = P.ChatCompletionChunk(id=base, model=model, choices=[
+                P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish)])
+            return _sse(c.model_dump(mode="json", exclude_none=True))
+
+        for i in range(len(rids)):
+            yield chunk(i, P.DeltaMessage(role="assistant", content=""))
+        try:
+            async for d in engine.stream(rids, q):
+                i = index[d.request_id]
+                n_out[i], n_reason[i] = d.num_output_tokens, d.num_reasoning_tokens
+                lps = d.logprobs
+                if d.reasoning:
+                    yield chunk(i, P.DeltaMessage(reasoning_content=d.reasoning), logprobs=lps)
+                    lps = None
+                if d.content:
+                    yield chunk(i, P.DeltaMessage(content=d.content), logprobs=lps)
+                    lps = None
+                if d.tool_calls:
+                    yield chunk(i, P.DeltaMessage(tool_calls=[_tool_delta(tc) for tc in d.tool_calls]), logprobs=lps)
+                    lps = None
+                if lps:
+                    yield chunk(i, P.DeltaMessage(content=""), logprobs=lps)
+                if d.finished:
+                    yield chunk(i, P.DeltaMessage(), finish=d.finish_reason)
+        except (ValueError, EngineDeadError) as e:
+            err = _engine_error(e)
+            yield _sse(P.error_body(err.message, err.type, err.param, err.status))
+        if include_usage:
+            u = _usage(n_prompt, sum(n_out.values()), sum(n_reason.values()))
+            c = P.ChatCompletionChunk(id=base, model=model, choices=[], usage=u)
+            yield _sse(c.model_dump(mode="json", exclude_none=True))
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(lps: list[TokenLogprobs] | None) -> list[P.TokenLogprob]:
+        out = []
+        for lp in lps or []:
+            text = llm.token_text(lp.token_id)
+            out.append(P.TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=[
+                P.TopLogprob(token=(t := llm.token_text(tid)), logprob=v, bytes=list(t.encode()))
+                for tid, v in lp.top]))
+        return out
+
+    # -------------------------------------------------------------- completions
+
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, request: Request) -> Response:
+        check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, req.n):
+            raise APIError(400, "best_of is not supported (use n)", param="best_of")
+        prompts: list[tuple[str, list[int]]] = []
+        for p in _completion_prompts(req.prompt):
+            if isinstance(p, str):
+                prompts.append((p, llm.encode(p)))
+            else:
+                bad = [t for t in p if not 0 <= t < llm.config.vocab_size]
+                if bad:
+                    raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {llm.config.vocab_size})", param="prompt")
+                prompts.append((llm.decode(p, skip_special_tokens=False), list(p)))
+        for _, ids in prompts:
+            _check_length(ids)
+        params = _params(req, req.logprobs, prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None)
+                         else None)
+        base = P.new_id("cmpl")
+        rids: list[str] = []
+        q: asyncio.Queue = asyncio.Queue()
+        meta: dict[str, tuple[int, int]] = {}
+        try:
+            for pi, (_, ids) in enumerate(prompts):
+                sub = _submit(f"{base}-{pi}", ids, params, lambda: None, req.skip_special_tokens, q)
+                for ci, rid in enumerate(sub):
+                    meta[rid] = (pi, pi * req.n + ci)
+                rids += sub
+        except APIError:
+            for rid in rids:
+                engine.abort(rid)
+            raise
+        model = settings.served_model_name
+        if not req.stream:
+            accs = await _collect(request, rids, q)
+            return JSONResponse(_completion_response(base, model, accs, meta, prompts, req).model_dump(mode="json"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_completion_stream(base, model, rids, q, meta, prompts, req, include_usage),
+                                 media_type="text/event-stream")
+
+    def _completion_logprobs(lps: list[TokenLogprobs | None], offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        for lp in lps:
+            if lp is None:  # the first prompt token has no logprob
+                continue
+            text = llm.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({llm.token_text(t): v for t, v in lp.top} or None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _echo_logprobs(ids: list[int], acc_prompt: list[TokenLogprobs | None] | None) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        offset = 0
+        for pos, tid in enumerate(ids):
+            text = llm.token_text(tid)
+            lp = acc_prompt[pos] if acc_prompt and pos < len(acc_prompt) else None
+            out.tokens.append(text)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(None if lp is None else {llm.token_text(t): v for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _completion_response(base: str, model: str, accs: dict[str, ChoiceAccumulator],
+                             meta: dict[str, tuple[int, int]], prompts: list[tuple[str, list[int]]],
+                             req: P.CompletionRequest) -> P.CompletionResponse:
+        choices, n_out = [], 0
+        for rid, acc in accs.items():
+            pi, index = meta[rid]
+            o = acc.result()
+            n_out += len(o.token_ids)
+            prompt_text, ids = prompts[pi]
+            text = (prompt_text if req.echo else "") + o.text
+            lp = None
+            if req.logprobs is not None:
+                lp = P.CompletionLogprobs()
+                if req.echo:
+                    lp = _echo_logprobs(ids, acc.prompt_logprobs)
+                gen = _completion_logprobs(o.logprobs or [], len(prompt_text) if req.echo else 0)
+                lp.tokens += gen.tokens
+                lp.token_logprobs += gen.token_logprobs
+                lp.top_logprobs += gen.top_logprobs
+                lp.text_offset += gen.text_offset
+            choices.append(P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason))
+        choices.sort(key=lambda c: c.index)
+        n_prompt = sum(len(ids) for _, ids in prompts)
+        return P.CompletionResponse(id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, None))
+
+    async def _completion_stream(base: str, model: str, rids: list[str], q: asyncio.Queue,
+                                 meta: dict[str, tuple[int, int]], prompts: list[tuple[str, list[int]]],
+                                 req: P.CompletionRequest, include_usage: bool) -> AsyncIterator[str]:
+        n_out: dict[str, int] = {}
+        offsets: dict[str, int] = {}
+        echoed: set[str] = set()
+        try:
+            async for d in engine.stream(rids, q):
+                pi, index = meta[d.request_id]
+                prompt_text, ids = prompts[pi]
+                n_out[d.request_id] = d.num_output_tokens
+                text, lp = d.text, None
+                if req.echo and d.request_id not in echoed:
+                    echoed.add(d.request_id)
+                    text = prompt_text + text
+                    if req.logprobs is not None:
+                        lp = _echo_logprobs(ids, d.prompt_logprobs)
+                    offsets[d.request_id] = len(prompt_text)
+                if req.logprobs is not None:
+                    gen = _completion_logprobs(d.logprobs or [], offsets.get(d.request_id, 0))
+                    offsets[d.request_id] = offsets.get(d.request_id, 0) + sum(len(t) for t in gen.tokens)
+                    if lp is None:
+                        lp = gen
+                    else:
+                        lp.tokens += gen.tokens
+                        lp.token_logprobs += gen.token_logprobs
+                        lp.top_logprobs += gen.top_logprobs
+                        lp.text_offset += gen.text_offset
+                if text or lp is not None or d.finished:
+                    c = P.CompletionResponse(id=base, model=model, choices=[P.CompletionChoice(
+                        index=index, text=text, logprobs=lp, finish_reason=d.finish_reason if d.finished else None)])
+                    yield _sse(c.model_dump(mode="json", exclude_none=True))
+        except (ValueError, EngineDeadError) as e:
+            err = _engine_error(e)
+            yield _sse(P.error_body(err.message, err.type, err.param, err.status))
+        if include_usage:
+            n_prompt = sum(len(ids) for _, ids in prompts)
+            c = P.CompletionResponse(id=base, model=model, choices=[],
+                                     usage=_usage(n_prompt, sum(n_out.values()), None))
+            yield _sse(c.model_dump(mode="json", exclude_none=True))
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return list(prompt)
+
+
+def _usage(n_prompt: int, n_out: int, n_reason: int | None) -> P.Usage:
+    details = P.CompletionTokensDetails(reasoning_tokens=n_reason) if n_reason is not None else None
+    return P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                   completion_tokens_details=details)
+
+
+def _tool_delta(tc: Any) -> P.ToolCallDelta:
+    if tc.name is not None:
+        return P.ToolCallDelta(index=tc.index, id=tc.id, type="function",
+                               function=P.FunctionCallDelta(name=tc.name, arguments=tc.arguments))
+    return P.ToolCallDelta(index=tc.index, function=P.FunctionCallDelta(arguments=tc.arguments))
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(503, str(e), "server_error")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,311 @@
+"""The ``m2serve`` console script: ``serve``, ``generate`` and ``plan`` (issue 5 item 5, issue 4 items 5–6).
+
+Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...). Every option can
+also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
+and from a recipe (``--config-file``, recipe.py). Precedence: CLI > environment > recipe >
+defaults. With no model, ``serve`` and ``generate`` use the embedded default checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import fields
+from typing import Any
+
+from m2serve.config.engine_args import EngineArgs
+
+log = logging.getLogger("m2serve")
+
+ENV_PREFIX = "M2SERVE_"
+
+# Server-level defaults (engine-level ones come from EngineArgs).
+SERVE_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_size": None,
+    "tool_parser": "minimax_m2", "reasoning_parser": "minimax_m2", "thinking_temperature": None,
+    "chat_template": None, "grace_period": 30.0, "log_level": "info",
+}
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "max_tokens": 64, "temperature": 0.0, "top_p": None, "top_k": None, "sampling_seed": None, "chat": False,
+    "prompts_file": None, "chat_template": None, "tool_parser": "minimax_m2",
+    "reasoning_parser": "minimax_m2", "thinking_temperature": None, "log_level": "warning",
+}
+PLAN_DEFAULTS: dict[str, Any] = {"device_memory_gib": None, "log_level": "warning"}
+_ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by serve, generate and plan (MAX names)."""
+    a = p.add_argument
+    a("--config-file", help="recipe YAML with MAX keys (recipes/*.yaml)")
+    a("--model", help="checkpoint directory or hub id (default: the embedded default checkpoint)")
+    a("--devices", help="cpu | cpu:N (N CPU ranks) | gpu | gpu:0,1,...")
+    a("--data-parallel-degree", type=int)
+    a("--ep-size", type=int)
+    a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None)
+    a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
+    a("--max-length", type=int, help="max context in tokens (default: the config's max_position_embeddings)")
+    a("--device-memory-utilization", type=float)
+    a("--kv-cache-page-size", type=int)
+    a("--kv-cache-format", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    a("--weight-dequant", choices=["load", "runtime"])
+    a("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--served-model-name")
+    a("--dtype", choices=["bfloat16", "float32"], help="compute dtype")
+    a("--max-batch-size", type=int, help="max running requests")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--num-kv-pages", type=int, help="override the planner's KV page count")
+    a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
+    a("--tool-parser", choices=["minimax_m2", "none"])
+    a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
+    a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree. Defaults are None so that unset flags fall through to env/recipe/defaults."""
+    parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_deployment_flags(s)
+    _add_engine_flags(s)
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also M2SERVE_API_KEY)")
+    s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
+    s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
+
+    g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
+    _add_deployment_flags(g)
+    _add_engine_flags(g)
+    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
+    g.add_argument("--prompts-file", help="one prompt per line")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
+    g.add_argument("--chat", action="store_true", default=None, help="wrap each prompt as a user chat message")
+
+    pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
+    _add_deployment_flags(pl)
+    pl.add_argument("--max-batch-size", type=int)
+    pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
+    return parser
+
+
+def resolve_options(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                    environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Merge defaults < recipe < environment < CLI into one dict keyed by flag dest.
+
+    Environment variables are ``M2SERVE_<DEST>`` (``M2SERVE_EP_SIZE=8``) and are converted with
+    the flag's own type. Raises ValueError naming the variable for a bad value, RecipeError for a
+    bad recipe.
+    """
+    from m2serve.serve.recipe import load_recipe, recipe_overrides
+
+    environ = os.environ if environ is None else environ
+    cli = {k: v for k, v in vars(ns).items() if v is not None and k != "command"}
+    defaults = {f.name: f.default for f in fields(EngineArgs)}
+    defaults.update({"serve": SERVE_DEFAULTS, "generate": GENERATE_DEFAULTS, "plan": PLAN_DEFAULTS}[ns.command])
+    opts = {k: v for k, v in defaults.items()}
+    config_file = cli.get("config_file") or environ.get(ENV_PREFIX + "CONFIG_FILE")
+    if config_file:
+        opts.update(recipe_overrides(load_recipe(config_file)))
+    types = _flag_types(parser, ns.command) if parser is not None else {}
+    for dest in set(opts) | set(types):
+        raw = environ.get(ENV_PREFIX + dest.upper())
+        if raw is None or dest in ("prompts",):
+            continue
+        conv = types.get(dest, str)
+        try:
+            opts[dest] = conv(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{ENV_PREFIX}{dest.upper()}={raw!r}: {e}") from e
+    opts.update(cli)
+    return opts
+
+
+def _flag_types(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    out = {}
+    for act in sub._actions:
+        if isinstance(act, argparse.BooleanOptionalAction) or isinstance(act, argparse._StoreTrueAction):
+            out[act.dest] = _bool
+        elif act.dest != "help":
+            out[act.dest] = act.type or str
+    return out
+
+
+def engine_args_from(opts: dict[str, Any]) -> dict[str, Any]:
+    """The EngineArgs keyword arguments present in ``opts`` (model excluded: LLM resolves it)."""
+    return {k: v for k, v in opts.items() if k in _ENGINE_FIELDS and k != "model"}
+
+
+def num_devices(devices: str) -> int:
+    """World size of a ``--devices`` string: cpu/gpu -> 1, cpu:N -> N, gpu:0,1,2 -> 3."""
+    kind, _, rest = devices.partition(":")
+    if kind not in ("cpu", "gpu") or (rest and kind == "cpu" and not rest.isdigit()):
+        raise ValueError(f"--devices {devices!r}: use cpu, cpu:N, gpu or gpu:0,1,...")
+    if not rest:
+        return 1
+    if kind == "cpu":
+        return int(rest)
+    return len([d for d in rest.split(",") if d.strip()])
+
+
+# ---------------------------------------------------------------------------------- serve
+
+
+def _make_llm(opts: dict[str, Any]) -> Any:
+    from m2serve.serve.llm import LLM
+
+    return LLM(opts.get("model"), chat_template=opts.get("chat_template"), tool_parser=opts["tool_parser"],
+               reasoning_parser=opts["reasoning_parser"], thinking_temperature=opts.get("thinking_temperature"),
+               **engine_args_from(opts))
+
+
+def banner(llm: Any, opts: dict[str, Any]) -> str:
+    """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
+    from m2serve.config.parallel import select_parallelism_mode
+    from m2serve.formats.detect import detect_encoding
+
+    enc = detect_encoding(llm.config.quantization_config, str(llm.model_path / "config.json")).value
+    mode = select_parallelism_mode(num_devices(llm.args.devices), llm.args.data_parallel_degree, llm.args.ep_size)
+    stats = llm.engine.stats
+    url = f"http://{opts['host']}:{opts['port']}/v1"
+    return (f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
+            f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
+            f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}")
+
+
+def run_server(opts: dict[str, Any], llm: Any = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown.
+
+    ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
+    On SIGTERM uvicorn stops accepting connections and gives in-flight requests
+    ``grace_period`` seconds; then the engine aborts what is left and the process exits 0.
+    """
+    import uvicorn
+
+    from m2serve.serve.api import ServerSettings, build_app
+    from m2serve.serve.async_engine import AsyncEngine
+    from m2serve.serve.metrics import ServerMetrics
+
+    llm = llm or _make_llm(opts)
+    engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
+    aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
+    settings = ServerSettings(served_model_name=llm.served_model_name, api_key=opts.get("api_key"),
+                              model_aliases=aliases)
+    app = build_app(engine, settings)
+    print(banner(llm, opts), flush=True)
+    config = uvicorn.Config(app, host=opts["host"], port=int(opts["port"]), log_level=opts["log_level"],
+                            timeout_graceful_shutdown=float(opts["grace_period"]), access_log=False)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the captured signal after its graceful shutdown; with these handlers
+    # that re-raise is a no-op and the process exits 0 instead of dying from the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
+# ---------------------------------------------------------------------------------- generate
+
+_DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def run_generate(opts: dict[str, Any]) -> int:
+    """Generate for each prompt (tqdm over requests), print the texts and a throughput summary."""
+    from m2serve.engine.sampling import SamplingParams
+    from m2serve.serve.llm import throughput_summary
+
+    prompts = list(opts.get("prompts") or [])
+    if opts.get("prompts_file"):
+        with open(opts["prompts_file"], encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts = prompts or _DEFAULT_PROMPTS
+    llm = _make_llm(opts)
+    params = SamplingParams(temperature=opts["temperature"], top_p=opts.get("top_p"), top_k=opts.get("top_k"),
+                            seed=opts.get("sampling_seed"), max_tokens=opts["max_tokens"])
+    t0 = time.perf_counter()
+    if opts.get("chat"):
+        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
+    else:
+        results = llm.generate(prompts, params, use_tqdm=True)
+    dt = time.perf_counter() - t0
+    for prompt, r in zip(prompts, results):
+        o = r.outputs[0]
+        print(f"--- {prompt!r} [{o.finish_reason}, {len(o.token_ids)} tokens]")
+        if o.reasoning:
+            print(f"[reasoning] {o.reasoning}")
+        if opts.get("chat"):
+            print(o.content or "")
+            for c in o.tool_calls:
+                print(f"[tool call] {c.name}({c.arguments})")
+        else:
+            print(o.text)
+    print(throughput_summary(results, dt), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- plan
+
+
+def run_plan(opts: dict[str, Any]) -> int:
+    """Print the memory plan for ``--model`` (dir, config.json or hub id) without loading weights."""
+    from m2serve.config.model_config import MiniMaxM2Config
+    from m2serve.config.parallel import select_parallelism_mode
+    from m2serve.engine.planner import format_plan, plan_memory
+    from m2serve.serve.resolve import resolve_config
+
+    cfg_path = resolve_config(opts.get("model"))
+    config = MiniMaxM2Config.from_pretrained(cfg_path)
+    args = EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts))
+    mode = select_parallelism_mode(num_devices(args.devices), args.data_parallel_degree, args.ep_size)
+    print(f"model: {opts.get('model') or 'embedded default'} ({cfg_path})")
+    print(f"parallel mode: {mode.value}")
+    plan = plan_memory(config, args, device_memory_gib=opts.get("device_memory_gib"))
+    print(format_plan(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``m2serve`` console script; returns the exit status."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        opts = resolve_options(ns, parser)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.command == "serve":
+            return run_server(opts)
+        if ns.command == "generate":
+            return run_generate(opts)
+        return run_plan(opts)
+    except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
+        print(f"m2serve {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Prometheus metrics for the server (spec/serving.md §10, issue 5 item 1).
+
+One :class:`ServerMetrics` per server, on its own ``CollectorRegistry`` (no process-global
+registry, so tests can run several apps in one process). Units: seconds for latencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class EngineGauges:
+    """A snapshot of engine state for the gauges (read after every step)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class ServerMetrics:
+    """The server's counters, histograms and gauges.
+
+    - ``m2serve_requests_total{endpoint, status}``: HTTP requests to the /v1 generation routes by
+      status code;
+    - ``m2serve_prompt_tokens_total``, ``m2serve_generation_tokens_total``;
+    - ``m2serve_time_to_first_token_seconds``, ``m2serve_inter_token_latency_seconds`` (histograms);
+    - ``m2serve_num_requests_running`` / ``_waiting``, ``m2serve_kv_pages_used`` / ``_free``,
+      ``m2serve_prefix_cache_hit_rate`` (hits / queried tokens) (gauges);
+    - ``m2serve_tool_calls_rejected_total{reason}``, ``m2serve_parser_errors_total``;
+    - ``m2serve_requests_aborted_total`` (client disconnects, shutdown, stop strings excluded).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("m2serve_requests", "HTTP generation requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("m2serve_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("m2serve_generation_tokens", "Tokens generated", registry=r)
+        self.aborted = Counter("m2serve_requests_aborted", "Requests aborted before finishing", registry=r)
+        self.ttft = Histogram("m2serve_time_to_first_token_seconds", "Time from arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("m2serve_inter_token_latency_seconds", "Time between consecutive outputs of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("m2serve_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("m2serve_num_requests_waiting", "Requests waiting for admission", registry=r)
+        self.kv_used = Gauge("m2serve_kv_pages_used", "KV cache pages held by requests", registry=r)
+        self.kv_free = Gauge("m2serve_kv_pages_free", "KV cache pages free (including evictable cached pages)",
+                             registry=r)
+        self.prefix_hit_rate = Gauge("m2serve_prefix_cache_hit_rate",
+                                     "Prefix-cache hit tokens / queried prompt tokens since start", registry=r)
+        self.tool_calls_rejected = Counter("m2serve_tool_calls_rejected", "Tool calls not returned",
+                                           ["reason"], registry=r)
+        self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
+
+    def set_engine(self, g: EngineGauges) -> None:
+        """Update the gauges from an engine snapshot."""
+        self.running.set(g.running)
+        self.waiting.set(g.waiting)
+        self.kv_used.set(g.kv_pages_used)
+        self.kv_free.set(g.kv_pages_free)
+        self.prefix_hit_rate.set(g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,150 @@
+"""Output processor: token ids from the engine -> text deltas (spec chat-and-parsers.md §1, §3).
+
+One :class:`OutputProcessor` per request (per choice when n > 1). Each engine output goes through,
+in order:
+
+1. the incremental detokeniser (text layer; holds back incomplete UTF-8, keeps the four parser
+   tags as text, drops other special tokens);
+2. stop strings, matched on the raw decoded text (§1) by the same detokeniser: the match and
+   everything after it is never emitted, also when it is split across tokens (a suffix that may
+   still become a stop string is held back until it is decided). A match finishes the request
+   with ``finish_reason="stop"``; the caller aborts it in the engine (``stop_hit``);
+3. for chat, the streaming reasoning / tool-call parser (§3), fed the text that survived step 2.
+
+Finish reasons follow P19: ``length`` when the token limit stopped generation, else ``tool_calls``
+when at least one call was returned, else ``stop``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from m2serve.engine.sampling import TokenLogprobs
+from m2serve.text.detokenizer import IncrementalDetokenizer
+from m2serve.text.parser import StreamingParser, ToolCallDelta
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """What one engine step produced for one request, as text.
+
+    text: raw new text after stop-string handling (what /v1/completions returns);
+    reasoning / content / tool_calls: the parser's split of that text (chat only; without a
+    parser ``content == text``); token_ids / logprobs: the new tokens (logprobs None unless
+    requested); prompt_logprobs: once, in the first delta of a request that asked for them.
+    """
+
+    request_id: str
+    text: str = ""
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_hit: bool = False
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
+
+
+class OutputProcessor:
+    """Detokenise, apply stop strings and (optionally) parse one request's output.
+
+    decoder: the text layer's incremental detokeniser for this request, built with the request's
+    stop strings (it holds back possible stop prefixes and sets ``stopped`` on a match); parser: a text-layer ``StreamingParser`` (chat) or None (raw text);
+    reasoning_end_ids: token ids that end reasoning (``</think>``, ``<minimax:tool_call>``) and
+    start_in_reasoning: whether the prompt ends inside ``<think>`` (P1) — used only to count
+    ``reasoning_tokens`` for usage.
+    """
+
+    def __init__(self, request_id: str, decoder: IncrementalDetokenizer,
+                 parser: StreamingParser | None = None, reasoning_end_ids: tuple[int, ...] = (),
+                 start_in_reasoning: bool = False) -> None:
+        self.request_id = request_id
+        self.decoder = decoder
+        self.parser = parser
+        self.reasoning_end_ids = set(reasoning_end_ids)
+        self.in_reasoning = start_in_reasoning
+        self.finished = False
+        self.num_output_tokens = 0
+        self.num_reasoning_tokens = 0
+        self.num_tool_calls = 0
+        self.output_text: list[str] = []
+
+    def process(self, new_token_ids: list[int], finished: bool = False, finish_reason: str | None = None,
+                logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs | None] | None = None,
+                num_prompt_tokens: int = 0, num_cached_tokens: int = 0) -> OutputDelta:
+        """Turn one engine output into an :class:`OutputDelta` (see the module docstring).
+
+        After a stop string (or a finished output) the processor is finished and further calls
+        return empty finished deltas.
+        """
+        out = OutputDelta(self.request_id, token_ids=list(new_token_ids), logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, num_prompt_tokens=num_prompt_tokens,
+                          num_cached_tokens=num_cached_tokens)
+        if self.finished:
+            out.token_ids, out.logprobs = [], None
+            return self._stamp(out)
+        self._count(new_token_ids)
+        emit = self.decoder.push(list(new_token_ids))
+        if finished and not self.decoder.stopped:
+            emit += self.decoder.flush()
+        if self.decoder.stopped:
+            finished, finish_reason, out.stop_hit = True, "stop", True
+        out.text = emit
+        self.output_text.append(emit)
+        self._parse(out, emit, finished)
+        if finished:
+            self.finished = True
+            out.finished = True
+            out.finish_reason = self._finish_reason(finish_reason)
+        return self._stamp(out)
+
+    @property
+    def text(self) -> str:
+        """All raw text emitted so far."""
+        return "".join(self.output_text)
+
+    def _count(self, token_ids: list[int]) -> None:
+        self.num_output_tokens += len(token_ids)
+        for t in token_ids:
+            if not self.in_reasoning:
+                break
+            self.num_reasoning_tokens += 1
+            if t in self.reasoning_end_ids:
+                self.in_reasoning = False
+
+    def _parse(self, out: OutputDelta, text: str, finished: bool) -> None:
+        if self.parser is None:
+            out.content = text
+            return
+        deltas = [self.parser.feed(text)] if text else []
+        if finished:
+            deltas.append(self.parser.finish())
+        for d in deltas:
+            out.reasoning += d.reasoning
+            out.content += d.content
+            for tc in d.tool_calls:
+                if tc.name is not None:
+                    self.num_tool_calls += 1
+                out.tool_calls.append(tc)
+
+    def _finish_reason(self, engine_reason: str | None) -> str:
+        if engine_reason == "length":
+            return "length"
+        if engine_reason == "abort":
+            return "abort"
+        if self.parser is not None and self.num_tool_calls:
+            return "tool_calls"
+        return "stop"
+
+    def _stamp(self, out: OutputDelta) -> OutputDelta:
+        out.num_output_tokens = self.num_output_tokens
+        out.num_reasoning_tokens = self.num_reasoning_tokens
+        return out
+

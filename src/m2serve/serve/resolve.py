@@ -1,0 +1,102 @@
+"""Model resolution: ``--model`` (local directory, hub id or nothing) -> a local path.
+
+- None -> the embedded default checkpoint (``m2serve.checkpoints.tiny_random.default_model_path``),
+  built locally on first use; no download.
+- An existing local directory -> itself.
+- A hub id ``org/name`` -> a snapshot in the huggingface_hub cache (its layout, ``HF_HOME`` /
+  ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``): no network when the snapshot is cached; downloaded
+  when online and missing.
+
+For planning without weights (:func:`resolve_config`), a hub id also resolves to the public
+config shipped in ``m2serve/checkpoints/hub_configs/<org>/<name>/config.json`` (issue 5 item 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HUB_CONFIGS = Path(__file__).resolve().parent.parent / "checkpoints" / "hub_configs"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """``--model`` names neither a local directory nor a resolvable hub id."""
+
+
+def default_model_path() -> Path:
+    """The embedded default checkpoint (built on first use, no download)."""
+    from m2serve.checkpoints.tiny_random import default_model_path as _default
+
+    return Path(_default())
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """``org/name`` with exactly one slash and no leading ``.``/``/``/``~`` (not a path)."""
+    return (model.count("/") == 1 and not model.startswith((".", "/", "~"))
+            and all(part.strip() for part in model.split("/")))
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set to a true value."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model(model: str | None) -> Path:
+    """Resolve ``--model`` to a local checkpoint directory holding config.json and the weights.
+
+    Raises ModelNotFoundError naming the value and what was tried (local path, hub cache, and
+    whether HF_HUB_OFFLINE prevented a download).
+    """
+    if model is None or model == "":
+        return default_model_path()
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if not looks_like_hub_id(model):
+        raise ModelNotFoundError(f"--model {model!r}: no such directory (and not a hub id of the form org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as cached_err:  # noqa: BLE001 - huggingface_hub raises several types here
+        if hub_offline():
+            raise ModelNotFoundError(
+                f"--model {model!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set "
+                f"(download it first with `huggingface-cli download {model}` or unset HF_HUB_OFFLINE)"
+            ) from cached_err
+    try:
+        log.info("downloading %s from the Hugging Face hub", model)
+        return Path(snapshot_download(model))
+    except Exception as e:  # noqa: BLE001
+        raise ModelNotFoundError(f"--model {model!r}: could not download from the hub ({type(e).__name__}: {e})") from e
+
+
+def resolve_config(model: str | None) -> Path:
+    """Resolve ``--model`` to a config.json for planning (no weights needed).
+
+    Order: a config.json file itself; a local directory; the hub cache (config.json only);
+    the shipped hub config. Raises ModelNotFoundError naming the shipped ids otherwise.
+    """
+    if model is None or model == "":
+        return default_model_path() / "config.json"
+    p = Path(model).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        return p / "config.json"
+    if not looks_like_hub_id(model):
+        raise ModelNotFoundError(f"--model {model!r}: no such file or directory (and not a hub id org/name)")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model, "config.json")
+    if isinstance(cached, str) and Path(cached).is_file():
+        return Path(cached)
+    shipped = HUB_CONFIGS / model / "config.json"
+    if shipped.is_file():
+        return shipped
+    known = sorted(str(c.parent.relative_to(HUB_CONFIGS)) for c in HUB_CONFIGS.glob("*/*/config.json"))
+    raise ModelNotFoundError(f"--model {model!r}: config.json is not in the Hugging Face cache and m2serve "
+                             f"ships no config for it (shipped: {', '.join(known) or 'none'})")
