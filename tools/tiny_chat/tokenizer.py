@@ -1,0 +1,111 @@
+"""Train the `tiny-chat` byte-level BPE tokenizer on the synthetic training corpus (issue 6).
+
+Layout (spec chat-and-parsers.md §1, scaled down): a byte-level BPE with the GPT-4o/o200k split regex
+learns ``BPE_VOCAB`` ids from the rendered training conversations; the MiniMax special tokens follow
+(ids ``BPE_VOCAB`` …), each a single token; the embedding is padded to ``VOCAB_PADDED`` (a multiple of
+128 for the FP8 block format). ``]~!b[``, ``]~b]``, ``[e~[``, pad and unk are special; the four parser
+tags (``<think>``, ``</think>``, ``<minimax:tool_call>``, ``</minimax:tool_call>``) are added
+non-special tokens so that decoding with ``skip_special_tokens`` still yields them as text.
+
+Usage: ``python tools/tiny_chat/tokenizer.py OUT_DIR`` writes OUT_DIR/tokenizer.json and
+OUT_DIR/tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import data  # noqa: I001
+else:
+    from . import data
+
+BPE_VOCAB = 3000
+VOCAB_PADDED = 3072
+CORPUS_EXAMPLES = 20000
+CORPUS_SEED = 100
+
+# o200k pre-tokenisation regex (as in GPT-4o's tokenizer; spec chat-and-parsers.md §1).
+O200K_SPLIT = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+SPECIAL = ["]!p~[", "]~b]", "[e~[", "]!d~[", "]~!b["]  # pad, role header, eos, unk, bos
+PARSER_TAGS = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
+
+
+def corpus(n: int = CORPUS_EXAMPLES, seed: int = CORPUS_SEED) -> list[str]:
+    """Rendered training conversations (train split only, so eval values do not shape the vocab)."""
+    tpl = data.load_template()
+    return [data.render(tpl, e.messages, e.tools, add_generation_prompt=False)
+            for e in data.make_examples("train", n, seed)]
+
+
+def train_tokenizer() -> Tokenizer:
+    """BPE over the corpus, then the special tokens; deterministic for a fixed corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = corpus()
+    # Special strings must not be learned as BPE pieces: train on text with them removed.
+    def strip(t: str) -> str:
+        for s in SPECIAL + PARSER_TAGS:
+            t = t.replace(s, "\n")
+        return t
+    tok.train_from_iterator((strip(t) for t in texts), trainer=trainer)
+    if tok.get_vocab_size() != BPE_VOCAB:
+        raise RuntimeError(f"BPE learned {tok.get_vocab_size()} ids, expected {BPE_VOCAB}")
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in PARSER_TAGS])
+    for s in SPECIAL + PARSER_TAGS:
+        if len(tok.encode(s, add_special_tokens=False).ids) != 1:
+            raise RuntimeError(f"{s!r} is not a single token")
+    return tok
+
+
+def tokenizer_config() -> dict:
+    """tokenizer_config.json (spec chat-and-parsers.md §1)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "]~!b[",
+        "eos_token": "[e~[",
+        "unk_token": "]!d~[",
+        "pad_token": "]!p~[",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+    }
+
+
+def save(out_dir: Path) -> Tokenizer:
+    """Train and write tokenizer.json + tokenizer_config.json into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    return tok
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tools/tiny_chat/tokenizer.py OUT_DIR")
+    t = save(Path(sys.argv[1]))
+    print(f"vocab {t.get_vocab_size()} (padded to {VOCAB_PADDED})")

@@ -1,0 +1,378 @@
+"""Resumable training of `tiny-chat`, a small MiniMax-M2 model trained on the synthetic chats (issue 6).
+
+Command (documented in the report / README; ~1 h on 2 CPU cores)::
+
+    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 600
+
+Re-running the same command continues from ``OUT/ckpt.pt`` (saved every ``--save-every`` seconds and
+at the end): the model, optimiser, load-balancing bias, step and data order all resume, so an
+interrupted run ends where an uninterrupted one would. Everything is seeded (``--seed``).
+
+The model is the MiniMax-M2 forward pass of spec model.md §3 in plain PyTorch (fp32), at the issue's
+dimensions: hidden 256, 8 heads, 4 KV heads, head_dim 128, rotary_dim 64, intermediate 512, 8 experts
+top-2, 4 layers. Parameter names follow the hub layout (checkpoints.md §2) with the experts stacked
+(``experts.w1`` [E, I, H] …) for speed; export.py unstacks them. The router bias
+``e_score_correction_bias`` is not trained by gradient: it follows the auxiliary-loss-free balancing
+rule of DeepSeek-V3 (§2.1.2: after each step, bias += γ·sign(mean load − expert load)), so the
+exported checkpoint exercises the bias path with real, non-zero values.
+
+Loss: next-token cross-entropy on assistant tokens only — for each assistant turn after the last user
+message, the tokens after the generation prompt ``]~b]ai\\n<think>\\n`` up to and including ``[e~[``.
+
+Shape legend: B batch, T tokens per row, N valid tokens, H hidden, Hq/Hkv heads, D head_dim,
+E experts, K top-k, I intermediate, V vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import data  # noqa: I001
+    import tokenizer as tok_mod
+else:
+    from . import data
+    from . import tokenizer as tok_mod
+
+
+@dataclass(slots=True)
+class Dims:
+    """Model dimensions (fixed by issue 6; every quantised dimension a multiple of 128)."""
+
+    vocab_size: int = tok_mod.VOCAB_PADDED
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    rotary_dim: int = 64
+    intermediate_size: int = 512
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    num_hidden_layers: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5e6
+
+
+# ---------------------------------------------------------------------------------------------
+# Model (spec model.md §3; fp32 training copy of the architecture)
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, HF order (model.md §3): normalise in fp32, cast, multiply by γ."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """Partial NeoX RoPE on dims [0, r) (rotate-half pairs (j, j + r/2)); x [B, h, T, D], cos/sin [T, r/2]."""
+    a, b, rest = x[..., : r // 2], x[..., r // 2: r], x[..., r:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+
+
+class Layer(nn.Module):
+    def __init__(self, d: Dims):
+        super().__init__()
+        h, q, kv = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+        self.d = d
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Parameter(torch.empty(q, h))
+        self.k_proj = nn.Parameter(torch.empty(kv, h))
+        self.v_proj = nn.Parameter(torch.empty(kv, h))
+        self.o_proj = nn.Parameter(torch.empty(h, q))
+        self.q_norm = nn.Parameter(torch.ones(q))
+        self.k_norm = nn.Parameter(torch.ones(kv))
+        self.gate = nn.Parameter(torch.empty(d.num_local_experts, h))
+        self.register_buffer("e_score_correction_bias", torch.zeros(d.num_local_experts))
+        self.w1 = nn.Parameter(torch.empty(d.num_local_experts, d.intermediate_size, h))
+        self.w3 = nn.Parameter(torch.empty(d.num_local_experts, d.intermediate_size, h))
+        self.w2 = nn.Parameter(torch.empty(d.num_local_experts, h, d.intermediate_size))
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        bsz, t, _ = x.shape
+        q = rms_norm(F.linear(x, self.q_proj), self.q_norm, d.rms_norm_eps)  # [B, T, Hq·D] (cross-head norm)
+        k = rms_norm(F.linear(x, self.k_proj), self.k_norm, d.rms_norm_eps)  # [B, T, Hkv·D]
+        v = F.linear(x, self.v_proj)
+        q = q.view(bsz, t, d.num_attention_heads, d.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(bsz, t, d.num_key_value_heads, d.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(bsz, t, d.num_key_value_heads, d.head_dim).transpose(1, 2)
+        q, k = rope(q, cos, sin, d.rotary_dim), rope(k, cos, sin, d.rotary_dim)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d.head_dim ** -0.5, enable_gqa=True)
+        return F.linear(o.transpose(1, 2).reshape(bsz, t, -1), self.o_proj)
+
+    def moe(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, H] -> (out [N, H], tokens per expert [E]); router in fp32, unbiased weights (model.md §3)."""
+        d = self.d
+        s = torch.sigmoid(F.linear(h.float(), self.gate))  # [N, E]
+        idx = torch.topk(s + self.e_score_correction_bias, d.num_experts_per_tok, dim=-1).indices  # [N, K]
+        w = s.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)  # [N, K]
+        out = torch.zeros_like(h)
+        flat = idx.reshape(-1)  # [N·K]
+        order = torch.argsort(flat)
+        counts = torch.bincount(flat, minlength=d.num_local_experts)
+        tok = order // d.num_experts_per_tok
+        wt = w.reshape(-1)[order]
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            ti = tok[start: start + c]
+            xe = h[ti]  # [c, H]
+            ye = F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+            out.index_add_(0, ti, ye * wt[start: start + c, None])
+            start += c
+        return out, counts
+
+    def forward(self, x, cos, sin, valid):
+        x = x + self.attention(rms_norm(x, self.input_layernorm, self.d.rms_norm_eps), cos, sin)
+        h = rms_norm(x, self.post_attention_layernorm, self.d.rms_norm_eps)
+        hv = h[valid]  # [N, H] (padding is not routed)
+        m, counts = self.moe(hv)
+        out = torch.zeros_like(h)
+        out[valid] = m
+        return x + out, counts
+
+
+class TinyM2(nn.Module):
+    """The MiniMax-M2 decoder (model.md §3) for training; ``forward`` returns final hidden states."""
+
+    def __init__(self, d: Dims):
+        super().__init__()
+        self.d = d
+        self.embed_tokens = nn.Parameter(torch.empty(d.vocab_size, d.hidden_size))
+        self.layers = nn.ModuleList(Layer(d) for _ in range(d.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(d.hidden_size))
+        self.lm_head = nn.Parameter(torch.empty(d.vocab_size, d.hidden_size))
+        inv = 1.0 / d.rope_theta ** (torch.arange(0, d.rotary_dim, 2, dtype=torch.float32) / d.rotary_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def init_weights(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.d.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                continue
+            s = out_std if name.endswith(("o_proj", "w2")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """ids [B, T] int64, valid [B, T] bool (right padding) -> hidden [B, T, H], loads per layer [E]."""
+        t = ids.shape[1]
+        phi = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq  # [T, R/2]
+        cos, sin = phi.cos(), phi.sin()
+        x = F.embedding(ids, self.embed_tokens)
+        loads = []
+        for layer in self.layers:
+            x, c = layer(x, cos, sin, valid)
+            loads.append(c)
+        return rms_norm(x, self.norm, self.d.rms_norm_eps), loads
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: rendered, tokenised, assistant-only loss mask
+# ---------------------------------------------------------------------------------------------
+
+def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
+    """Token ids of the whole chat and a mask of the target tokens (assistant turns after the last user)."""
+    full = data.render(tpl, ex.messages, ex.tools, add_generation_prompt=False)
+    enc = tok.encode(full, add_special_tokens=False)
+    last_user = max(i for i, m in enumerate(ex.messages) if m["role"] == "user")
+    spans = []
+    for j, m in enumerate(ex.messages):
+        if m["role"] != "assistant" or j < last_user:
+            continue
+        start = len(data.render(tpl, ex.messages[:j], ex.tools, add_generation_prompt=True))
+        end_text = data.render(tpl, ex.messages[: j + 1], ex.tools, add_generation_prompt=False)
+        if not full.startswith(end_text) or not end_text.endswith("[e~[\n"):
+            raise RuntimeError("rendered turns are not prefixes of the whole chat")
+        spans.append((start, len(end_text) - 1))
+    mask = []
+    for a, b in enc.offsets:
+        inside = any(s <= a and b <= e for s, e in spans)
+        if not inside and any(a < s < b or a < e < b for s, e in spans):
+            raise RuntimeError(f"a token straddles a target boundary at chars {a}-{b}")
+        mask.append(inside)
+    return enc.ids, mask
+
+
+def build_corpus(tok, n: int, seed: int) -> list[tuple[list[int], list[bool]]]:
+    tpl = data.load_template()
+    return [encode_example(tok, tpl, ex) for ex in data.make_examples("train", n, seed)]
+
+
+def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
+    """Example indices grouped into batches of similar length (padding ≤ max_tokens per batch)."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    out: list[list[int]] = []
+    chunk = 512
+    for c in range(0, len(order), chunk):
+        part = sorted(order[c: c + chunk], key=lambda i: lengths[i])
+        cur: list[int] = []
+        for i in part:
+            if cur and (len(cur) + 1) * max(lengths[i], max(lengths[k] for k in cur)) > max_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(items: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> ids [B, T], valid [B, T], labels [B, T] (-100 off target; label of position t is token t+1)."""
+    t = max(len(ids) for ids, _ in items)
+    ids = torch.zeros(len(items), t, dtype=torch.long)
+    valid = torch.zeros(len(items), t, dtype=torch.bool)
+    labels = torch.full((len(items), t), -100, dtype=torch.long)
+    for b, (x, m) in enumerate(items):
+        n = len(x)
+        ids[b, :n] = torch.tensor(x)
+        valid[b, :n] = True
+        tgt = torch.tensor(x[1:])
+        keep = torch.tensor(m[1:])
+        labels[b, : n - 1] = torch.where(keep, tgt, torch.full_like(tgt, -100))
+    return ids, valid, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Warmup, constant, then linear decay to 10% over the last 25% of steps (so --steps can grow on
+    resume without disturbing the schedule until the decay starts)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    decay_start = int(0.75 * total)
+    if step < decay_start:
+        return peak
+    p = (step - decay_start) / max(1, total - decay_start)
+    return peak * (1.0 - 0.9 * min(1.0, p))
+
+
+def save_ckpt(path: Path, model, opt, step: int, args_dict: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "args": args_dict,
+                "dims": asdict(model.d)}, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="run dir: tokenizer/, ckpt.pt, train.log")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--examples", type=int, default=40000, help="training corpus size")
+    ap.add_argument("--max-tokens", type=int, default=2000, help="padded tokens per batch")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-every", type=float, default=240.0, help="seconds between checkpoints")
+    ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok_dir = args.out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        tok_mod.save(tok_dir)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    t0 = time.time()
+    corpus = build_corpus(tok, args.examples, args.seed)
+    lengths = [len(x) for x, _ in corpus]
+    print(f"corpus: {len(corpus)} examples, {sum(lengths)} tokens, "
+          f"{sum(sum(m) for _, m in corpus)} target tokens ({time.time() - t0:.0f} s)", flush=True)
+
+    torch.manual_seed(args.seed)
+    model = TinyM2(Dims())
+    model.init_weights(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=True)
+    ckpt = args.out / "ckpt.pt"
+    step = 0
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        print(f"resumed from {ckpt} at step {step}", flush=True)
+    args_dict = {k: str(v) for k, v in vars(args).items()}
+
+    epoch_batches: dict[int, list[list[int]]] = {}
+
+    def batch_at(i: int) -> list[int]:
+        """Global batch i: walk epochs (each a seeded permutation) so resuming needs only the step."""
+        e = 0
+        while True:
+            if e not in epoch_batches:
+                epoch_batches[e] = batches_for_epoch(lengths, e, args.seed, args.max_tokens)
+            if i < len(epoch_batches[e]):
+                return epoch_batches[e][i]
+            i -= len(epoch_batches[e])
+            e += 1
+
+    log = open(args.out / "train.log", "a")
+    bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
+    last_save = time.time()
+    ema_loss = ema_acc = None
+    tokens_done, t_start = 0, time.time()
+    while step < args.steps:
+        ids, valid, labels = collate([corpus[i] for i in batch_at(step)])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        hidden, loads = model(ids, valid)
+        sel = labels != -100
+        logits = F.linear(hidden[sel], model.lm_head)  # [M, V] target positions only
+        tgt = labels[sel]
+        loss = F.cross_entropy(logits, tgt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for layer, c in zip(model.layers, loads):
+                c = c.float()
+                layer.e_score_correction_bias += args.bias_rate * torch.sign(c.mean() - c)
+            acc = (logits.argmax(-1) == tgt).float().mean().item()
+        step += 1
+        tokens_done += int(valid.sum())
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        ema_acc = acc if ema_acc is None else 0.95 * ema_acc + 0.05 * acc
+        tps = tokens_done / (time.time() - t_start)
+        bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", tok_s=f"{tps:.0f}")
+        bar.update(1)
+        rec = {"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4),
+               "lr": opt.param_groups[0]["lr"], "tok_s": round(tps), "time": time.time()}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if time.time() - last_save > args.save_every or step == args.steps:
+            save_ckpt(ckpt, model, opt, step, args_dict)
+            last_save = time.time()
+    bar.close()
+    print(f"done: step {step}, loss {ema_loss}, acc {ema_acc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
