@@ -1,0 +1,240 @@
+"""Rank 0 drives the model on every rank; the other ranks run :func:`worker_loop` (serving.md §1, §3, §6).
+
+Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0 (torch
+sends it as a size broadcast plus a payload broadcast) and, under DP_EP with dp > 1 only, ONE
+``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
+the full hidden states (replicated lm_head), so rank 0 already holds all logits.
+
+DP_EP replicas (``data_parallel_splits``, §6): rank 0 orders the requests replica by replica and
+each rank runs its replica's requests. A request stays on the replica that ran its first token
+(its KV pages live there): replicas are assigned round-robin when a request starts at position
+0 and remembered by the request's first page id (a request keeps its first page until it
+finishes or is preempted; preemption recomputes from position 0 and is assigned afresh). Every
+replica allocates the same page pool and writes only its own requests' pages; pages shared by
+the prefix cache would live on one replica only, so the engine turns prefix caching off when
+the batch is split (``dp_attention``).
+
+Legend: B requests, T new tokens, N returned logit rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.parallel import ParallelState, dp_attention
+from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.load import load_model
+from m2serve.parallel.launch import WorkerError, WorkerGroup
+from m2serve.parallel.shard import make_shard_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """Geometry of rank 0's KV pool; every rank allocates the same pages with its own KV heads."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    dtype: torch.dtype
+    k_scale: tuple[float, ...]
+    v_scale: tuple[float, ...]
+
+    @classmethod
+    def of(cls, kv: KVStorage) -> KVSpec:
+        """The spec of an allocated pool."""
+        return cls(len(kv.k), kv.num_pages, kv.page_size, kv.dtype, tuple(kv.k_scale), tuple(kv.v_scale))
+
+    def allocate(self, num_kv_heads: int, head_dim: int, device: torch.device | str) -> KVStorage:
+        """A zeroed pool of this geometry with ``num_kv_heads`` heads of ``head_dim``."""
+        return KVStorage.allocate(self.num_layers, self.num_pages, self.page_size, num_kv_heads, head_dim,
+                                  self.dtype, device, list(self.k_scale), list(self.v_scale))
+
+
+def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Any:
+    """Load this rank's share of the checkpoint at ``path``: only the slices of its shard plan
+    are read from disk (``safe_open(...).get_slice``), so resident weights are about its share."""
+    config = MiniMaxM2Config.from_pretrained(path)
+    return load_model(path, dtype=dtype, device=device, parallel=state, shard=make_shard_plan(config, state))
+
+
+def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
+    """The sub-batch of requests ``reqs`` (indices into ``batch``, in that order), with its own
+    token rows and offsets; ``data_parallel_splits`` is dropped."""
+    offs = batch.input_row_offsets.tolist()
+    dev = batch.tokens.device
+    rows = [i for b in reqs for i in range(offs[b], offs[b + 1])]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    idx = torch.tensor(reqs, dtype=torch.int64, device=dev)
+    counts = [offs[b + 1] - offs[b] for b in reqs]
+    new_offs = torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()],
+                            dtype=batch.input_row_offsets.dtype, device=dev)
+    n = batch.return_n_logits
+    return ForwardBatch(
+        tokens=batch.tokens[rows_t], positions=batch.positions[rows_t], input_row_offsets=new_offs,
+        slot_mapping=batch.slot_mapping[rows_t], block_tables=batch.block_tables[idx],
+        context_lens=batch.context_lens[idx],
+        return_n_logits=n[idx] if isinstance(n, torch.Tensor) and n.dim() > 0 else n)
+
+
+def logit_counts(batch: ForwardBatch) -> list[int]:
+    """Logit rows each request returns: min(return_n_logits, new tokens) (serving.md §6)."""
+    offs = batch.input_row_offsets.tolist()
+    n = batch.return_n_logits
+    ns = n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else [int(n)] * (len(offs) - 1)
+    return [min(int(ns[b]), offs[b + 1] - offs[b]) for b in range(len(offs) - 1)]
+
+
+def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
+    """Replica ``replica``'s requests [splits[r], splits[r+1]) of a DP batch (serving.md §6)."""
+    s = batch.data_parallel_splits.tolist()
+    return select_requests(batch, list(range(s[replica], s[replica + 1])))
+
+
+def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch,
+                  kv: KVStorage) -> torch.Tensor | None:
+    """One rank's part of a step. Returns logits [N, V] f32 of the whole batch on rank 0 (None
+    on the other ranks under DP_EP, whose rows went to rank 0 in one gather)."""
+    if not dp_attention(state.mode, state.world_size):
+        return model(batch, kv)
+    logits = model(replica_batch(batch, state.dp_rank), kv)  # [N_r, V]
+    splits = batch.data_parallel_splits.tolist()
+    counts = logit_counts(batch)
+    per = [sum(counts[splits[r]:splits[r + 1]]) for r in range(state.world_size)]
+    width = max(per)
+    if width == 0:
+        return logits if state.rank == 0 else None
+    V = logits.shape[1]
+    padded = logits.new_zeros(width, V)
+    padded[: logits.shape[0]] = logits
+    bins = [torch.empty_like(padded) for _ in per] if state.rank == 0 else None
+    dist.gather(padded, bins, dst=0, group=state.group)
+    if state.rank != 0:
+        return None
+    return torch.cat([b[:n] for b, n in zip(bins, per, strict=True)])
+
+
+def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "cpu") -> None:
+    """Serve steps from rank 0 until it sends "stop" (ranks 1…P−1). Allocates the rank's KV pool
+    from the first step's :class:`KVSpec`."""
+    kv: KVStorage | None = None
+    cfg: MiniMaxM2Config = model.config
+    while True:
+        msg = _receive(state)
+        if msg["kind"] == "stop":
+            return
+        if msg["kv"] is not None:
+            kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
+        run_rank_step(model, state, msg["batch"], kv)
+
+
+def _receive(state: ParallelState) -> dict[str, Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=state.group)
+    return box[0]
+
+
+def _send(state: ParallelState, msg: dict[str, Any]) -> None:
+    dist.broadcast_object_list([msg], src=0, group=state.group)
+
+
+@dataclass(slots=True)
+class DistributedModel:
+    """Rank 0's handle on the model of all ranks: ``model(batch, kv) -> logits [N, V] f32``, the
+    same contract as the single-process model (docs/architecture.md), so the engine runs unchanged.
+
+    ``kv`` is rank 0's pool (allocate it with :attr:`num_kv_heads`); the workers allocate the same
+    pages from the first step's message. ``workers`` (when rank 0 spawned them) is checked before
+    every step; a failed collective is reported as WorkerError naming the dead rank if one died.
+    """
+
+    model: Any
+    state: ParallelState
+    workers: WorkerGroup | None = None
+    kv_seen: KVStorage | None = None
+    replica_of: dict[int, int] = field(default_factory=dict)
+    next_replica: int = 0
+    closed: bool = False
+
+    @property
+    def config(self) -> MiniMaxM2Config:
+        """The model's config."""
+        return self.model.config
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held on each rank (Hkv / tp)."""
+        return self.model.dims.num_kv_heads
+
+    @property
+    def kv_scales(self) -> tuple[list[float], list[float]] | None:
+        """Checkpoint fp8 KV scales (as the single-process model)."""
+        return self.model.kv_scales
+
+    def __call__(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+        """Broadcast the step, run rank 0's part, return the logits of all requests in order."""
+        if self.closed:
+            raise WorkerError("the distributed model was shut down")
+        if self.workers is not None:
+            self.workers.check()
+        first = kv is not self.kv_seen  # a new pool: the workers allocate theirs alike
+        self.kv_seen = kv
+        order: list[int] | None = None
+        if dp_attention(self.state.mode, self.state.world_size):
+            batch, order = self._split(batch)
+        try:
+            _send(self.state, {"kind": "step", "batch": batch, "kv": KVSpec.of(kv) if first else None})
+            logits = run_rank_step(self.model, self.state, batch, kv)
+        except RuntimeError as e:
+            if self.workers is not None:
+                self.workers.check()
+            raise WorkerError(f"a collective failed on rank 0 ({e}); a worker rank is probably gone") from e
+        if order is None:
+            return logits
+        # back from replica order to the caller's request order
+        parts = list(torch.split(logits, logit_counts(batch)))
+        back = [torch.empty(0)] * len(order)
+        for pos, b in enumerate(order):
+            back[b] = parts[pos]
+        return torch.cat(back) if back else logits
+
+    def _split(self, batch: ForwardBatch) -> tuple[ForwardBatch, list[int]]:
+        """Order requests replica by replica; returns the DP batch and the original index of each."""
+        dp = self.state.world_size
+        offs = batch.input_row_offsets.tolist()
+        replicas: list[list[int]] = [[] for _ in range(dp)]
+        for b in range(len(offs) - 1):
+            first_page = int(batch.block_tables[b, 0])
+            if int(batch.positions[offs[b]]) == 0 or first_page not in self.replica_of:
+                self.replica_of[first_page] = self.next_replica
+                self.next_replica = (self.next_replica + 1) % dp
+            replicas[self.replica_of[first_page]].append(b)
+        order = [b for r in replicas for b in r]
+        out = select_requests(batch, order)
+        sizes = torch.tensor([0] + [len(r) for r in replicas], dtype=torch.int64).cumsum(0)
+        out.data_parallel_splits = sizes.to(batch.tokens.device)
+        return out, order
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, leave the process group and join spawned workers."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.workers is None or all(p.exitcode is None for p in self.workers.procs):
+                _send(self.state, {"kind": "stop"})
+        except RuntimeError as e:  # a dead worker cannot be told; it is joined / killed below
+            log.warning("could not send stop to the workers: %s", e)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if self.workers is not None:
+                self.workers.shutdown()
