@@ -8,7 +8,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from m2serve.text.parser import StreamingParser
+from m2serve.text.parser import StreamingParser, parse_output
 
 TAGS = ("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=",
         "</invoke>", "<parameter name=", "</parameter>")
@@ -26,41 +26,37 @@ class Streamed:
     error: bool = False
 
 
-REASONING_TAGS = ("<think>", "</think>", "<minimax:tool_call>")
-CONTENT_TAGS = ("</think>",)
-CONTENT_TOOL_TAGS = ("</think>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=")
-
-
-def _partial_tag_suffix(text: str, tags) -> bool:
-    """True if text ends with a proper, non-empty prefix of one of ``tags``."""
-    return any(text.endswith(tag[:k]) for tag in tags for k in range(1, len(tag)))
+def _tag_prefixes(text: str) -> list[str]:
+    """Tags of which a proper, non-empty suffix-prefix ends ``text`` (they could still complete)."""
+    return [tag for tag in TAGS if any(text.endswith(tag[:k]) for k in range(1, len(tag)))]
 
 
 def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -> Streamed:
-    """Feed ``chunks`` (which must join to ``output``) and check invariants on every delta."""
+    """Feed ``chunks`` (which must join to ``output``) and check invariants on every delta.
+
+    P25: no chunk of a delta mixes reasoning and content. P22: whenever the text fed so far ends
+    with a possible partial tag, what was emitted so far is a prefix of the one-shot parse of that
+    text with the tag completed, i.e. nothing that the tag could still change has left.
+    """
     assert "".join(chunks) == output
     parser = StreamingParser(tools, mode, prompt_tail)
     result = Streamed()
-    deltas = [(parser.feed(c), False) for c in chunks] + [(parser.finish(), True)]
-    for delta, final in deltas:
-        for chunk in delta.chunks():  # P25: no chunk mixes reasoning and content
-            assert not (chunk.reasoning and chunk.content)
-        if not final:  # P22: no partial tag leaves before finish()
-            assert not _partial_tag_suffix(delta.content, CONTENT_TOOL_TAGS if tools else CONTENT_TAGS)
-            assert not _partial_tag_suffix(delta.reasoning, REASONING_TAGS)
+    fed = ""
+    for chunk in [*chunks, None]:
+        delta = parser.feed(chunk) if chunk is not None else parser.finish()
+        for part in delta.chunks():
+            assert not (part.reasoning and part.content)
         result.reasoning += delta.reasoning
         result.content += delta.content
-        for tc in delta.tool_calls:
-            if tc.id is not None:  # P23: one first delta per index with id, type, name, ""
-                assert tc.index not in result.names
-                assert CALL_ID.fullmatch(tc.id) and tc.type == "function" and tc.name
-                assert tc.arguments == ""
-                assert tc.index == len(result.names)  # dense indices
-                result.names[tc.index] = tc.name
-                result.arguments[tc.index] = ""
-            else:
-                assert tc.index in result.names and tc.type is None and tc.name is None
-                result.arguments[tc.index] += tc.arguments
+        _collect_calls(result, delta)
+        if chunk is None:
+            break
+        fed += chunk
+        for tag in _tag_prefixes(fed):
+            k = max(k for k in range(1, len(tag)) if fed.endswith(tag[:k]))
+            done = parse_output(fed + tag[k:], tools, mode, prompt_tail)
+            assert (done.reasoning or "").startswith(result.reasoning), (fed, tag, result.reasoning)
+            assert (done.content or "").startswith(result.content), (fed, tag, result.content)
     result.closed = list(parser.tool_calls)
     for call in result.closed:  # P24: concatenated deltas == non-streaming arguments, byte for byte
         assert result.arguments[call.index] == call.arguments
@@ -68,6 +64,20 @@ def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -
     result.rejected = parser.rejected_tool_calls
     result.error = parser.parser_error
     return result
+
+
+def _collect_calls(result: Streamed, delta) -> None:
+    for tc in delta.tool_calls:
+        if tc.id is not None:  # P23: one first delta per index with id, type, name and ""
+            assert tc.index not in result.names
+            assert CALL_ID.fullmatch(tc.id) and tc.type == "function" and tc.name
+            assert tc.arguments == ""
+            assert tc.index == len(result.names)  # P11 dense indices
+            result.names[tc.index] = tc.name
+            result.arguments[tc.index] = ""
+        else:  # later deltas carry only argument text
+            assert tc.index in result.names and tc.type is None and tc.name is None
+            result.arguments[tc.index] += tc.arguments
 
 
 def tag_positions(text: str) -> list[int]:
