@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from stream_check import split_at, stream
 
+import m2serve.checkpoints
 from m2serve.text.parser import parse_output
 from m2serve.text.template import ChatTemplate
 
-TEMPLATE = ChatTemplate.from_file(Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/chat_template.jinja")
+TEMPLATE = ChatTemplate.from_file(Path(m2serve.checkpoints.__file__).with_name("chat_template.jinja"))
 USER = {"role": "user", "content": "go"}
 EOM = "[e~[\n"
 TAGS = ("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=",
@@ -53,7 +54,8 @@ def tool_turns(draw):
     names = draw(st.lists(name, min_size=1, max_size=3, unique=True))
     specs = {n: draw(st.dictionaries(name, st.sampled_from(sorted(TYPES)), max_size=4)) for n in names}
     tools = [{"type": "function", "function": {"name": n, "description": "d", "parameters": {
-        "type": "object", "properties": {k: {"type": t} for k, t in spec.items()}}}} for n, spec in specs.items()]
+        "type": "object", "properties": {k: {"type": t} for k, t in spec.items()}}}}
+        for n, spec in specs.items()]
     calls = []
     for _ in range(draw(st.integers(1, 3))):
         n = draw(st.sampled_from(names))
@@ -126,8 +128,8 @@ def test_round_trip_render_parse_render(turn, reasoning, content):  # render(par
     prompt, output = _generation(messages, tools)
     r = parse_output(output, tools, "split", prompt)
     again = {"role": "assistant", "content": r.content, "reasoning_content": r.reasoning,
-             "tool_calls": [{"id": t.id, "type": t.type, "function": {"name": t.name, "arguments": t.arguments}}
-                            for t in r.tool_calls]}
+             "tool_calls": [{"id": t.id, "type": t.type,
+                             "function": {"name": t.name, "arguments": t.arguments}} for t in r.tool_calls]}
     assert TEMPLATE.render([USER, again], tools, add_generation_prompt=False) == \
         TEMPLATE.render(messages, tools, add_generation_prompt=False)
 
@@ -135,8 +137,10 @@ def test_round_trip_render_parse_render(turn, reasoning, content):  # render(par
 NOISE = st.lists(st.one_of(st.sampled_from([*TAGS, "<", ">", "</", "name=", '"f"', "f", "\n", " ", "x", "1",
                                             "<minimax:tool", "</param", "<invoke name=\"f\">", "null", "{}"]),
                            st.text(max_size=4)), max_size=40).map("".join)
-NOISE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-    "n": {"type": "integer"}, "o": {"anyOf": [{"type": "object"}, {"type": "null"}]}, "s": {"type": "string"}}}}}]
+NOISE_PROPS = {"n": {"type": "integer"}, "o": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+               "s": {"type": "string"}}
+NOISE_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                              "properties": NOISE_PROPS}}}]
 
 
 @SETTINGS
