@@ -1,0 +1,346 @@
+"""Memory planner: from config.json alone plus the deployment, how many KV pages fit (serving.md §7).
+
+Per device d (every device of a balanced deployment holds the same bytes; the free memory is the
+smallest over the devices):
+
+    static_d    = weights_d + activations_d + scratch_d
+    kv_budget_d = floor(free_d * device_memory_utilization - static_d)
+    pages       = kv_budget_d // (page_size * kv_bytes_per_token_d)
+
+Nothing here reads weights. The mode and degrees come from config/parallel.py
+(``validate_deployment`` -> ``select_parallelism_mode``, rules V1–V10), the per-rank tensor bytes
+from parallel/shard.py (the same shard plans the loader applies), the encoding from
+formats/detect.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from m2serve.config.engine_args import EngineArgs
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.parallel import ParallelismMode, shard_ranges, validate_deployment
+from m2serve.formats.detect import Encoding, detect_encoding
+from m2serve.parallel.shard import rank_weight_bytes
+
+log = logging.getLogger(__name__)
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+#: Reserve per device for collective buffers when more than one device runs (serving.md §7).
+MULTI_DEVICE_RESERVE = 256 * MiB
+_ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+_WEIGHT_DEQUANT = ("load", "runtime")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The plan for one device of the deployment; every ``*_bytes`` figure is per device.
+
+    weight_bytes: resident weights (what :func:`plan_memory` fits): quantised linears dequantised
+      to the compute dtype with ``weight_dequant="load"``, held as stored with ``"runtime"``.
+    checkpoint_bytes: the same tensors with quantised linears as stored in the checkpoint
+      (serving.md §7 table; router gate + bias counted in fp32, as held).
+    activation_bytes: EP buffer estimate (MAX formulas, :func:`ep_activation_bytes`) / devices;
+      0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
+    free_bytes / memory_source: the device memory the plan starts from and where it came from.
+    kv_bytes_per_token: K and V of all layers for the KV heads this device holds.
+    num_pages x page_size = kv_tokens: the longest context one replica can hold.
+    max_length: the context limit requests get (max_position_embeddings or EngineArgs.max_length,
+      lowered to kv_tokens with a warning when the default does not fit).
+    """
+
+    mode: ParallelismMode
+    num_devices: int
+    tp_size: int
+    ep_size: int
+    data_parallel_degree: int
+    encoding: str
+    dtype: str
+    weight_dequant: str
+    weight_bytes: int
+    checkpoint_bytes: int
+    activation_bytes: int
+    scratch_bytes: int
+    free_bytes: int
+    memory_source: str
+    device_memory_utilization: float
+    kv_cache_format: str
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    page_size: int
+    num_pages: int
+    max_length: int
+
+    @property
+    def static_bytes(self) -> int:
+        """weights + activations + scratch."""
+        return self.weight_bytes + self.activation_bytes + self.scratch_bytes
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool holds (pages x page size) per replica."""
+        return self.num_pages * self.page_size
+
+
+def plan_memory(config: MiniMaxM2Config, args: EngineArgs, device_memory_gib: float | None = None,
+                free_bytes: int | None = None) -> MemoryPlan:
+    """Plan weights, activations and KV pages for ``args``'s deployment (serving.md §7).
+
+    ``device_memory_gib`` plans for devices of that size (GiB, per device) instead of measuring
+    (hardware you do not have); ``free_bytes`` does the same in bytes. Otherwise the free memory
+    of the devices in ``args.devices`` is measured: CPU = available RAM (/proc/meminfo
+    MemAvailable) shared by the N ranks of ``cpu:N``; GPU = free memory (torch.cuda.mem_get_info)
+    of the smallest listed device, its total if it reports 0.
+
+    Raises ValueError for a deployment refused by validate_deployment (V1–V8, e.g. V7: FP8 experts
+    under TP_TP with (I/tp) % 128 != 0), an unknown dtype / kv_cache_format / weight_dequant, or
+    an explicit max_length longer than the KV pool (stating the largest that fits);
+    RuntimeError "model does not fit: ..." when weights + activations + scratch exceed the free
+    memory, and "no room for KV cache: ..." when less than one page is left after
+    device_memory_utilization.
+    """
+    P = num_devices(args.devices)
+    encoding = checkpoint_encoding(config)
+    dep = validate_deployment(
+        config, P, args.data_parallel_degree, args.ep_size, encoding=encoding.value,
+        ep_use_allreduce=args.ep_use_allreduce, device_memory_utilization=args.device_memory_utilization,
+        max_batch_size=args.max_batch_size, max_batch_input_tokens=args.max_batch_input_tokens)
+    act = _lookup(_ACT_BYTES, args.dtype, "dtype")
+    kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    if args.weight_dequant not in _WEIGHT_DEQUANT:
+        raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
+                         f"use one of {_WEIGHT_DEQUANT}")
+    S = args.kv_cache_page_size
+    if S <= 0:
+        raise ValueError(f"kv_cache_page_size={S} must be positive")
+
+    state = dep.state(0)
+    stored = _weight_bytes(config, state, encoding, act, packed=True)
+    resident = stored if args.weight_dequant == "runtime" else _weight_bytes(config, state, encoding, act,
+                                                                           packed=False)
+    if dep.ep_size > 1:
+        moe_act, ep_buf = ep_activation_bytes(
+            config, args.max_batch_input_tokens, num_devices=P, ep_size=dep.ep_size,
+            data_parallel_degree=dep.data_parallel_degree, ep_use_allreduce=dep.ep_use_allreduce,
+            dispatch=args.dtype)
+        activations = -(-(moe_act + ep_buf) // P)
+    else:
+        activations = 0
+    scratch = MULTI_DEVICE_RESERVE if P > 1 else 0
+
+    if device_memory_gib is not None:
+        if device_memory_gib <= 0:
+            raise ValueError(f"device_memory_gib={device_memory_gib} must be positive")
+        free_bytes, source = int(device_memory_gib * GiB), f"--device-memory-gib {device_memory_gib:g}"
+    elif free_bytes is not None:
+        source = "given"
+    else:
+        free_bytes, source = measure_free_bytes(args.devices, P)
+
+    util = args.device_memory_utilization
+    static = resident + activations + scratch
+    if static > free_bytes:
+        hint = (" or weight_dequant=runtime (keep quantised weights packed)"
+                if encoding is not Encoding.DENSE and args.weight_dequant == "load" else "")
+        raise RuntimeError(
+            f"model does not fit: weights {resident / GiB:.2f} GiB + activations {activations / GiB:.2f} GiB "
+            f"+ scratch {scratch / GiB:.2f} GiB > free {free_bytes / GiB:.2f} GiB on device 0 "
+            f"({dep.mode.value}, {P} device(s), {encoding.value} weights, "
+            f"weight_dequant={args.weight_dequant}); use more devices (ep_size / tensor parallelism), "
+            f"a smaller max_batch_input_tokens{hint}")
+    budget = math.floor(free_bytes * util - static)
+    kv_per_token = kv_bytes_per_token(config, dep.tp_size, kv_elem)
+    page = S * kv_per_token
+    if budget < page:
+        raise RuntimeError(
+            f"no room for KV cache: free {free_bytes / GiB:.2f} GiB x device_memory_utilization={util} "
+            f"- static {static / GiB:.2f} GiB (weights {resident / GiB:.2f} + activations "
+            f"{activations / GiB:.2f} + scratch {scratch / GiB:.2f}) = {budget / GiB:.2f} GiB, less than one "
+            f"KV page of {page / MiB:.2f} MiB ({S} tokens x {kv_per_token} B) at "
+            f"device_memory_utilization={util}; raise device_memory_utilization, use more devices or "
+            f"kv_cache_format=float8_e4m3fn")
+    pages = budget // page
+    capacity = pages * S
+    max_length = args.max_length or config.max_position_embeddings
+    if max_length > capacity:
+        if args.max_length is not None:
+            raise ValueError(f"max_length={args.max_length} does not fit in the KV cache: {pages} pages x "
+                             f"{S} tokens = {capacity} tokens; set max_length <= {capacity}")
+        log.warning("max_length lowered from %d to %d tokens: the KV cache holds %d pages of %d",
+                    max_length, capacity, pages, S)
+        max_length = capacity
+    return MemoryPlan(
+        mode=dep.mode, num_devices=P, tp_size=dep.tp_size, ep_size=dep.ep_size,
+        data_parallel_degree=dep.data_parallel_degree, encoding=encoding.value, dtype=args.dtype,
+        weight_dequant=args.weight_dequant, weight_bytes=resident, checkpoint_bytes=stored,
+        activation_bytes=activations, scratch_bytes=scratch, free_bytes=free_bytes, memory_source=source,
+        device_memory_utilization=util, kv_cache_format=args.kv_cache_format, kv_budget_bytes=budget,
+        kv_bytes_per_token=kv_per_token, page_size=S, num_pages=pages, max_length=max_length)
+
+
+def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -> int:
+    """2 (K, V) x L x (Hkv / tp) x D x elem_bytes: 253,952 B for the release in bf16 on one device,
+    31,744 B per device at tp 8 (spec/model.md §4, serving.md §7). fp8 KV scales (one per layer) are
+    not counted."""
+    kv_heads = config.num_key_value_heads // tp_size
+    return 2 * config.num_hidden_layers * kv_heads * config.head_dim * elem_bytes
+
+
+def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *, num_devices: int,
+                        ep_size: int, data_parallel_degree: int, ep_use_allreduce: bool = False,
+                        dispatch: str = "bfloat16") -> tuple[int, int]:
+    """MAX's EP buffer estimate (serving.md §7), summed over all devices: (moe_act, ep_buf) bytes.
+
+    ``dispatch`` is the element type sent by EP dispatch: "fp8" (db 1), "fp4" (packed, db 1 and
+    int(H/2 * 1.125) bytes per token, scales included), "bfloat16" / "float16" (db 2, what an
+    implementation dispatching activations in bf16 sends) or "float32" (db 4).
+
+        mt      = mbit if ep_use_allreduce else ceil(mbit / (ep_size / dp))
+        recv    = mt * min(E, ep_size * k)
+        moe_act = n * (recv*I*db + recv*H*2 + 256 MiB)
+        per_dev = mt*tok + E*mt*tok (allreduce: (E/ep_size)*mt*tok) + k*mt*H*2
+        ep_buf  = 2 * n * per_dev
+
+    The multi-node combine-send term of MAX is not included.
+    """
+    db = {"fp8": 1, "fp4": 1, "bfloat16": 2, "float16": 2, "float32": 4}.get(dispatch)
+    if db is None:
+        raise ValueError(f"dispatch={dispatch!r}: use fp8, fp4, bfloat16, float16 or float32")
+    H, I = config.hidden_size, config.intermediate_size
+    E, k, n = config.num_local_experts, config.num_experts_per_tok, num_devices
+    mbit = max_batch_input_tokens
+    mt = mbit if ep_use_allreduce else math.ceil(mbit * data_parallel_degree / ep_size)
+    recv = mt * min(E, ep_size * k)
+    moe_act = n * (recv * I * db + recv * H * 2 + 256 * MiB)
+    tok = int(H / 2 * 1.125) if dispatch == "fp4" else H * db
+    experts_tok = (E // ep_size) * mt * tok if ep_use_allreduce else E * mt * tok
+    per_dev = mt * tok + experts_tok + k * mt * H * 2
+    return moe_act, 2 * n * per_dev
+
+
+def checkpoint_encoding(config: MiniMaxM2Config) -> Encoding:
+    """The checkpoint's weight encoding from its quantization_config (formats/detect.py).
+
+    Planning needs only the format family, so a format that detect.py recognises but cannot load
+    yet (FP4 before issue 7) is still planned: ModelOpt -> NVFP4, Quark -> MXFP4, and
+    compressed-tensors by its ``config_groups`` format name.
+    """
+    quant = config.quantization_config
+    try:
+        return detect_encoding(quant, config.source)
+    except NotImplementedError:
+        method = str((quant or {}).get("quant_method", "")).lower()
+        if method == "modelopt":
+            return Encoding.NVFP4
+        if method == "quark":
+            return Encoding.MXFP4
+        formats = str((quant or {}).get("format", "")) + str((quant or {}).get("config_groups", ""))
+        if method == "compressed-tensors" and "mxfp4" in formats.lower():
+            return Encoding.MXFP4
+        if method == "compressed-tensors":
+            return Encoding.NVFP4
+        raise
+
+
+def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, *, packed: bool) -> int:
+    """Per-rank weight bytes: parallel/shard.py's tensor list sliced by the rank's shard plan.
+
+    packed=True: as stored (FP8: 1 B + fp32 128x128 scales; FP4 experts: U8 nibbles + group scales,
+    NVFP4 also two fp32 per-tensor scalars). packed=False: every quantised linear dequantised to the
+    compute dtype (``act`` bytes). Router gate + bias are fp32, norms / embedding / lm_head ``act``.
+    """
+    if encoding is Encoding.FP8_BLOCK and packed:
+        return rank_weight_bytes(config, state, "fp8", act)
+    dense = rank_weight_bytes(config, state, "bf16", act)
+    if not packed or encoding not in (Encoding.NVFP4, Encoding.MXFP4):
+        return dense
+    # FP4 releases quantise only the experts (checkpoints.md §7): swap their dense bytes for packed.
+    r = shard_ranges(config, state)
+    held = (r.experts[1] - r.experts[0]) * config.num_hidden_layers * 3      # expert linears on this rank
+    n_k = config.hidden_size * (r.intermediate[1] - r.intermediate[0])       # elements of one linear
+    group, scale_b, scalars = (16, 1, 8) if encoding is Encoding.NVFP4 else (32, 1, 0)
+    packed_one = n_k // 2 + n_k // group * scale_b + scalars
+    return dense - held * n_k * act + held * packed_one
+
+
+def num_devices(devices: str) -> int:
+    """World size of an EngineArgs.devices string: cpu / gpu -> 1, cpu:N -> N, gpu:0,1,2 -> 3.
+    Raises ValueError naming the accepted forms."""
+    kind, _, rest = devices.partition(":")
+    ok = kind in ("cpu", "gpu") and (not rest or (rest.isdigit() and int(rest) > 0 if kind == "cpu" else
+                                                  all(d.strip().isdigit() for d in rest.split(","))))
+    if not ok:
+        raise ValueError(f"devices={devices!r}: use cpu, cpu:N, gpu or gpu:0,1,...")
+    if not rest:
+        return 1
+    return int(rest) if kind == "cpu" else len(rest.split(","))
+
+
+def measure_free_bytes(devices: str, num: int) -> tuple[int, str]:
+    """(free bytes per device, where the figure came from) for an EngineArgs.devices string.
+
+    CPU: MemAvailable from /proc/meminfo (else os.sysconf available pages) divided by the number
+    of CPU ranks, which share the RAM. GPU: the smallest torch.cuda.mem_get_info free figure of
+    the listed devices (a device reporting 0 counts with its total). RuntimeError if no CUDA
+    device is visible, suggesting --device-memory-gib.
+    """
+    kind, _, rest = devices.partition(":")
+    if kind == "cpu":
+        avail = _available_ram()
+        return avail // num, f"available RAM {avail / GiB:.2f} GiB / {num} CPU rank(s)"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"devices={devices!r}: no CUDA device is visible; plan for hardware you do not "
+                           f"have with --device-memory-gib")
+    ids = [int(d) for d in rest.split(",")] if rest else [0]
+    frees = []
+    for i in ids:
+        free, total = torch.cuda.mem_get_info(i)
+        frees.append(free or total)
+    return min(frees), f"free GPU memory (smallest of {len(ids)} device(s))"
+
+
+def _available_ram() -> int:
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _lookup(table: dict[str, int], name: str, field: str) -> int:
+    if name not in table:
+        raise ValueError(f"{field}={name!r} is not supported; use one of {sorted(table)}")
+    return table[name]
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a two-column text table (per device), for ``m2serve plan``."""
+    def gib(b: int) -> str:
+        return f"{b / GiB:,.2f} GiB ({b:,} B)"
+
+    rows = [
+        ("parallel mode", f"{plan.mode.value}: {plan.num_devices} device(s), tp {plan.tp_size}, "
+                          f"ep {plan.ep_size}, dp {plan.data_parallel_degree}"),
+        ("weights", f"{plan.encoding}, compute {plan.dtype}, weight_dequant {plan.weight_dequant}"),
+        ("weight bytes / device", gib(plan.weight_bytes)),
+        ("  as stored in checkpoint", gib(plan.checkpoint_bytes)),
+        ("activations / device", gib(plan.activation_bytes)),
+        ("scratch / device", gib(plan.scratch_bytes)),
+        ("device memory", f"{gib(plan.free_bytes)} [{plan.memory_source}]"),
+        ("memory utilization", f"{plan.device_memory_utilization:g}"),
+        ("KV budget / device", gib(plan.kv_budget_bytes)),
+        ("KV bytes / token / device", f"{plan.kv_bytes_per_token:,} B ({plan.kv_cache_format})"),
+        ("KV pages", f"{plan.num_pages:,} x {plan.page_size} tokens = {plan.kv_tokens:,} tokens"),
+        ("max context (max_length)", f"{plan.max_length:,} tokens"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

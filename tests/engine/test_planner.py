@@ -1,0 +1,322 @@
+"""Memory planner tests against the hand-derived figures of spec/serving.md §7 and model.md §4.
+
+The fixture is the shipped MiniMax-M2.7 config.json (release values, spec/model.md §1–§4). Every
+expected number is derived here from the release shapes, term by term, never from the planner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+import m2serve
+from m2serve.config.engine_args import EngineArgs
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.parallel import ParallelismMode
+from m2serve.engine import planner
+from m2serve.engine.planner import (
+    GiB,
+    MiB,
+    ep_activation_bytes,
+    format_plan,
+    measure_free_bytes,
+    num_devices,
+    plan_memory,
+)
+
+HUB = Path(m2serve.__file__).parent / "checkpoints" / "hub_configs"
+GPU8 = "gpu:0,1,2,3,4,5,6,7"
+
+# --- release shapes (spec/model.md §1-§2) and hand-derived bytes (serving.md §7) --------------
+H, L, Hq, Hkv, D, I, E, k, V = 3072, 62, 48, 8, 128, 1536, 256, 8, 200064
+Q, KV = Hq * D, Hkv * D                                                   # 6144, 1024
+
+
+def blocks(n: int, m: int) -> int:
+    """Number of 128x128 FP8 scale blocks of an [n, m] weight."""
+    return math.ceil(n / 128) * math.ceil(m / 128)
+
+
+ATTN_ELEMS = Q * H + 2 * KV * H + H * Q                                   # q, k, v, o
+ATTN_SCALES = blocks(Q, H) + 2 * blocks(KV, H) + blocks(H, Q)
+EXPERT_ELEMS = 3 * H * I                                                  # w1, w3, w2
+EXPERT_SCALES = 2 * blocks(I, H) + blocks(H, I)
+ATTN_FP8 = ATTN_ELEMS * 1 + ATTN_SCALES * 4
+EXPERTS_FP8 = E * (EXPERT_ELEMS * 1 + EXPERT_SCALES * 4)
+QK_NORM = (Q + KV) * 2
+LAYER_NORMS = 2 * H * 2
+ROUTER = E * H * 4 + E * 4                                                # fp32 gate + bias
+EMBED = LM_HEAD = V * H * 2
+FINAL_NORM = H * 2
+
+
+def test_hand_derived_terms_match_the_spec_table():
+    # serving.md §7 "Per layer" line, so the terms below are the spec's own figures
+    assert (ATTN_FP8, ATTN_SCALES * 4) == (44_050_944, 10_752)
+    assert (EXPERTS_FP8, E * EXPERT_SCALES * 4) == (3_624_763_392, 884_736)
+    assert (QK_NORM, LAYER_NORMS, ROUTER) == (14_336, 12_288, 3_146_752)
+    assert (EMBED, FINAL_NORM) == (1_229_193_216, 6_144)
+
+
+REPLICATED = EMBED + LM_HEAD + FINAL_NORM
+ONE_DEVICE = L * (ATTN_FP8 + EXPERTS_FP8 + QK_NORM + LAYER_NORMS + ROUTER) + REPLICATED
+TP_EP_8 = L * (ATTN_FP8 // 8 + QK_NORM // 8 + EXPERTS_FP8 // 8 + LAYER_NORMS + ROUTER) + REPLICATED
+DP_EP_8 = L * (ATTN_FP8 + QK_NORM + EXPERTS_FP8 // 8 + LAYER_NORMS + ROUTER) + REPLICATED
+
+
+@pytest.fixture(scope="module")
+def m27() -> MiniMaxM2Config:
+    return MiniMaxM2Config.from_pretrained(HUB / "MiniMaxAI" / "MiniMax-M2.7")
+
+
+def plan(config, device_memory_gib=1000.0, **kw):
+    return plan_memory(config, EngineArgs(**kw), device_memory_gib=device_memory_gib)
+
+
+# --- the shipped config (spec/model.md §1, checkpoints.md §4) ---------------------------------
+
+def test_m27_config_is_the_release(m27):
+    raw = json.loads((HUB / "MiniMaxAI" / "MiniMax-M2.7" / "config.json").read_text())
+    assert raw["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    assert (m27.hidden_size, m27.num_hidden_layers, m27.num_attention_heads, m27.num_key_value_heads,
+            m27.head_dim, m27.rotary_dim, m27.intermediate_size, m27.num_local_experts,
+            m27.num_experts_per_tok, m27.vocab_size) == (H, L, Hq, Hkv, D, 64, I, E, k, V)
+    assert m27.max_position_embeddings == 204_800
+    assert (m27.bos_token_id, m27.eos_token_ids) == (200_019, (200_020,))
+    g = m27.generation
+    assert (g.temperature, g.top_p, g.top_k) == (1.0, 0.95, 40)
+
+
+@pytest.mark.parametrize("repo, quant_method, encoding", [
+    ("lukealonso/MiniMax-M2.7-NVFP4", "modelopt", "nvfp4"), ("amd/MiniMax-M2.7-MXFP4", "quark", "mxfp4"),
+    ("MiniMaxAI/MiniMax-M2", "fp8", "fp8_block")])
+def test_other_shipped_configs_load_and_plan(repo, quant_method, encoding):
+    cfg = MiniMaxM2Config.from_pretrained(HUB / repo)
+    assert cfg.quantization_config["quant_method"] == quant_method
+    assert planner.checkpoint_encoding(cfg).value == encoding
+    assert plan(cfg, devices=GPU8, ep_size=8, data_parallel_degree=8, weight_dequant="runtime").num_pages > 0
+
+
+# --- KV bytes per token (model.md §4, serving.md §7 table) ------------------------------------
+
+KV_TOKEN_BF16 = 2 * L * Hkv * D * 2
+
+
+@pytest.mark.parametrize("kw, per_device", [
+    (dict(devices="gpu"), KV_TOKEN_BF16),
+    (dict(devices="gpu:0,1", ep_size=2), KV_TOKEN_BF16 // 2),
+    (dict(devices="gpu:0,1,2,3", ep_size=4), KV_TOKEN_BF16 // 4),
+    (dict(devices=GPU8, ep_size=8), KV_TOKEN_BF16 // 8),
+    (dict(devices=GPU8, ep_size=8, data_parallel_degree=8), KV_TOKEN_BF16),
+])
+def test_kv_bytes_per_token(m27, kw, per_device):
+    assert (KV_TOKEN_BF16, KV_TOKEN_BF16 // 8) == (253_952, 31_744)
+    assert plan(m27, weight_dequant="runtime", **kw).kv_bytes_per_token == per_device
+
+
+def test_fp8_kv_cache_doubles_the_kv_tokens(m27):
+    kw = dict(devices=GPU8, ep_size=8, weight_dequant="runtime", device_memory_gib=141)
+    bf16 = plan(m27, **kw)
+    fp8 = plan(m27, kv_cache_format="float8_e4m3fn", **kw)
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert fp8.kv_budget_bytes == bf16.kv_budget_bytes
+    assert fp8.num_pages in (2 * bf16.num_pages, 2 * bf16.num_pages + 1)  # floor of twice the pages
+    assert fp8.kv_tokens >= 2 * bf16.kv_tokens
+
+
+# --- weight bytes per device (serving.md §7 table) -------------------------------------------
+
+@pytest.mark.parametrize("kw, want, published", [
+    (dict(devices="gpu"), ONE_DEVICE, 230_121_630_720),
+    (dict(devices=GPU8, ep_size=8), TP_EP_8, 31_087_675_264),
+    (dict(devices=GPU8, ep_size=8, data_parallel_degree=8), DP_EP_8, 33_478_216_704),
+])
+def test_weight_bytes_per_device(m27, kw, want, published):
+    assert want == published
+    p = plan(m27, weight_dequant="runtime", **kw)
+    assert p.weight_bytes == want and p.checkpoint_bytes == want
+    # default weight_dequant=load: the loader dequantises every FP8 linear to the compute dtype
+    # (bf16, 2 B): FP8 bytes and scales replaced by 2 B per element
+    loaded = plan(m27, **kw)
+    assert loaded.checkpoint_bytes == want
+    shards = {"gpu": (1, 1), GPU8: (8, 8 if kw.get("data_parallel_degree") != 8 else 1)}[kw["devices"]]
+    ep, tp = shards[0], shards[1]
+    dense = L * (ATTN_ELEMS * 2 // tp + QK_NORM // tp + E * EXPERT_ELEMS * 2 // ep + LAYER_NORMS + ROUTER) \
+        + EMBED + LM_HEAD + FINAL_NORM
+    assert loaded.weight_bytes == dense
+
+
+def test_parameter_count_consistent_with_model_md(m27):
+    # model.md §4: 228,689,764,864 parameters; the one-device FP8 total adds 3 B per fp32 scale
+    # element and 1 B per bf16 element beyond the 1 B FP8 elements
+    params = L * (ATTN_ELEMS + E * EXPERT_ELEMS + Q + KV + 2 * H + E * H + E) + 2 * V * H + H
+    assert params == 228_689_764_864
+
+
+def test_fp4_weight_bytes(m27):
+    nv = MiniMaxM2Config.from_pretrained(HUB / "lukealonso" / "MiniMax-M2.7-NVFP4")
+    mx = MiniMaxM2Config.from_pretrained(HUB / "amd" / "MiniMax-M2.7-MXFP4")
+    rest = L * (ATTN_ELEMS * 2 + QK_NORM + LAYER_NORMS + ROUTER) + EMBED + LM_HEAD + FINAL_NORM
+    linear = H * I
+    # NVFP4: nibbles (1/2 B) + one E4M3 scale per 16 + weight_scale_2 and input_scale (fp32) per linear
+    nv_experts = L * E * 3 * (linear // 2 + linear // 16 + 8)
+    # MXFP4: nibbles + one E8M0 byte per 32
+    mx_experts = L * E * 3 * (linear // 2 + linear // 32)
+    assert plan(nv, devices="gpu", weight_dequant="runtime").weight_bytes == rest + nv_experts
+    assert plan(mx, devices="gpu", weight_dequant="runtime").weight_bytes == rest + mx_experts
+    dense = rest + L * E * EXPERT_ELEMS * 2
+    assert plan(nv, devices="gpu").weight_bytes == dense  # weight_dequant=load: bf16 experts
+    # TP_TP tp 8 is allowed for NVFP4 (192 % 16 == 0, V7): experts split by I, attention by heads
+    p = plan(nv, devices=GPU8, weight_dequant="runtime")
+    assert p.mode is ParallelismMode.TP_TP
+    linear8 = H * I // 8
+    assert p.weight_bytes == (L * (ATTN_ELEMS * 2 // 8 + QK_NORM // 8 + LAYER_NORMS + ROUTER)
+                              + EMBED + LM_HEAD + FINAL_NORM + L * E * 3 * (linear8 // 2 + linear8 // 16 + 8))
+
+
+def test_tp_tp_8_refused_for_fp8(m27):
+    # V7: 1536 / 8 = 192 is not a multiple of 128
+    with pytest.raises(ValueError, match=r"cannot be split 8 ways \(192 per rank is not a multiple of 128\); "
+                                         r"use ep_size=8"):
+        plan(m27, devices=GPU8)
+    p = plan(m27, devices="gpu:0,1,2,3", weight_dequant="runtime")  # 384 = 3 x 128 works
+    assert p.mode is ParallelismMode.TP_TP and p.kv_bytes_per_token == KV_TOKEN_BF16 // 4
+
+
+# --- the two "does not fit" errors (serving.md §7) ---------------------------------------------
+
+def test_model_does_not_fit_names_the_numbers(m27):
+    # one device, FP8 held packed: 214.32 GiB of weights > 200 GiB
+    with pytest.raises(RuntimeError, match=r"^model does not fit: weights 214\.32 GiB \+ activations "
+                                           r"0\.00 GiB \+ scratch 0\.00 GiB > free 200\.00 GiB on device 0"):
+        plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=200)
+    # TP_EP on 8 x 24 GiB: 28.95 GiB of weights per device
+    with pytest.raises(RuntimeError, match=r"weights 28\.95 GiB \+ activations 0\.71 GiB \+ "
+                                           r"scratch 0\.25 GiB > free 24\.00 GiB"):
+        plan(m27, devices=GPU8, ep_size=8, weight_dequant="runtime", device_memory_gib=24,
+             max_batch_input_tokens=1024)
+
+
+def test_no_room_for_kv_cache_names_the_numbers(m27):
+    # 230 GiB x 0.9 = 207 GiB < 214.32 GiB of weights, although the weights alone fit
+    with pytest.raises(RuntimeError, match=r"^no room for KV cache: free 230\.00 GiB x "
+                                           r"device_memory_utilization=0\.9 - static 214\.32 GiB .* "
+                                           r"at device_memory_utilization=0\.9"):
+        plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=230)
+    # a budget below one page (128 x 253,952 B = 31 MiB) is no room either
+    free = (ONE_DEVICE + 10 * MiB) / 0.9 / GiB
+    with pytest.raises(RuntimeError, match=r"no room for KV cache: .* less than one KV page of 31\.00 MiB"):
+        plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=free)
+
+
+def test_pages_and_max_context_from_the_formula(m27):
+    free = 141 * GiB
+    moe_act = 8 * (128 * 64 * I * 2 + 128 * 64 * H * 2 + 256 * MiB)   # mbit 1024, dp 1: mt 128, bf16 dispatch
+    ep_buf = 2 * 8 * (128 * H * 2 + E * 128 * H * 2 + k * 128 * H * 2)
+    static = TP_EP_8 + (moe_act + ep_buf) // 8 + 256 * MiB
+    budget = math.floor(free * 0.9 - static)
+    pages = budget // (128 * KV_TOKEN_BF16 // 8)
+    p = plan(m27, devices=GPU8, ep_size=8, weight_dequant="runtime", device_memory_gib=141,
+             max_batch_input_tokens=1024)
+    assert (p.static_bytes, p.kv_budget_bytes, p.num_pages) == (static, budget, pages)
+    assert p.max_length == 204_800 <= p.kv_tokens
+
+
+def test_max_length_lowered_or_refused(m27, caplog):
+    kw = dict(devices="gpu", weight_dequant="runtime", device_memory_gib=230, device_memory_utilization=1.0)
+    budget = math.floor(230 * GiB - ONE_DEVICE)
+    capacity = budget // (128 * KV_TOKEN_BF16) * 128
+    assert capacity < 204_800
+    with caplog.at_level("WARNING"):
+        assert plan(m27, **kw).max_length == capacity
+    assert "max_length lowered from 204800" in caplog.text
+    with pytest.raises(ValueError, match=rf"max_length=200000 does not fit .* set max_length <= {capacity}"):
+        plan(m27, max_length=200_000, **kw)
+    assert plan(m27, max_length=1000, **kw).max_length == 1000
+
+
+# --- EP buffer estimate: MAX's worked values (serving.md §7) -------------------------------------
+
+def test_ep_worked_values_dp8_fp8(m27):
+    mt, recv = 1024, 1024 * min(E, 8 * k)                 # dp 8: mt = ceil(1024 / (8 / 8))
+    moe_act = 8 * (recv * I * 1 + recv * H * 2 + 256 * MiB)
+    per_dev = mt * H + E * mt * H + k * mt * H * 2        # tok = H x 1 B
+    got = ep_activation_bytes(m27, 1024, num_devices=8, ep_size=8, data_parallel_degree=8, dispatch="fp8")
+    assert got == (moe_act, 2 * 8 * per_dev)
+    assert [round(x / GiB, 2) for x in (*got, sum(got))] == [5.75, 12.80, 18.55]
+
+
+def test_ep_worked_values_fp4(m27):
+    tok = int(H / 2 * 1.125)                              # 1728 B, scales included
+    dp8 = ep_activation_bytes(m27, 1024, num_devices=8, ep_size=8, data_parallel_degree=8, dispatch="fp4")
+    assert dp8[1] == 2 * 8 * (1024 * tok + E * 1024 * tok + k * 1024 * H * 2)
+    assert [round(x / GiB, 2) for x in (*dp8, sum(dp8))] == [5.75, 7.53, 13.28]
+    tp8 = ep_activation_bytes(m27, 1024, num_devices=8, ep_size=8, data_parallel_degree=1, dispatch="fp4")
+    mt = 128                                              # ceil(1024 / (8 / 1))
+    assert tp8 == (8 * (mt * 64 * I + mt * 64 * H * 2 + 256 * MiB),
+                   2 * 8 * (mt * tok + E * mt * tok + k * mt * H * 2))
+    assert [round(x / GiB, 2) for x in (*tp8, sum(tp8))] == [2.47, 0.94, 3.41]
+
+
+def test_ep_allreduce_variant(m27):
+    # ep_use_allreduce: every rank routes all mbit tokens; only its own E/ep experts' buffers
+    got = ep_activation_bytes(m27, 1024, num_devices=8, ep_size=8, data_parallel_degree=1,
+                              ep_use_allreduce=True, dispatch="bfloat16")
+    mt, tok = 1024, H * 2
+    assert got == (8 * (mt * 64 * I * 2 + mt * 64 * H * 2 + 256 * MiB),
+                   2 * 8 * (mt * tok + (E // 8) * mt * tok + k * mt * H * 2))
+
+
+# --- device memory, devices strings, bad arguments ---------------------------------------------
+
+def test_cpu_memory_is_available_ram_shared_by_ranks():
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    one, source = measure_free_bytes("cpu", 1)
+    assert 0 < one <= total and "available RAM" in source
+    two, _ = measure_free_bytes("cpu:2", 2)
+    assert abs(2 * two - one) < 0.2 * one  # RAM moves a little between the two reads
+
+
+def test_gpu_without_cuda_suggests_device_memory_gib(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--device-memory-gib"):
+        measure_free_bytes("gpu:0,1", 2)
+
+
+def test_num_devices():
+    assert [num_devices(d) for d in ("cpu", "cpu:4", "gpu", "gpu:0,1,2")] == [1, 4, 1, 3]
+    for bad in ("tpu", "cpu:x", "cpu:0", "gpu:a"):
+        with pytest.raises(ValueError, match="use cpu, cpu:N, gpu or gpu:0,1"):
+            num_devices(bad)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(kv_cache_format="int8"), "kv_cache_format"),
+                                       (dict(dtype="float64"), "dtype"),
+                                       (dict(weight_dequant="never"), "weight_dequant"),
+                                       (dict(kv_cache_page_size=0), "kv_cache_page_size"),
+                                       (dict(device_memory_utilization=1.5), "device_memory_utilization")])
+def test_bad_arguments_named(m27, kw, field):
+    with pytest.raises(ValueError, match=field):
+        plan(m27, devices="gpu", **kw)
+
+
+def test_tiny_config_plans_on_this_cpu():
+    cfg = MiniMaxM2Config.from_dict({
+        "architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64,
+        "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512,
+        "max_position_embeddings": 4096})
+    p = plan_memory(cfg, EngineArgs(devices="cpu", dtype="float32", kv_cache_page_size=16))
+    assert p.kv_bytes_per_token == 2 * 2 * 4 * 128 * 2 and p.max_length == 4096
+    assert p.num_pages * 16 >= 4096 and "available RAM" in p.memory_source
+    table = format_plan(p)
+    assert "KV pages" in table and f"{p.num_pages:,} x 16 tokens" in table
