@@ -1,0 +1,153 @@
+"""Chat-template rendering (spec chat-and-parsers.md §2): the acceptance cases of
+tests/data/template_cases.jsonl, parity with transformers' own renderer (the oracle for the
+sandbox environment), message normalisation, errors naming the message index, and the sandbox."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from m2serve.text.template import ChatTemplate, TemplateError, normalize_messages
+
+CASE_FILE = Path(__file__).resolve().parents[1] / "data" / "template_cases.jsonl"
+CASES = [json.loads(line) for line in CASE_FILE.read_text(encoding="utf-8").splitlines() if line]
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": SCHEMA}}]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_random_dir):
+    return ChatTemplate.from_pretrained(tiny_random_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_random_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_random_dir))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_template_case(case, template):  # spec §2, acceptance cases
+    out = template.render(case["messages"], case["tools"], case["add_generation_prompt"])
+    assert out.startswith("]~!b[")
+    for s in case["expect_contains"]:
+        assert s in out
+    for s in case["expect_not_contains"]:
+        assert s not in out
+    if case["expect_endswith"] is not None:
+        assert out.endswith(case["expect_endswith"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_same_as_transformers(case, template, hf_tokenizer):  # spec §2 rendering rule
+    messages = normalize_messages(case["messages"])
+    want = hf_tokenizer.apply_chat_template(messages, tools=case["tools"], tokenize=False,
+                                            add_generation_prompt=case["add_generation_prompt"])
+    assert template.render(case["messages"], case["tools"], case["add_generation_prompt"]) == want
+
+
+def test_string_arguments_parsed(template):  # §2 normalisation: arguments as JSON string or object
+    def conv(args):
+        return [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function",
+                                 "function": {"name": "f", "arguments": args}}]}]
+    as_text = template.render(conv('{"x": 1, "s": "a b"}'), TOOLS)
+    assert as_text == template.render(conv({"x": 1, "s": "a b"}), TOOLS)
+    assert '<parameter name="x">1</parameter>\n<parameter name="s">a b</parameter>' in as_text
+    assert "None" not in as_text  # content null renders as nothing
+    with pytest.raises(TemplateError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments") as err:
+        template.render(conv("{not json"), TOOLS)
+    assert err.value.message_index == 1
+    with pytest.raises(TemplateError, match="must be a JSON object"):
+        template.render(conv("[1, 2]"), TOOLS)
+
+
+def test_top_level_name_and_arguments_copies():  # §2: official template reads tool_calls[-1].name
+    official_style = ("{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[-1].name }}:"
+                      "{% for k, v in m.tool_calls[0].arguments.items() %}{{ k }}={{ v }}{% endfor %}"
+                      "{% endif %}{% endfor %}")
+    call = {"type": "function", "function": {"name": "g", "arguments": '{"a": 2}'}}
+    msgs = [{"role": "assistant", "tool_calls": [call]}]
+    assert ChatTemplate(official_style).render(msgs) == "g:a=2"
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 2}'  # the caller's dicts are untouched
+
+
+def test_reasoning_aliases_and_inline_think(template):  # §2 normalisation
+    base = [{"role": "user", "content": "q"}]
+    want = template.render(base + [{"role": "assistant", "content": "A", "reasoning_content": "R"}],
+                           add_generation_prompt=False)
+    assert "<think>\nR\n</think>\n\nA[e~[" in want
+    for alias in ("reasoning", "thinking"):
+        assert template.render(base + [{"role": "assistant", "content": "A", alias: "R"}],
+                               add_generation_prompt=False) == want
+    echoed = {"role": "assistant", "content": "<think>R</think>\n\nA", "reasoning_content": "R"}
+    assert template.render(base + [echoed], add_generation_prompt=False) == want
+    inline_only = {"role": "assistant", "content": "<think>\nR\n</think>\n\nA"}  # the template splits it
+    assert template.render(base + [inline_only], add_generation_prompt=False) == want
+
+
+def test_text_parts_joined_and_other_parts_rejected(template):  # §2: text-only model
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    assert "]~b]user\nHello there[e~[" in template.render([{"role": "user", "content": parts}])
+    bad = [{"role": "user", "content": "a"},
+           {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(TemplateError, match=r"messages\[1\]\.content\[0\].*image_url.*text parts only"):
+        template.render(bad)
+
+
+def test_raise_exception_names_message_index(template):  # §2: tool message without a tool call
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "tool", "content": "r"}]
+    with pytest.raises(TemplateError, match=r"messages\[2\].*tool") as err:
+        template.render(msgs)
+    assert err.value.message_index == 2
+
+
+def test_sandbox_denies_python_internals():  # §2: sandboxed environment
+    with pytest.raises(TemplateError, match="sandbox|unsafe|not safely callable|attribute"):
+        ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}").render([])
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ messages.append(1) }}").render([{"role": "user", "content": "x"}])
+
+
+def test_environment_features():  # §2: tojson, strftime_now, namespace, loopcontrols, kwargs, tokens
+    src = ("{{ {'k': 'é', 'n': [1, 2]} | tojson }}|{{ strftime_now('%Y') }}|"
+           "{% set ns = namespace(n=0) %}{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}"
+           "{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|{{ flavour }}|{{ bos_token }}\n"
+           "  {% if true %}\n  x\n{% endif %}")  # trim_blocks + lstrip_blocks
+    out = ChatTemplate(src, bos_token="]~!b[").render([], flavour="mint")
+    assert out == f'{{"k": "é", "n": [1, 2]}}|{datetime.now().year}|3|mint|]~!b[\n  x\n'
+    with pytest.raises(TemplateError, match="bos_token"):
+        ChatTemplate(src).render([], bos_token="x")
+
+
+def test_tokenizer_config_fallback_and_missing(tiny_random_dir, tmp_path):  # §2: where the template lives
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    config = json.loads((Path(tiny_random_dir) / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}{{ messages[0].content }}"
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.from_pretrained(d).render([{"role": "user", "content": "hi"}]) == "]~!b[hi"
+    shutil.copyfile(Path(tiny_random_dir) / "chat_template.jinja", d / "chat_template.jinja")
+    rendered = ChatTemplate.from_pretrained(d).render([{"role": "user", "content": "hi"}])
+    assert rendered.endswith("]~b]ai\n<think>\n")  # chat_template.jinja wins over tokenizer_config.json
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="chat_template.jinja.*tokenizer_config.json"):
+        ChatTemplate.from_pretrained(empty)
+    (empty / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ValueError, match="chat_template.jinja: chat template syntax error"):
+        ChatTemplate.from_pretrained(empty)
+
+
+def test_bad_messages_named():
+    with pytest.raises(TemplateError, match=r"messages\[0\]\.role"):
+        normalize_messages([{"content": "x"}])
+    with pytest.raises(TemplateError, match=r"messages\[1\] must be an object"):
+        normalize_messages([{"role": "user", "content": "x"}, "hi"])
