@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from m2serve.model.batch import ForwardBatch, KVStorage
-from m2serve.model.norm import qk_norm
+from m2serve.model.linear import Linear
+from m2serve.model.norm import RMSNorm, qk_norm
 from m2serve.model.rope import apply_rope, rope_cos_sin
 
 E4M3_MAX = 448.0
@@ -115,14 +116,12 @@ class MiniMaxM2Attention(nn.Module):
         self.q_width, self.k_width, self.scale, self.eps = q_width, k_width, scale, eps
         self.reduce_qk, self.reduce_out = reduce_qk, reduce_out
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = nn.Linear(hidden_size, q, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(hidden_size, kv, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(hidden_size, kv, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(q, hidden_size, bias=False, dtype=dtype)
-        self.q_norm = nn.Module()
-        self.q_norm.weight = nn.Parameter(torch.empty(q, dtype=dtype), requires_grad=False)
-        self.k_norm = nn.Module()
-        self.k_norm.weight = nn.Parameter(torch.empty(kv, dtype=dtype), requires_grad=False)
+        self.q_proj = Linear(hidden_size, q, dtype)
+        self.k_proj = Linear(hidden_size, kv, dtype)
+        self.v_proj = Linear(hidden_size, kv, dtype)
+        self.o_proj = Linear(q, hidden_size, dtype)
+        self.q_norm = RMSNorm(q, eps, dtype)  # γ only: applied by qk_norm with the global width
+        self.k_norm = RMSNorm(kv, eps, dtype)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
         """h [T, H] act -> attention output [T, H] act (after o_proj and ``reduce_out``)."""

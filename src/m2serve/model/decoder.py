@@ -25,7 +25,8 @@ from m2serve.config.parallel import ParallelismMode, ParallelState
 from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.experts import MiniMaxM2Experts
-from m2serve.model.norm import rms_norm
+from m2serve.model.linear import Linear
+from m2serve.model.norm import RMSNorm
 from m2serve.model.rope import rope_inv_freq
 from m2serve.model.router import MiniMaxM2Router
 
@@ -86,18 +87,6 @@ def reduce_moe_output(m: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
     return _all_reduce(m, parallel) if parallel.tp_size > 1 or parallel.ep_size > 1 else m
 
 
-class _Norm(nn.Module):
-    """Holder of an RMSNorm γ [W] (hub ``*.weight``)."""
-
-    def __init__(self, width: int, eps: float, dtype: torch.dtype | None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(width, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 class MiniMaxM2SparseMoeBlock(nn.Module):
     """Router (replicated, fp32) + this rank's experts; hub prefix ``block_sparse_moe.``."""
 
@@ -124,8 +113,8 @@ class MiniMaxM2DecoderLayer(nn.Module):
     def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
                  dtype: torch.dtype | None):
         super().__init__()
-        self.input_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MiniMaxM2Attention(
             cfg.hidden_size, dims.num_heads, dims.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size,
             cfg.attention_multiplier, cfg.rms_norm_eps,
@@ -145,18 +134,19 @@ class MiniMaxM2Model(nn.Module):
     def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
                  dtype: torch.dtype | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                                requires_grad=False)
         self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(cfg, dims, parallel, dtype)
                                     for _ in range(cfg.num_hidden_layers))
-        self.norm = _Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class MiniMaxM2ForCausalLM(nn.Module):
     """The MiniMax-M2 causal LM on one rank. Call ``model(batch, kv)`` -> fp32 logits [N, V].
 
-    Build with :func:`m2serve.model.load.load_model`; the constructor only allocates (use it
-    under ``torch.device("meta")`` and ``to_empty`` to avoid initialising memory).
+    Build with :func:`m2serve.model.load.load_model`; the constructor only allocates
+    uninitialised parameters on the current default device.
     """
 
     def __init__(self, cfg: MiniMaxM2Config, parallel: ParallelState | None = None,
@@ -166,10 +156,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.config, self.parallel = cfg, parallel
         self.dims = local_dims(cfg, parallel)
         self.model = MiniMaxM2Model(cfg, self.dims, parallel, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        if self.lm_head is not None:
-            self.lm_head.weight.requires_grad_(False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.kv_scales: tuple[list[float], list[float]] | None = None  # checkpoint fp8 KV scales
 
     @property
@@ -186,7 +173,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         cfg = self.config
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device=batch.tokens.device)
         meta = AttentionMetadata.from_batch(batch, kv.page_size, inv_freq)
-        x = self.model.embed_tokens(batch.tokens)  # [T, H] act
+        x = F.embedding(batch.tokens, self.model.embed_tokens.weight)  # [T, H] act
         for layer, block in enumerate(self.model.layers):
             x = block(x, meta, kv, layer)
         x = self.model.norm(x[batch.logit_row_indices()])  # [N, H]

@@ -27,9 +27,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     cfg = MiniMaxM2Config.from_pretrained(path)
     plan = open_checkpoint(path, cfg)
     parallel = parallel or ParallelState()
-    with torch.device("meta"):
+    with torch.device(device):
         model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)
-    model.to_empty(device=device)
     try:
         for name, tensor in iter_weights(plan, dtype, shard, progress):
             model.load_weight(name, tensor)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,3 +34,16 @@ def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, global_width: int
     sumsq = reduce_sumsq(y.pow(2).sum(-1, keepdim=True))  # [T, 1] f32
     y = y * torch.rsqrt(sumsq / global_width + eps)
     return weight * y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Holder of an RMSNorm γ [W] (hub ``*.weight``); forward is :func:`rms_norm`."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(width, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, W] act -> [T, W] act."""
+        return rms_norm(x, self.weight, self.eps)
