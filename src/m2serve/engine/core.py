@@ -99,7 +99,7 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
-        from m2serve.model import load_model
+        from m2serve.model.load import load_model
 
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
