@@ -1,0 +1,71 @@
+"""FP8 block quantise / dequantise (checkpoints.md §6, §8) against transformers' FP8 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2serve.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
+from m2serve.model.load import load_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
+
+
+def _random_e4m3(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x3C  # avoid the NaN encodings
+    return raw.view(torch.float8_e4m3fn)
+
+
+def test_quantize_block_scale_is_amax_over_448():
+    # checkpoints.md §8: s = amax / 448 per 128x128 block; the amax element maps to ±448
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g)
+    w[:128, 128:256] = 0  # an all-zero block
+    q, s = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            if blk.abs().max() == 0:
+                assert torch.equal(q[:128, 128:256].float(), torch.zeros(128, 128))
+                continue
+            assert s[i, j].item() == (blk.abs().max() / 448).item()
+            qb = q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            assert qb.abs().max().item() == 448.0
+            assert torch.equal(qb, (blk / s[i, j]).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_bit_exact_vs_transformers(dtype):
+    # checkpoints.md §6: fp32 product, one rounding; transformers' Fp8Dequantize is the reference
+    q = _random_e4m3((256, 384), 1)
+    s = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 1e-2
+    ref = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)
+    ours = dequantize_fp8_block(q, s, dtype)
+    assert ours.dtype == dtype and torch.equal(ours, ref)
+
+
+def test_dequantize_rejects_wrong_scale_grid():
+    with pytest.raises(ValueError, match=r"scale grid \[2, 2\].*\[256, 384\]"):
+        dequantize_fp8_block(_random_e4m3((256, 384), 3), torch.ones(2, 2), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_weights_bit_exact_vs_transformers_fp8_load(tiny_random_fp8_dir, dtype):
+    # issue 2 must-show: our dequantised weights equal transformers' FP8 load, bf16 and fp32 targets
+    ours = load_model(tiny_random_fp8_dir, dtype=dtype)
+    ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_fp8_dir, dtype=dtype)
+    I = ours.config.intermediate_size
+    for n, (a, b) in enumerate(zip(ours.model.layers, ref.model.layers)):
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w_ref = getattr(b.self_attn, p).weight
+            assert w_ref.dtype == dtype, f"transformers kept {p} as {w_ref.dtype}"
+            assert torch.equal(getattr(a.self_attn, p).weight, w_ref), f"layer {n} {p}"
+        ex, rx = a.block_sparse_moe.experts, b.mlp.experts
+        assert torch.equal(ex.w13[:, :I], rx.gate_up_proj[:, :I]), f"layer {n} w1"
+        assert torch.equal(ex.w13[:, I:], rx.gate_up_proj[:, I:]), f"layer {n} w3"
+        assert torch.equal(ex.w2, rx.down_proj), f"layer {n} w2"

@@ -1,0 +1,203 @@
+"""Strict checkpoint loading and the bad-checkpoint cases (checkpoints.md §1, §3, §4; issue 2)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.formats.loader import CheckpointMismatchError, iter_weights, open_checkpoint
+from m2serve.formats.safetensors_io import INDEX_FILE, CheckpointFormatError
+from m2serve.model.load import load_model
+
+SHARD2 = "model-00002-of-00002.safetensors"
+
+
+@pytest.fixture
+def ckpt(tiny_random_dir, tmp_path):
+    """A private copy of tiny-random (bf16) to damage."""
+    return shutil.copytree(tiny_random_dir, tmp_path / "ckpt")
+
+
+def _index(d):
+    return json.loads((d / INDEX_FILE).read_text())
+
+
+def _edit_shard(d, shard, fn):
+    """Rewrite ``shard`` with fn(tensors) and keep the index in step."""
+    tensors = fn(load_file(str(d / shard)))
+    save_file(tensors, str(d / shard), metadata={"format": "pt"})
+    idx = _index(d)
+    idx["weight_map"] = {n: f for n, f in idx["weight_map"].items() if f != shard}
+    idx["weight_map"].update({n: shard for n in tensors})
+    (d / INDEX_FILE).write_text(json.dumps(idx))
+
+
+def _shard_of(d, name):
+    return _index(d)["weight_map"][name]
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_config_missing_hidden_size(ckpt):
+    # model.md §1: required field, error names the field and the file
+    _edit_config(ckpt, hidden_size=None)
+    with pytest.raises(ValueError, match=r"config\.json.*'hidden_size' is missing"):
+        load_model(ckpt)
+
+
+def test_missing_expert_tensor(ckpt):
+    # checkpoints.md §3.7: missing required tensors are listed
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    _edit_shard(ckpt, _shard_of(ckpt, name), lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointMismatchError, match=r"1 required tensor\(s\) missing: " + re.escape(name)):
+        load_model(ckpt)
+
+
+def test_extra_unknown_tensor(ckpt):
+    # checkpoints.md §3.7: leftovers are an error listing their names
+    name = "model.layers.0.self_attn.extra_proj.bias"
+    _edit_shard(ckpt, SHARD2, lambda t: {**t, name: torch.zeros(4)})
+    with pytest.raises(CheckpointMismatchError, match=r"unknown tensor.*" + re.escape(name)):
+        load_model(ckpt)
+
+
+def test_decoy_shard_not_in_index_is_ignored(ckpt):
+    # checkpoints.md §1: only the files named by the index are read; a stray file repeating
+    # tensor names (with other values) must not be loaded
+    name = "model.layers.0.self_attn.q_proj.weight"
+    real = load_file(str(ckpt / _shard_of(ckpt, name)))[name]
+    decoy = {name: torch.zeros_like(real), "junk.weight": torch.ones(3)}
+    save_file(decoy, str(ckpt / "model-decoy.safetensors"))
+    model = load_model(ckpt)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, real.float())
+
+
+def test_truncated_safetensors(ckpt):
+    # checkpoints.md §1: a truncated file names the file, the tensor and the byte counts
+    f = ckpt / SHARD2
+    data = f.read_bytes()
+    f.write_bytes(data[:-1000])
+    with pytest.raises(CheckpointFormatError,
+                       match=rf"{SHARD2}: truncated: tensor '.*' ends at data byte \d+ but the file"):
+        load_model(ckpt)
+
+
+def test_corrupt_header(ckpt):
+    f = ckpt / SHARD2
+    data = bytearray(f.read_bytes())
+    data[8:16] = b"\xff" * 8
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointFormatError, match=rf"{SHARD2}: corrupt safetensors header"):
+        load_model(ckpt)
+
+
+def test_gptq_quantization_config(ckpt):
+    # checkpoints.md §4: GPTQ refused as MAX does
+    _edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(NotImplementedError, match="GPTQ MiniMax-M2 checkpoints are not supported"):
+        load_model(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    # checkpoints.md §3.7: shape mismatch names the tensor, found and expected shapes
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad = torch.zeros(256, 512, dtype=torch.bfloat16)
+    _edit_shard(ckpt, _shard_of(ckpt, name), lambda t: {**t, name: bad})
+    with pytest.raises(CheckpointMismatchError,
+                       match=re.escape(name) + r" has shape \[256, 512\], expected \[256, 1024\]"):
+        load_model(ckpt)
+
+
+def test_index_names_missing_shard(ckpt):
+    (ckpt / SHARD2).unlink()
+    with pytest.raises(FileNotFoundError, match=f"names shard {SHARD2}"):
+        load_model(ckpt)
+
+
+def test_dropped_and_optional_tensors_are_accepted(ckpt):
+    # checkpoints.md §3.1, 3.2, 3.6: MTP layers, *_quantizer*, rotary inv_freq dropped;
+    # k_scale / v_scale consumed by the fp8 KV cache
+    extra = {"model.layers.2.self_attn.q_proj.weight": torch.ones(4, 4),  # MTP (L = 2)
+             "model.layers.0.self_attn.q_proj.input_quantizer._amax": torch.ones(1),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32),
+             "model.layers.1.self_attn.k_proj.k_scale": torch.tensor(0.25),
+             "model.layers.1.self_attn.v_proj.v_scale": torch.tensor(0.5)}
+    _edit_shard(ckpt, SHARD2, lambda t: {**t, **extra})
+    model = load_model(ckpt)
+    assert model.kv_scales == ([1.0, 0.25], [1.0, 0.5])
+
+
+def test_mlp_spelling_accepted(ckpt, tiny_random_dir):
+    # checkpoints.md §3: gate, bias and experts may be spelled mlp.
+    for shard in sorted({*_index(ckpt)["weight_map"].values()}):
+        _edit_shard(ckpt, shard, lambda t: {k.replace("block_sparse_moe.", "mlp."): v for k, v in t.items()})
+    a, b = load_model(ckpt), load_model(tiny_random_dir)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_single_file_without_index(ckpt, tiny_random_dir):
+    tensors = {}
+    for shard in sorted({*_index(ckpt)["weight_map"].values()}):
+        tensors.update(load_file(str(ckpt / shard)))
+        (ckpt / shard).unlink()
+    (ckpt / INDEX_FILE).unlink()
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    a, b = load_model(ckpt), load_model(tiny_random_dir)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+def test_router_held_in_fp32(tiny_random_dir):
+    # model.md §5.1: gate and bias fp32 whatever the compute dtype
+    model = load_model(tiny_random_dir, dtype=torch.bfloat16)
+    moe = model.model.layers[0].block_sparse_moe
+    assert moe.gate.weight.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def test_shard_plan_reads_slices(tiny_random_fp8_dir):
+    # loader hook for TP/EP: rows of an FP8 weight on 128-block boundaries, experts skipped
+    cfg = MiniMaxM2Config.from_pretrained(tiny_random_fp8_dir)
+    full = dict(iter_weights(open_checkpoint(tiny_random_fp8_dir, cfg), torch.float32))
+
+    def plan(name, shape):
+        if ".experts." in name:
+            return "skip"
+        if name.endswith("q_proj.weight"):
+            return (0, 512, 1024)
+        if name.endswith("o_proj.weight"):
+            return (1, 128, 384)
+        return None
+
+    part = dict(iter_weights(open_checkpoint(tiny_random_fp8_dir, cfg), torch.float32, plan))
+    assert not any(".experts." in n for n in part)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(part[q], full[q][512:1024])
+    assert torch.equal(part[o], full[o][:, 128:384])
+    with pytest.raises(ValueError, match=r"q_proj\.weight: FP8 slice start 64 is not a multiple"):
+        dict(iter_weights(open_checkpoint(tiny_random_fp8_dir, cfg), torch.float32,
+                          lambda n, s: (0, 64, 128) if n.endswith("q_proj.weight") else None))
+
+
+def test_fp8_scale_wrong_shape(tiny_random_fp8_dir, tmp_path):
+    # checkpoints.md §4: a scale of the wrong shape is an error naming the tensor
+    d = shutil.copytree(tiny_random_fp8_dir, tmp_path / "fp8")
+    name = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+    _edit_shard(d, _shard_of(d, name), lambda t: {**t, name: torch.ones(2, 1)})
+    with pytest.raises(ValueError, match=re.escape(name) + r": FP8 block scale must be float \[4, 2\]"):
+        load_model(d)
