@@ -34,8 +34,8 @@ def _tag_prefixes(text: str) -> list[str]:
 def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -> Streamed:
     """Feed ``chunks`` (which must join to ``output``) and check invariants on every delta.
 
-    P25: no chunk of a delta mixes reasoning and content. P22: whenever the text fed so far ends
-    with a possible partial tag, what was emitted so far is a prefix of the one-shot parse of that
+    P25: no chunk of a delta mixes reasoning and content, and no reasoning follows content.
+    P22: whenever the text fed so far ends with a possible partial tag, what was emitted so far is a prefix of the one-shot parse of that
     text with the tag completed, i.e. nothing that the tag could still change has left.
     """
     assert "".join(chunks) == output
@@ -44,8 +44,10 @@ def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -
     fed = ""
     for chunk in [*chunks, None]:
         delta = parser.feed(chunk) if chunk is not None else parser.finish()
-        for part in delta.chunks():
-            assert not (part.reasoning and part.content)
+        parts = delta.chunks()  # P25: stream chunks never mix; reasoning goes out first
+        assert all(not (part.reasoning and part.content) for part in parts)
+        assert [bool(p.reasoning) for p in parts] == sorted((bool(p.reasoning) for p in parts), reverse=True)
+        assert not (result.content and delta.reasoning)  # no reasoning after content has started
         result.reasoning += delta.reasoning
         result.content += delta.content
         _collect_calls(result, delta)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -162,8 +163,12 @@ def _clean_name(text: str) -> str:
     return text
 
 
-def _json_str(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
+
+
+def _json_chars(text: str) -> str:
+    """``text`` as it appears inside a JSON string (json.dumps with ensure_ascii=False, no quotes)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1] if _NEEDS_ESCAPE.search(text) else text
 
 
 @dataclass(slots=True)
@@ -241,9 +246,13 @@ class StreamingParser:
         self._call: _Call | None = None
         self._param: _Param | None = None
         self._num_params = 0
-        self._out_reasoning: list[str] = []
-        self._out_content: list[str] = []
+        self._out_reasoning = ""
+        self._out_content = ""
         self._out_calls: list[ToolCallDelta] = []
+        self._steps = {_State.CONTENT: self._step_content, _State.REASONING: self._step_reasoning,
+                       _State.BLOCK: self._step_block, _State.VALUE: self._step_value,
+                       _State.INVOKE_BODY: self._step_invoke_body, _State.INVOKE_NAME: self._step_name,
+                       _State.PARAM_NAME: self._step_name, _State.PLAIN: self._step_plain}
 
     # ---------------------------------------------------------------- public API
     def feed(self, text: str, token_ids: Sequence[int] | None = None) -> ParserDelta:
@@ -251,6 +260,8 @@ class StreamingParser:
 
         ``token_ids`` is accepted for interface symmetry; the text alone decides (P21).
         """
+        if self._pos == len(self._buf) and "<" not in text and self._feed_plain(text):
+            return self._take_delta()
         if self._pos:
             self._buf = self._buf[self._pos:] + text
             self._pos = 0
@@ -258,6 +269,22 @@ class StreamingParser:
             self._buf += text
         self._guarded(final=False)
         return self._take_delta()
+
+    def _feed_plain(self, text: str) -> bool:
+        """Fast path for a chunk with no ``<`` and nothing held: same result as the full step."""
+        state = self._state
+        if state is _State.CONTENT and not self._at_start:
+            self._emit_content(text)
+        elif state is _State.REASONING:
+            self._emit_reasoning(text)
+        elif state is _State.VALUE or state is _State.INVOKE_BODY:
+            self._raw.append(text)
+            if state is _State.VALUE:
+                self._value_text(text)
+        else:
+            return False
+        self._buf, self._pos = "", 0
+        return True
 
     def finish(self) -> ParserDelta:
         """Flush everything held back under the same rules (P22) and close the stream (P18)."""
@@ -276,8 +303,10 @@ class StreamingParser:
 
     # ---------------------------------------------------------------- emission
     def _take_delta(self) -> ParserDelta:
-        delta = ParserDelta("".join(self._out_reasoning), "".join(self._out_content), self._out_calls)
-        self._out_reasoning, self._out_content, self._out_calls = [], [], []
+        delta = ParserDelta(self._out_reasoning, self._out_content, self._out_calls)
+        self._out_reasoning = self._out_content = ""
+        if self._out_calls:
+            self._out_calls = []
         return delta
 
     def _emit_content(self, text: str) -> None:
@@ -291,7 +320,7 @@ class StreamingParser:
         if self._think_prefix:
             self._think_prefix = False
             text = THINK + text
-        self._out_content.append(text)
+        self._out_content += text
 
     def _emit_reasoning(self, text: str) -> None:
         if not self._split:  # P7 passthrough: reasoning is raw content
@@ -306,7 +335,7 @@ class StreamingParser:
         body = text.rstrip("\n")
         self._reasoning_newlines = text[len(body):]  # P6: may directly precede the end
         if body:
-            self._out_reasoning.append(body)
+            self._out_reasoning += body
 
     def _swallow(self, tag: str) -> None:
         """A swallowed reasoning tag: dropped in split mode, kept verbatim in passthrough (P3/P5/P7)."""
@@ -353,22 +382,10 @@ class StreamingParser:
 
     def _step(self, final: bool) -> bool:
         """Advance the machine once; False when it needs more text."""
-        if self._pos >= len(self._buf):
-            return False
-        state = self._state
-        if state is _State.CONTENT:
-            return self._step_content(final)
-        if state is _State.REASONING:
-            return self._step_reasoning(final)
-        if state is _State.BLOCK:
-            return self._step_block(final)
-        if state is _State.VALUE:
-            return self._step_value()
-        if state is _State.INVOKE_BODY:
-            return self._step_invoke_body()
-        if state is _State.INVOKE_NAME or state is _State.PARAM_NAME:
-            return self._step_name()
-        self._emit_content(self._take(len(self._buf) - self._pos))  # PLAIN
+        return self._pos < len(self._buf) and self._steps[self._state](final)
+
+    def _step_plain(self, final: bool) -> bool:
+        self._emit_content(self._take(len(self._buf) - self._pos))
         return False
 
     def _step_reasoning(self, final: bool) -> bool:
@@ -502,7 +519,7 @@ class StreamingParser:
         self._state = _State.INVOKE_NAME
         self._name_scanned = 0
 
-    def _step_name(self) -> bool:
+    def _step_name(self, final: bool) -> bool:
         """INVOKE_NAME / PARAM_NAME: NAME is the text up to the next ``>`` (P9)."""
         buf, pos = self._buf, self._pos
         j = buf.find(">", pos + self._name_scanned)
@@ -541,12 +558,12 @@ class StreamingParser:
                 log.info("duplicate parameter %r in call %s skipped (first wins)", key, call.name)
             return
         call.args[key] = None  # reserve the key: first occurrence wins (P12)
-        self._emit_args(("{" if self._num_params == 0 else ", ") + _json_str(key) + ": ")  # P24
+        self._emit_args(("{" if self._num_params == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
         self._num_params += 1
         if self._param.streaming:
             self._emit_args('"')
 
-    def _step_invoke_body(self) -> bool:
+    def _step_invoke_body(self, final: bool) -> bool:
         buf, pos = self._buf, self._pos
         i, tag = _find_tag(buf, pos, _INVOKE_TAGS)
         if i > pos:
@@ -579,9 +596,9 @@ class StreamingParser:
             text = text[:-1]
             param.pending_newline = True
         if text:
-            self._emit_args(_json_str(text)[1:-1])
+            self._emit_args(_json_chars(text))
 
-    def _step_value(self) -> bool:
+    def _step_value(self, final: bool) -> bool:
         """P10 value boundaries."""
         buf, pos = self._buf, self._pos
         i, tag = _find_tag(buf, pos, _VALUE_TAGS)
