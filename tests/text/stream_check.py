@@ -35,8 +35,9 @@ def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -
     """Feed ``chunks`` (which must join to ``output``) and check invariants on every delta.
 
     P25: no chunk of a delta mixes reasoning and content, and no reasoning follows content.
-    P22: whenever the text fed so far ends with a possible partial tag, what was emitted so far is a prefix of the one-shot parse of that
-    text with the tag completed, i.e. nothing that the tag could still change has left.
+    P22: whenever the text fed so far ends with a possible partial tag, what was emitted so far is
+    a prefix of the one-shot parse of that text with the tag completed, i.e. nothing that the tag
+    could still change has left.
     """
     assert "".join(chunks) == output
     parser = StreamingParser(tools, mode, prompt_tail)
