@@ -136,7 +136,8 @@ class MiniMaxM2Config:
         # --- validation table of spec/model.md §1 ---
         checks = [
             ("scoring_func", lambda v: v in (None, "sigmoid"), "'sigmoid'"),
-            ("qk_norm_type", lambda v: v in (None, "per_layer"), "'per_layer' (per-head QK norm is not implemented)"),
+            ("qk_norm_type", lambda v: v in (None, "per_layer"),
+             "'per_layer' (per-head QK norm is not implemented)"),
             ("use_qk_norm", lambda v: v in (None, True), "true"),
             ("routed_scaling_factor", lambda v: v is None or float(v) == 1.0, "1.0"),
             ("norm_topk_prob", lambda v: v in (None, True), "true"),
@@ -212,7 +213,11 @@ class MiniMaxM2Config:
             raise FileNotFoundError(f"no config.json in {p}")
         cfg = _read_json(cfg_file)
         gen_file = cfg_file.parent / "generation_config.json"
-        gen = _read_json(gen_file) if gen_file.is_file() else None
+        gen = _read_json(gen_file) if gen_file.is_file() else {}
+        if gen.get("eos_token_id") is None:
+            eos = _tokenizer_eos_id(cfg_file.parent)
+            if eos is not None:
+                gen = {**gen, "eos_token_id": eos}
         return cls.from_dict(cfg, gen, source=str(cfg_file))
 
 
@@ -226,6 +231,20 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
+
+
+def _tokenizer_eos_id(d: Path) -> int | None:
+    """Id of tokenizer_config.json's ``eos_token`` among tokenizer.json's added tokens, if any
+    (the fallback of spec/model.md §1 when generation_config.json has no eos_token_id)."""
+    tc, tj = d / "tokenizer_config.json", d / "tokenizer.json"
+    if not (tc.is_file() and tj.is_file()):
+        return None
+    eos = _read_json(tc).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    for tok in _read_json(tj).get("added_tokens", []):
+        if tok.get("content") == eos:
+            return int(tok["id"])
+    return None
 
 
 def _opt(v: Any, typ: type) -> Any:
