@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -210,7 +210,7 @@ class StreamingParser:
     ``tool_calls`` lists the closed, returned calls. Never raises from ``feed``/``finish``.
     """
 
-    def __init__(self, tools: Sequence[dict[str, Any]] | None = None, mode: Mode = "split",
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, mode: Mode = "split",
                  prompt_tail: str = "", request_id: str = "", emit_think_prefix: bool = True) -> None:
         if mode not in ("split", "passthrough"):
             raise ValueError(f"parser mode={mode!r} is not one of 'split', 'passthrough'")
@@ -221,11 +221,11 @@ class StreamingParser:
         self._split = mode == "split"
         self._tools: dict[str, dict[str, Any]] = {}
         for tool in tools or ():
-            fn = tool.get("function", tool) if isinstance(tool, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+            if isinstance(fn, Mapping) and isinstance(fn.get("name"), str):
                 params = fn.get("parameters")
-                props = params.get("properties") if isinstance(params, dict) else None
-                self._tools.setdefault(fn["name"], props if isinstance(props, dict) else {})
+                props = params.get("properties") if isinstance(params, Mapping) else None
+                self._tools.setdefault(fn["name"], props if isinstance(props, Mapping) else {})
         self._tools_on = bool(self._tools)
         reasoning = starts_in_reasoning(prompt_tail)
         self._state = _State.REASONING if reasoning else _State.CONTENT
@@ -663,7 +663,7 @@ class StreamingParser:
             self._state = _State.CONTENT
 
 
-def parse_output(text: str, tools: Sequence[dict[str, Any]] | None = None, mode: Mode = "split",
+def parse_output(text: str, tools: Sequence[Mapping[str, Any]] | None = None, mode: Mode = "split",
                  prompt_tail: str = "") -> ParsedOutput:
     """Non-streaming parse of a whole generation with the same machine (spec §3).
 
