@@ -42,7 +42,8 @@ NESTED = {"anyOf": [{"type": "object", "properties": {"o": {"type": "object", "p
     ("5", {"type": ["boolean", "integer"]}, 5), ("1", {"type": ["boolean", "number"]}, 1),
     ('{"a": NaN}', OBJ, '{"a": NaN}'), ("[1]", OBJ, "[1]"),
     ('{"n": "5", "s": "5"}', {"type": "object", "properties": {"n": INT}}, {"n": 5, "s": "5"}),
-    ('[{"n": "true"}]', {"type": "array", "items": {"type": "object", "properties": {"n": BOOL}}}, [{"n": True}]),
+    ('[{"n": "true"}]', {"type": "array", "items": {"type": "object", "properties": {"n": BOOL}}},
+     [{"n": True}]),
     ('{"o": {"k": "1.5"}}', NESTED, {"o": {"k": 1.5}}),
     ("\nplain\n", {"type": "string"}, "plain"), ("\n 3 \n", INT, 3),
 ])
