@@ -36,8 +36,8 @@ def test_config_dims_and_release_keys(tiny_random_dir):
     want = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
             "rotary_dim": 64, "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2,
             "num_hidden_layers": 2, "scoring_func": "sigmoid", "use_qk_norm": True,
-            "qk_norm_type": "per_layer", "use_routing_bias": True,
-            "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "tie_word_embeddings": False}
+            "qk_norm_type": "per_layer", "use_routing_bias": True, "tie_word_embeddings": False,
+            "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2"}
     assert {k: cfg[k] for k in want} == want
     tok = Tokenizer.from_file(str(tiny_random_dir / "tokenizer.json"))
     V = cfg["vocab_size"]
