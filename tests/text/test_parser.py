@@ -191,3 +191,15 @@ def test_internal_error_never_raises(monkeypatch):  # P20
 def test_bad_mode_is_named():
     with pytest.raises(ValueError, match="mode='x'"):
         StreamingParser(None, "x")  # type: ignore[arg-type]
+
+
+def test_internal_error_on_fast_path_never_raises(monkeypatch):  # P20, chunks without '<'
+    def boom(text):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(parser_mod, "_json_chars", boom)
+    p = StreamingParser([WRITE])
+    head = '<invoke name="write_file"><parameter name="content">'
+    deltas = [p.feed(head), p.feed("abc"), p.feed(" <x>"), p.finish()]
+    assert p.parser_error
+    assert "".join(d.content for d in deltas) == head + "abc <x>"

@@ -260,8 +260,14 @@ class StreamingParser:
 
         ``token_ids`` is accepted for interface symmetry; the text alone decides (P21).
         """
-        if self._pos == len(self._buf) and "<" not in text and self._feed_plain(text):
-            return self._take_delta()
+        if self._pos == len(self._buf) and "<" not in text:
+            try:
+                if self._feed_plain(text):
+                    return self._take_delta()
+            except Exception as exc:  # P20
+                self._buf, self._pos = text, 0
+                self._fail(exc)
+                return self._take_delta()
         if self._pos:
             self._buf = self._buf[self._pos:] + text
             self._pos = 0
