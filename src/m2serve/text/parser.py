@@ -284,9 +284,9 @@ class StreamingParser:
         elif state is _State.REASONING:
             self._emit_reasoning(text)
         elif state is _State.VALUE or state is _State.INVOKE_BODY:
-            self._raw.append(text)
             if state is _State.VALUE:
                 self._value_text(text)
+            self._raw.append(text)
         else:
             return False
         self._buf, self._pos = "", 0
