@@ -206,3 +206,4 @@ def test_fp8_kv_cache_half_bytes_and_close_logits(model_and_engine_factory):
     for x, y in list(zip(l8, l16))[:same]:
         assert (x - y).abs().max() <= 0.1 * y.std(), ((x - y).abs().max(), y.std())
     assert (l8[0] - l32[0]).abs().max() > (l16[0] - l32[0]).abs().max()
+

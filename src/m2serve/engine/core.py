@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,11 +21,13 @@ import torch
 from m2serve.config.engine_args import EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.kv_cache import KVCacheManager
+from m2serve.engine.planner import plan_memory
 from m2serve.engine.request import Request, RequestOutput
-from m2serve.engine.runner import ModelRunner, wants_prompt_logprobs
+from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
 from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logprobs, sample
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler
 from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.load import load_model
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +101,15 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
-        from m2serve.model.load import load_model
-
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
         if args.dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_COMPUTE_DTYPES)}")
         device = resolve_device(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
+        if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
+            plan = plan_memory(config, args)
+            args = replace(args, num_kv_pages=plan.num_pages, max_length=plan.max_length)
         model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=device)
         return cls.from_model(model, config, args, device=device)
 
@@ -115,12 +118,19 @@ class LLMEngine:
                    args: EngineArgs, device: torch.device | str = "cpu",
                    kv_scales: tuple[list[float], list[float]] | None = None) -> LLMEngine:
         """Engine around a built model. ``kv_scales`` = per-layer (k_scale, v_scale) for fp8 KV;
-        by default taken from ``model.kv_scales`` when the model has it, else 1.0."""
+        by default taken from ``model.kv_scales`` when the model has it, else 1.0.
+
+        Without ``args.num_kv_pages`` the planner sizes the pool from the memory free now (the
+        model already loaded, so this under-counts; :meth:`from_args` plans before loading).
+        ``max_length`` defaults to max_position_embeddings, lowered to the pool's capacity with a
+        warning; an explicit ``args.max_length`` larger than the pool is a ValueError."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         S = args.kv_cache_page_size
         if S <= 0:
             raise ValueError(f"kv_cache_page_size={S} must be positive")
-        num_pages = args.num_kv_pages if args.num_kv_pages is not None else _planned_pages(config, args)
+        num_pages = args.num_kv_pages
+        if num_pages is None:
+            num_pages = plan_memory(config, args).num_pages
         capacity = num_pages * S
         max_length = args.max_length or config.max_position_embeddings
         if max_length > capacity:
@@ -133,8 +143,8 @@ class LLMEngine:
         if kv_scales is None:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
-        storage = KVStorage.allocate(config.num_hidden_layers, num_pages, S, config.num_key_value_heads,
-                                     config.head_dim, dtype, device, k_scale, v_scale)
+        storage = empty_kv_storage(config.num_hidden_layers, num_pages, S, config.num_key_value_heads,
+                                   config.head_dim, dtype, device, k_scale, v_scale)
         kv = KVCacheManager(num_pages, S, args.enable_prefix_caching)
         scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size)
         return cls(config=config, scheduler=scheduler, runner=ModelRunner(model, storage, device),
@@ -277,8 +287,3 @@ class LLMEngine:
         k = r.sampling_params.prompt_logprobs
         r.prompt_logprobs.extend(compute_logprobs(logits[first:last], nxt.to(logits.device), [k] * len(nxt)))
 
-
-def _planned_pages(config: MiniMaxM2Config, args: EngineArgs) -> int:
-    from m2serve.engine.planner import plan_memory
-
-    return plan_memory(config, args).num_pages

@@ -77,18 +77,45 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
     )
 
 
+def empty_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str,
+                     k_scale: list[float] | None, v_scale: list[float] | None) -> KVStorage:
+    """A `KVStorage` whose pages are left uninitialised; `ModelRunner` zeroes them on first use.
+
+    The planner sizes the pool from free memory; zero-filling it up front would touch all of it
+    (gigabytes of RAM on CPU) before the first request. Untouched pages cost no resident memory.
+    """
+    shape = (num_pages, page_size, num_kv_heads, head_dim)   # [P, S, Hkv, D]
+    return KVStorage(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                     v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                     page_size=page_size,
+                     k_scale=list(k_scale) if k_scale else [1.0] * num_layers,
+                     v_scale=list(v_scale) if v_scale else [1.0] * num_layers)
+
+
 @dataclass(slots=True)
 class ModelRunner:
-    """Runs ``model(batch, kv) -> logits [N, V] fp32`` (docs/architecture.md, model contract)."""
+    """Runs ``model(batch, kv) -> logits [N, V] fp32`` (docs/architecture.md, model contract).
+
+    zeroed_pages: pages [0, zeroed_pages) have been zero-filled. Before each step every page up
+    to the highest id in the batch is zeroed once, so the model never reads uninitialised memory
+    (padding reads of page 0 included) even with a pool from `empty_kv_storage`.
+    """
 
     model: Callable[[ForwardBatch, KVStorage], torch.Tensor]
     kv_storage: KVStorage
     device: torch.device | str = "cpu"
+    zeroed_pages: int = 0
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> list[torch.Tensor]:
         """Run one step; returns each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
         batch = build_batch(scheduled, kv, self.device)
+        top = int(batch.block_tables.max()) + 1
+        if top > self.zeroed_pages:
+            for t in (*self.kv_storage.k, *self.kv_storage.v):
+                t[self.zeroed_pages:top].zero_()
+            self.zeroed_pages = top
         counts = batch.return_n_logits.tolist()
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)
