@@ -362,3 +362,16 @@ def test_stop_string_normalised_to_tuple():
 def test_bad_logits_shape():
     with pytest.raises(ValueError, match="one row per request"):
         sample(torch.zeros(2, 4), [state()])
+
+
+def test_top_k_candidates_and_whole_row_paths_agree():
+    # alone, a top-k row is filtered on its top-k candidates; next to a row without top-k the whole
+    # batch is filtered on [B, V]. Same kept set and logprobs either way, ties included (bf16 logits).
+    g = torch.Generator().manual_seed(5)
+    for kw in (dict(top_k=7), dict(top_k=20, top_p=0.6), dict(top_k=12, min_p=0.3, temperature=0.8)):
+        row = (torch.randn(1, 300, generator=g) * 2).bfloat16().float()
+        alone = sample(row, [state(logprobs=MAX_LOGPROBS, seed=1, **kw)]).logprobs[0]
+        pair = sample(torch.cat([row, row]), [state(logprobs=MAX_LOGPROBS, seed=1, **kw), state(top_k=0)])
+        both = pair.logprobs[0]
+        assert alone.token_id == both.token_id
+        assert dict(alone.top) == pytest.approx(dict(both.top), abs=1e-5)

@@ -214,8 +214,9 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     in_reasoning: bool = False
     generator: torch.Generator | None = None
-    _seen: torch.Tensor | None = None     # [V] bool, prompt or output token seen (repetition)
-    _counts: torch.Tensor | None = None   # [V] f32, output token counts (presence / frequency)
+    _seen: dict[int, None] | None = None      # prompt + output ids, insertion order (repetition)
+    _seen_t: torch.Tensor | None = None       # the same as an int64 tensor, rebuilt when it grows
+    _counts: dict[int, int] | None = None     # output id -> count (presence / frequency)
 
     @classmethod
     def new(cls, params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -241,15 +242,16 @@ class SamplingState:
 
     @property
     def needs_penalties(self) -> bool:
+        """True if any of repetition / presence / frequency penalty is active."""
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     def append(self, token_id: int) -> None:
-        """Record a drawn token: output list, penalty counts, reasoning switch."""
+        """Record a drawn token: output list, penalty bookkeeping, reasoning switch."""
         self.output_token_ids.append(token_id)
         if self._counts is not None:
-            self._counts[token_id] += 1
-            self._seen[token_id] = True  # type: ignore[index]
+            self._counts[token_id] = self._counts.get(token_id, 0) + 1
+            self._seen.setdefault(token_id)  # type: ignore[union-attr]
         if self.in_reasoning and token_id in self.params.reasoning_end_token_ids:
             self.in_reasoning = False
 
@@ -264,15 +266,20 @@ class SamplingState:
             return "length"
         return None
 
-    def _penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._counts is None or self._counts.device != device:
-            counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-            out = torch.tensor(self.output_token_ids, dtype=torch.long, device=device)
-            counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-            seen = counts > 0
-            seen[torch.as_tensor(list(self.prompt_token_ids), dtype=torch.long, device=device)] = True
-            self._counts, self._seen = counts, seen
-        return self._seen, self._counts  # type: ignore[return-value]
+    def _penalty_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seen ids [S], output ids [U], their counts [U] f32) on ``device``; sparse, so a step costs
+        O(distinct tokens), not O(V)."""
+        if self._counts is None:
+            self._counts = {}
+            for t in self.output_token_ids:
+                self._counts[t] = self._counts.get(t, 0) + 1
+            self._seen = dict.fromkeys(self.prompt_token_ids)
+            self._seen.update(dict.fromkeys(self.output_token_ids))
+        if self._seen_t is None or self._seen_t.numel() != len(self._seen) or self._seen_t.device != device:
+            self._seen_t = torch.tensor(list(self._seen), dtype=torch.long, device=device)  # type: ignore[arg-type]
+        out = torch.tensor(list(self._counts), dtype=torch.long, device=device)
+        cnt = torch.tensor(list(self._counts.values()), dtype=torch.float32, device=device)
+        return self._seen_t, out, cnt
 
 
 @dataclass(slots=True)
@@ -303,11 +310,17 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     rank = (lp > chosen.unsqueeze(1)).sum(1) + 1                         # [N]
     kmax = min(max(num_top, default=0), lp.shape[1])
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
-    chosen_l, rank_l, tv, ti = chosen.tolist(), rank.tolist(), top_v.tolist(), top_i.tolist()
+    return _pack_logprobs(token_ids, chosen, rank, top_v, top_i, num_top)
+
+
+def _pack_logprobs(token_ids: torch.Tensor, chosen: torch.Tensor, rank: torch.Tensor, top_v: torch.Tensor,
+                   top_i: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
+    ids, chosen_l, rank_l = token_ids.tolist(), chosen.tolist(), rank.tolist()
+    tv, ti = top_v.tolist(), top_i.tolist()
     out = []
     for n, k in enumerate(num_top):
         top = [(i, v) for i, v in zip(ti[n][:k], tv[n][:k]) if v != -math.inf]
-        out.append(TokenLogprobs(int(token_ids[n]), chosen_l[n], rank_l[n], top))
+        out.append(TokenLogprobs(ids[n], chosen_l[n], rank_l[n], top))
     return out
 
 
@@ -320,10 +333,14 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState],
     engine's, seeded from EngineArgs.seed; None = torch's default CPU generator).
 
     Draw: one uniform u from the row's generator, token = first id (in token-id order) whose
-    cumulative probability exceeds u. Each row's filters are computed on its own row only and its
-    generator advances by exactly one number per step, so a seeded request gets the same tokens
-    whatever else is in the batch (given the same logits rows), and ties between equal logits are
-    resolved by value (all tied tokens kept or dropped together), not by sort order.
+    cumulative probability exceeds u. A seeded row's generator advances by exactly one number per
+    step and its filters are computed on its own row, so a seeded request gets the same tokens
+    whatever else is in the batch (given the same logits rows; a different result needs u to fall
+    within float rounding of a CDF step). Ties between equal logits are resolved by value (all tied
+    tokens kept or dropped together), never by sort order.
+
+    Cost: when every sampled row has top_k > 0 (MiniMax's default 40) the filters and the draw run
+    on the top-k candidates only ([B, K]); without top-k they run on [B, V].
 
     Logprobs (when requested) are those of the distribution the token was drawn from: log-softmax of
     the processed logits after bias, min_tokens mask, penalties, temperature and top-k/top-p/min-p
@@ -337,37 +354,96 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState],
         raise ValueError(f"sample: logits {tuple(logits.shape)} must be [B, V] with B = {len(states)} "
                          "(one row per request)")
     B = logits.shape[0]
-    dev = logits.device
-    x = logits.float().clone()                                            # [B, V]
-    _apply_bias_and_masks(x, states)
-    _apply_penalties(x, states)
+    x = logits.float()
+    if any(s.params.logit_bias or len(s.output_token_ids) < s.params.min_tokens or s.needs_penalties
+           for s in states):
+        x = x.clone()
+        _apply_bias_and_masks(x, states)
+        _apply_penalties(x, states)
 
-    temps = torch.tensor([s.temperature for s in states], dtype=torch.float32)
-    greedy = temps < GREEDY_EPS                                           # [B] cpu
-    tokens = torch.empty(B, dtype=torch.long, device=dev)
-    g_rows = greedy.nonzero().flatten().tolist()
-    s_rows = (~greedy).nonzero().flatten().tolist()
-    if g_rows:
-        tokens[g_rows] = x[g_rows].argmax(dim=-1)
+    temps = [s.temperature for s in states]
+    g_rows = [b for b, t in enumerate(temps) if t < GREEDY_EPS]
+    s_rows = [b for b, t in enumerate(temps) if t >= GREEDY_EPS]
+    tokens = x.argmax(dim=-1) if g_rows else torch.empty(B, dtype=torch.long, device=x.device)
+    lps: list[TokenLogprobs | None] = [None] * B
     if s_rows:
-        xs = x[s_rows] / temps[s_rows].to(dev).unsqueeze(1)               # [b, V]
-        sub = [states[i] for i in s_rows]
-        _top_k(xs, sub)
-        _top_p(xs, sub)
-        _min_p(xs, sub)
-        tokens[s_rows] = _draw(xs, sub, generator)
-        x[s_rows] = xs
+        sub = [states[b] for b in s_rows]
+        xs = x if len(s_rows) == B else x[s_rows]
+        tok_s, lp_s = _sample_rows(xs, sub, generator)
+        tokens[s_rows] = tok_s
+        for b, lp in zip(s_rows, lp_s):
+            lps[b] = lp
+    g_lp = [b for b in g_rows if states[b].params.logprobs is not None]
+    if g_lp:
+        got = compute_logprobs(x[g_lp], tokens[g_lp], [states[b].params.logprobs for b in g_lp])
+        for b, lp in zip(g_lp, got):
+            lps[b] = lp
 
     token_list = tokens.tolist()
-    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    lps: list[TokenLogprobs | None] = [None] * B
-    if want:
-        got = compute_logprobs(x[want], tokens[want], [states[i].params.logprobs for i in want])
-        for i, lp in zip(want, got):
-            lps[i] = lp
     for s, t in zip(states, token_list):
         s.append(t)
     return SamplerOutput(token_list, lps)
+
+
+def _sample_rows(x: torch.Tensor, states: Sequence[SamplingState],
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    """Temperature -> top-k -> top-p -> min-p -> draw for rows with temperature > 0.
+
+    Works on candidates ``vals`` [b, K] (descending, -inf past each row's set) with their token
+    ids ``idx`` [b, K] when every row has top-k; else on the whole row (idx None, K = V).
+    Returns token ids [b] and the logprobs entries.
+    """
+    b, V = x.shape
+    dev = x.device
+    ks = [s.params.top_k if 0 < s.params.top_k < V else 0 for s in states]
+    if all(ks):
+        vals, idx = _top_k_candidates(x, ks)
+    else:
+        vals, idx = x, None
+    temps = torch.tensor([s.temperature for s in states], dtype=torch.float32, device=dev).unsqueeze(1)
+    vals = vals / temps
+    if idx is None and any(ks):
+        _top_k_mask(vals, ks)
+    _top_p(vals, states, presorted=idx is not None)
+    _min_p(vals, states)
+
+    # draw: one uniform per row, inverse CDF over the candidates in token-id order
+    u = torch.rand(b, generator=generator)                                    # shared, cpu
+    for i, s in enumerate(states):
+        if s.generator is not None:
+            u[i] = torch.rand(1, generator=s.generator)[0]
+    if idx is not None:
+        order = torch.where(vals > -math.inf, idx, idx + V).argsort(dim=1)    # [b, K], dropped last
+        w = torch.exp(vals.gather(1, order) - vals[:, :1])                    # vals[:, 0] = row max
+    else:
+        order = None
+        w = torch.exp(vals - vals.max(dim=1, keepdim=True).values)            # [b, V]
+    cdf = w.cumsum(dim=1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(dev).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    pos = torch.searchsorted(cdf, target, right=True)                         # [b, 1] first cdf > target
+    if order is not None:
+        pos = order.gather(1, pos)                                            # position in vals
+        tokens = idx.gather(1, pos).squeeze(1)
+    else:
+        tokens = pos.squeeze(1)
+
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    lps: list[TokenLogprobs | None] = [None] * b
+    if not want:
+        return tokens, lps
+    ns = [states[i].params.logprobs for i in want]
+    if idx is None:
+        got = compute_logprobs(vals[want], tokens[want], ns)
+    else:
+        lp = vals[want] - torch.logsumexp(vals[want], dim=1, keepdim=True)   # [w, K] desc
+        chosen = lp.gather(1, pos[want]).squeeze(1)
+        rank = (lp > chosen.unsqueeze(1)).sum(1) + 1
+        kmax = min(max(ns), lp.shape[1])
+        got = _pack_logprobs(tokens[want], chosen, rank, lp[:, :kmax], idx[want][:, :kmax], ns)
+    for i, g in zip(want, got):
+        lps[i] = g
+    return tokens, lps
 
 
 def _apply_bias_and_masks(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -393,75 +469,73 @@ def _apply_bias_and_masks(x: torch.Tensor, states: Sequence[SamplingState]) -> N
 
 def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
     """Repetition (prompt + output tokens: positive logits / r, negative * r), presence and
-    frequency (output tokens: x -= presence * [count > 0] + frequency * count), in place; rows
-    without penalties are untouched (serving.md §10; OpenAI / vLLM definitions)."""
-    rows = [b for b, s in enumerate(states) if s.needs_penalties]
-    if not rows:
-        return
-    V = x.shape[1]
-    seen, counts = zip(*(states[b]._penalty_tensors(V, x.device) for b in rows))
-    seen_t, counts_t = torch.stack(seen), torch.stack(counts)             # [b, V]
-    p = [states[b].params for b in rows]
-    f32 = dict(dtype=torch.float32, device=x.device)
-    rep = torch.tensor([q.repetition_penalty for q in p], **f32).unsqueeze(1)
-    pres = torch.tensor([q.presence_penalty for q in p], **f32).unsqueeze(1)
-    freq = torch.tensor([q.frequency_penalty for q in p], **f32).unsqueeze(1)
-    xr = x[rows]
-    scaled = torch.where(xr > 0, xr / rep, xr * rep)
-    xr = torch.where(seen_t, scaled, xr)
-    xr = xr - pres * (counts_t > 0).float() - freq * counts_t
-    x[rows] = xr
+    frequency (output tokens: x -= presence * [count > 0] + frequency * count), in place, on the
+    seen ids only (serving.md §10; OpenAI / vLLM definitions)."""
+    for b, s in enumerate(states):
+        if not s.needs_penalties:
+            continue
+        p = s.params
+        seen, out, cnt = s._penalty_ids(x.device)
+        row = x[b]                                                             # view [V]
+        if p.repetition_penalty != 1.0 and seen.numel():
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if out.numel() and (p.presence_penalty or p.frequency_penalty):
+            row.index_add_(0, out, -(p.presence_penalty + p.frequency_penalty * cnt))
 
 
-def _top_k(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Keep logits >= the row's k-th largest (ties at the boundary all kept); others -inf."""
-    ks = [s.params.top_k if 0 < s.params.top_k < x.shape[1] else 0 for s in states]
+def _top_k_candidates(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidates of every row: (values [b, K] descending, ids [b, K]); each row keeps all
+    tokens >= its k-th largest logit (ties at the boundary kept), the rest of its K slots -inf."""
     kmax = max(ks)
-    if kmax == 0:
-        return
-    top = x.topk(kmax, dim=-1).values                                     # [b, kmax] desc
+    vals, idx = x.topk(kmax + 1, dim=-1)                                      # [b, kmax+1] desc
+    k_t = torch.tensor(ks, device=x.device).unsqueeze(1)
+    kth = vals.gather(1, k_t - 1)                                             # [b, 1]
+    if bool((vals.gather(1, k_t) == kth).any()):                              # a tie at some boundary
+        count = (x >= kth).sum(dim=1, keepdim=True)
+        vals, idx = x.topk(int(count.max()), dim=-1)
+    else:
+        count = k_t
+        vals, idx = vals[:, :kmax], idx[:, :kmax]
+    keep = torch.arange(vals.shape[1], device=x.device).unsqueeze(0) < count
+    return vals.masked_fill(~keep, -math.inf), idx
+
+
+def _top_k_mask(x: torch.Tensor, ks: list[int]) -> None:
+    """Whole-row top-k: logits below the row's k-th largest -> -inf (k = 0 rows untouched)."""
+    kmax = max(ks)
+    top = x.topk(kmax, dim=-1).values
     k_t = torch.tensor(ks, device=x.device)
-    kth = top.gather(1, (k_t.clamp(min=1) - 1).unsqueeze(1))              # [b, 1]
+    kth = top.gather(1, (k_t.clamp(min=1) - 1).unsqueeze(1))
     kth = torch.where(k_t.unsqueeze(1) > 0, kth, torch.full_like(kth, -math.inf))
     x.masked_fill_(x < kth, -math.inf)
 
 
-def _top_p(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+def _top_p(x: torch.Tensor, states: Sequence[SamplingState], presorted: bool) -> None:
     """Keep the most likely tokens until their probability reaches top_p: token kept iff the
-    probability of strictly more likely tokens is < top_p (ties kept together); others -inf."""
-    ps = torch.tensor([s.params.top_p for s in states], dtype=torch.float32, device=x.device)
+    probability of strictly more likely tokens is < top_p (ties kept together); others -inf.
+    ``presorted``: x is already in descending order along the row."""
+    ps = torch.tensor([s.params.top_p for s in states], dtype=torch.float32, device=x.device).unsqueeze(1)
     if bool((ps >= 1).all()):
         return
-    width = int((x > -math.inf).sum(1).max())
-    vals = x.topk(width, dim=-1).values if width < x.shape[1] else x.sort(dim=-1, descending=True).values
-    probs = torch.softmax(vals, dim=-1)                                   # [b, K] desc
-    before = probs.cumsum(dim=-1) - probs                                 # exclusive cumsum
-    keep = before < ps.unsqueeze(1)
+    if presorted:
+        vals = x
+    else:
+        width = int((x > -math.inf).sum(1).max())
+        vals = x.topk(width, dim=-1).values                                   # [b, K] desc
+    w = torch.exp(vals - vals[:, :1])
+    cum = w.cumsum(dim=1)
+    before = (cum - w) / cum[:, -1:]                                          # mass strictly before
+    keep = (before < ps) | (ps >= 1)
     keep[:, 0] = True
-    cut = vals.masked_fill(~keep, math.inf).min(dim=-1, keepdim=True).values   # [b, 1]
+    cut = vals.masked_fill(~keep, math.inf).min(dim=1, keepdim=True).values   # [b, 1]
     x.masked_fill_(x < cut, -math.inf)
 
 
 def _min_p(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
     """Drop tokens with p < min_p * p_max, i.e. logit < max logit + log(min_p); in place."""
-    mp = torch.tensor([s.params.min_p for s in states], dtype=torch.float32, device=x.device)
-    if bool((mp <= 0).all()):
+    mp = [s.params.min_p for s in states]
+    if not any(mp):
         return
-    thresh = x.max(dim=-1, keepdim=True).values + torch.log(mp).unsqueeze(1)   # log 0 = -inf: off
-    x.masked_fill_(x < thresh, -math.inf)
-
-
-def _draw(x: torch.Tensor, states: Sequence[SamplingState],
-          generator: torch.Generator | None) -> torch.Tensor:
-    """Inverse-CDF draw over token ids: one uniform per row (own generator if seeded) -> ids [b]."""
-    b = x.shape[0]
-    u = torch.rand(b, generator=generator)                                # shared, cpu
-    for i, s in enumerate(states):
-        if s.generator is not None:
-            u[i] = torch.rand(1, generator=s.generator)[0]
-    probs = torch.softmax(x, dim=-1)                                      # [b, V]
-    cdf = probs.cumsum(dim=-1)
-    target = (u.to(x.device) * cdf[:, -1]).unsqueeze(1)                   # [b, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)          # first cdf > target
-    last = x.shape[1] - 1 - (probs > 0).flip(1).int().argmax(dim=1)       # last positive id
-    return torch.minimum(idx, last)
+    log_mp = torch.log(torch.tensor(mp, dtype=torch.float32, device=x.device)).unsqueeze(1)  # log 0 = -inf
+    x.masked_fill_(x < x.max(dim=1, keepdim=True).values + log_mp, -math.inf)
