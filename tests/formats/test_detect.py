@@ -30,8 +30,7 @@ def test_fp8_variants_refused(key, value):
         detect_encoding({**FP8, key: value}, "c.json")
 
 
-@pytest.mark.parametrize("method,label", [("modelopt", "NVFP4"), ("quark", "MXFP4"), ("gptq", "GPTQ"),
-                                          ("awq", "AWQ")])
+@pytest.mark.parametrize("method,label", [("gptq", "GPTQ"), ("awq", "AWQ")])
 def test_recognised_but_unsupported(method, label):
     with pytest.raises(NotImplementedError, match=label):
         detect_encoding({"quant_method": method})
@@ -51,6 +50,6 @@ def test_linear_kind_from_headers():
         linear_kind(w, {})
     with pytest.raises(ValueError, match="u.weight: U8 weight without a recognised scale set"):
         linear_kind(_t("u.weight", "U8", (4, 2)), {})
-    with pytest.raises(NotImplementedError, match="NVFP4"):
-        linear_kind(_t("n.weight", "U8", (16, 8)), {"weight_scale": _t("n.weight_scale", "F8_E4M3", (16, 1)),
-                                                      "weight_scale_2": _t("n.weight_scale_2", "F32", ())})
+    nvfp4 = {"weight_scale": _t("n.weight_scale", "F8_E4M3", (16, 1)),
+             "weight_scale_2": _t("n.weight_scale_2", "F32", ())}
+    assert linear_kind(_t("n.weight", "U8", (16, 8)), nvfp4) is LinearKind.NVFP4  # FP4: test_quantized_*

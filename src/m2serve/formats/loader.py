@@ -24,7 +24,15 @@ from tqdm import tqdm
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.formats import names
-from m2serve.formats.detect import FP8_BLOCK, LinearKind, detect_encoding, linear_kind
+from m2serve.formats.detect import (
+    FP8_BLOCK,
+    LinearKind,
+    QuantSpec,
+    checkpoint_quant_config,
+    detect_quant,
+    linear_kind,
+)
+from m2serve.formats.fp4 import FP4Scheme, PackedFP4
 from m2serve.formats.fp8 import dequantize_fp8_block
 from m2serve.formats.safetensors_io import CheckpointReader, TensorInfo
 
@@ -48,6 +56,7 @@ class LoadPlan:
     companions: dict[str, dict[str, TensorInfo]] = field(default_factory=dict)
     kinds: dict[str, LinearKind] = field(default_factory=dict)
     kv_scales: dict[tuple[int, str], str] = field(default_factory=dict)  # (layer, "k"|"v") -> name
+    quant: QuantSpec | None = None  # checkpoint-level quantisation (formats/detect.py)
 
 
 def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPlan:
@@ -57,9 +66,9 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
     or shape mismatches (tensor, expected vs found); ValueError / NotImplementedError from
     encoding detection.
     """
-    detect_encoding(config.quantization_config, config.source)
+    quant = detect_quant(*checkpoint_quant_config(reader.path, config.quantization_config, config.source))
     expected = names.expected_shapes(config)
-    plan = LoadPlan(reader, config)
+    plan = LoadPlan(reader, config, quant=quant)
     unknown: list[str] = []
     dropped: dict[str, int] = {}
     companions: dict[str, dict[str, TensorInfo]] = {}
@@ -76,7 +85,8 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
         if comp is not None:
             companions.setdefault(names.canonical_name(comp[0]), {})[comp[1]] = info
             continue
-        canon = names.canonical_name(fname)
+        # compressed-tensors names a packed FP4 weight X.weight_packed (checkpoints.md §4)
+        canon = names.canonical_name(fname[: -len("_packed")] if fname.endswith(".weight_packed") else fname)
         if canon not in expected:
             unknown.append(fname)
         elif canon in plan.files:
@@ -98,13 +108,15 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
             f"{reader.path}: {len(missing)} required tensor(s) missing: {', '.join(missing[:10])}")
     for canon, fname in plan.files.items():
         info = reader.tensors[fname]
-        if info.shape != expected[canon]:
+        if logical_shape(info) != expected[canon]:
             raise CheckpointMismatchError(
-                f"{info.file.name}: tensor {fname} has shape {list(info.shape)}, expected "
+                f"{info.file.name}: tensor {fname} has shape {list(info.shape)}"
+                f"{' (packed FP4, K/2 columns)' if info.dtype == 'U8' else ''}, expected "
                 f"{list(expected[canon])} from {config.source}")
         if names.is_linear(canon):
             plan.companions[canon] = companions.get(canon, {})
             plan.kinds[canon] = linear_kind(info, plan.companions[canon])
+            quant.check_linear(fname.rsplit(".", 1)[0], plan.kinds[canon])
         elif canon in companions:
             raise CheckpointMismatchError(f"{fname} is not a linear weight but has scale tensors")
     return plan
@@ -115,7 +127,8 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     """Dense [N', K'] weight of linear ``name`` (canonical) in ``dtype``, optionally a slice.
 
     The one dispatch point per linear storage kind (checkpoints.md §4): dense -> cast; FP8 block
-    -> fp32 e4m3 x scale_inv product, one rounding (§6). ``rows`` / ``cols`` are ``(start,
+    -> fp32 e4m3 x scale_inv product, one rounding (§6); NVFP4 / MXFP4 -> :func:`packed_linear`
+    then its scheme's fp32 formula, one rounding (§6, formats/fp4.py). ``rows`` / ``cols`` are ``(start,
     end)`` ranges; for FP8 they must start on a multiple of 128 (ValueError naming the tensor).
     """
     fname = plan.files[name]
@@ -130,7 +143,39 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
         # a slice whose end is not block-aligned reads the block grid of the covering blocks
         full = dequantize_fp8_block(_pad_to_blocks(q), s, dtype)
         return full[: q.shape[0], : q.shape[1]]
-    raise NotImplementedError(f"{fname}: {kind.value} weights are not supported yet (issue 7)")
+    return packed_linear(plan, name, rows, cols).dequantize(dtype)
+
+
+_FP4_SCHEMES = {LinearKind.NVFP4: FP4Scheme.NVFP4_MODELOPT, LinearKind.NVFP4_CT: FP4Scheme.NVFP4_CT,
+                LinearKind.MXFP4: FP4Scheme.MXFP4}
+
+
+def logical_shape(info: TensorInfo) -> tuple[int, ...]:
+    """The unpacked shape of a tensor: U8 packed FP4 [N, K/2] -> [N, K]; others as stored."""
+    if info.dtype == "U8" and len(info.shape) == 2:
+        return info.shape[0], 2 * info.shape[1]
+    return info.shape
+
+
+def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
+                  cols: tuple[int, int] | None = None) -> PackedFP4:
+    """FP4 linear ``name`` (canonical) as read from the file, still packed (checkpoints.md §6).
+
+    ``rows`` / ``cols`` are ``(start, end)`` in unpacked coordinates; ``cols`` must be aligned to
+    the scheme's group (16 NVFP4, 32 MXFP4), else ValueError naming the tensor. The per-tensor
+    scalar (``weight_scale_2`` or ``weight_global_scale``) is read in fp32.
+    """
+    fname, comps = plan.files[name], plan.companions[name]
+    scheme = _FP4_SCHEMES[plan.kinds[name]]
+    g = scheme.group
+    if cols is not None and (cols[0] % g or cols[1] % g):
+        raise ValueError(f"{fname}: FP4 column slice {list(cols)} is not aligned to the group size {g}")
+    pcols = (cols[0] // 2, cols[1] // 2) if cols else None
+    scols = (cols[0] // g, cols[1] // g) if cols else None
+    second = comps.get("weight_scale_2") or comps.get("weight_global_scale")
+    packed = plan.reader.read(fname, rows, pcols)
+    scale = plan.reader.read(comps["weight_scale"].name, rows, scols)
+    return PackedFP4(scheme, packed, scale, plan.reader.read(second.name).float() if second else None, fname)
 
 
 def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
@@ -165,7 +210,7 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar:
         for canon, fname in plan.files.items():
             info = reader.tensors[fname]
-            sl = shard(canon, info.shape) if shard else None
+            sl = shard(canon, logical_shape(info)) if shard else None
             if sl == "skip":
                 bar.update(info.nbytes)
                 continue
@@ -192,6 +237,31 @@ def read_kv_scales(plan: LoadPlan) -> tuple[list[float], list[float]] | None:
         val = float(plan.reader.read(fname).float().reshape(-1)[0])
         (k if which == "k" else v)[layer] = val
     return k, v
+
+
+def read_input_scales(plan: LoadPlan) -> dict[str, float]:
+    """NVFP4 activation scales per FP4 linear (canonical name -> fp32 value), for a future W4A4 path.
+
+    ModelOpt ``input_scale`` as stored; compressed-tensors ``input_global_scale`` inverted (it is
+    1 / input_scale, checkpoints.md §4). A linear without one gets 1.0, but only when the
+    checkpoint has at least one (calibration never routed tokens to a few experts; §3.3). Empty
+    when the checkpoint has none. The weight-only path ignores these values.
+    """
+    found: dict[str, float] = {}
+    for canon, comps in plan.companions.items():
+        if "input_scale" in comps:
+            found[canon] = float(plan.reader.read(comps["input_scale"].name).float().reshape(-1)[0])
+        elif "input_global_scale" in comps:
+            inv = plan.reader.read(comps["input_global_scale"].name).float().reshape(-1)[0]
+            found[canon] = 1.0 / float(inv)
+    if not found:
+        return {}
+    nvfp4 = (LinearKind.NVFP4, LinearKind.NVFP4_CT)
+    missing = [c for c, k in plan.kinds.items() if k in nvfp4 and c not in found]
+    if missing:
+        log.debug("%d NVFP4 linear(s) without input_scale, recorded as 1.0 (first: %s)",
+                  len(missing), missing[0])
+    return {**found, **dict.fromkeys(missing, 1.0)}
 
 
 def open_checkpoint(path: str | Path, config: MiniMaxM2Config) -> LoadPlan:

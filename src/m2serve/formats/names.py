@@ -12,7 +12,9 @@ import re
 from m2serve.config.model_config import MiniMaxM2Config
 
 # Companion tensors of a quantised linear weight ``X.weight`` are named ``X.<suffix>``.
-SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale")
+# compressed-tensors FP4 names its scalars weight_global_scale / input_global_scale (checkpoints.md §4).
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale", "weight_global_scale",
+                  "input_global_scale")
 # Optional fp8 KV-cache scales (checkpoints.md §3.6): consumed by the KV cache only.
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?([kv])_scale$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
