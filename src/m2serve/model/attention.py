@@ -141,19 +141,19 @@ def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionM
                     scale: float) -> torch.Tensor:
     """Causal GQA over each request's cached + new tokens (spec/model.md §3 step 7).
 
-    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G; scores in act, x scale,
-    softmax in fp32, probabilities cast to act, then p·v.
+    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G. Scores, softmax and
+    p·v run in fp32 (exact for an fp32 act; for bf16 this is more precise than transformers'
+    bf16 matmuls, and CPU bf16 batched matmuls are far slower), one cast to act at the end.
     """
     T, Hq, D = q.shape
     B, Tq = meta.query_index.shape
-    K, V = read_kv(kv, layer, meta.ctx_slots, q.dtype)  # [B, Lk, Hkv, D]
+    K, V = read_kv(kv, layer, meta.ctx_slots, torch.float32)  # [B, Lk, Hkv, D] f32
     Hkv = K.shape[2]
     G = Hq // Hkv
-    qp = q[meta.query_index].view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, D]
+    qp = q[meta.query_index].float().view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, D]
     kt = K.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, Lk]
-    s = torch.matmul(qp, kt) * scale  # [B, Hkv, G, Tq, Lk] act
-    s = s.float().masked_fill(~meta.mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(q.dtype)
-    o = torch.matmul(p, V.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Tq, D]
+    s = torch.matmul(qp, kt) * scale  # [B, Hkv, G, Tq, Lk] f32
+    p = torch.softmax(s.masked_fill(~meta.mask, float("-inf")), dim=-1)
+    o = torch.matmul(p, V.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Tq, D] f32
     o = o.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
-    return o[meta.query_valid]  # [T, Hq·D], request order
+    return o[meta.query_valid].to(q.dtype)  # [T, Hq·D], request order
