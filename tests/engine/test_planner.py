@@ -320,3 +320,13 @@ def test_tiny_config_plans_on_this_cpu():
     assert p.num_pages * 16 >= 4096 and "available RAM" in p.memory_source
     table = format_plan(p)
     assert "KV pages" in table and f"{p.num_pages:,} x 16 tokens" in table
+
+
+def test_plain_data_parallel_holds_every_expert(m27):
+    # V6: dp 8 with ep_size 1 is plain data parallelism; every device holds the whole model, so on
+    # 141 GiB devices the planner (not an assertion) says it does not fit
+    with pytest.raises(RuntimeError, match=r"model does not fit: weights 214\.32 GiB .* > free 141\.00 GiB"):
+        plan(m27, devices=GPU8, data_parallel_degree=8, weight_dequant="runtime", device_memory_gib=141)
+    p = plan(m27, devices=GPU8, data_parallel_degree=8, weight_dequant="runtime", device_memory_gib=300)
+    assert (p.mode, p.weight_bytes, p.activation_bytes) == (ParallelismMode.DP_EP, ONE_DEVICE, 0)
+    assert p.scratch_bytes == 256 * MiB and p.kv_bytes_per_token == KV_TOKEN_BF16
