@@ -32,6 +32,7 @@ from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve import protocol as P
 from m2serve.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from m2serve.serve.llm import ChoiceAccumulator
+from m2serve.text.template import TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,43 @@ class APIError(Exception):
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(P.error_body(e.message, e.type, e.param, e.code if e.code is not None else e.status),
                         status_code=e.status, headers=e.headers)
+
+
+class _AuthAndCount:
+    """ASGI middleware: bearer-key check (all routes but health/version/metrics) and the
+    ``m2serve_requests_total{endpoint, status}`` counter. Pure ASGI (not BaseHTTPMiddleware), so
+    client disconnects still reach streaming responses."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: Any) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = _GEN_ROUTES.get(path)
+
+        def count(status: int) -> None:
+            if endpoint is not None:
+                self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+        if self.api_key is not None and not path.startswith(_AUTH_FREE):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                count(401)
+                resp = _error_response(APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                                "authentication_error", code="invalid_api_key"))
+                await resp(scope, receive, send)
+                return
+
+        async def send_counting(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                count(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_counting)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -102,29 +140,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error_response(APIError(e.status_code, str(e.detail), type_))
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        if settings.api_key is not None and not path.startswith(_AUTH_FREE):
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), settings.api_key.encode()):
-                resp: Response = _error_response(APIError(
-                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error", code="invalid_api_key"))
-                _count(path, 401)
-                return resp
-        try:
-            resp = await call_next(request)
-        except Exception:  # noqa: BLE001 - never let one request take the server down
-            log.exception("unhandled error on %s", path)
-            resp = _error_response(APIError(500, "internal server error", "server_error"))
-        _count(path, resp.status_code)
-        return resp
-
-    def _count(path: str, status: int) -> None:
-        if path in _GEN_ROUTES:
-            metrics.requests.labels(endpoint=_GEN_ROUTES[path], status=str(status)).inc()
+    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
 
     def check_model(name: str | None) -> None:
         if name is None or name in (settings.served_model_name, *settings.model_aliases):
@@ -179,7 +195,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             return llm.render_chat(msgs, tool_dicts, kwargs, add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad history) are 400
+        except TemplateError as e:  # raise_exception, bad history: the request's fault
             raise APIError(400, f"chat template error: {e}", param="messages") from e
 
     def _check_length(ids: list[int]) -> None:

@@ -159,18 +159,6 @@ def engine_args_from(opts: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in opts.items() if k in _ENGINE_FIELDS and k != "model"}
 
 
-def num_devices(devices: str) -> int:
-    """World size of a ``--devices`` string: cpu/gpu -> 1, cpu:N -> N, gpu:0,1,2 -> 3."""
-    kind, _, rest = devices.partition(":")
-    if kind not in ("cpu", "gpu") or (rest and kind == "cpu" and not rest.isdigit()):
-        raise ValueError(f"--devices {devices!r}: use cpu, cpu:N, gpu or gpu:0,1,...")
-    if not rest:
-        return 1
-    if kind == "cpu":
-        return int(rest)
-    return len([d for d in rest.split(",") if d.strip()])
-
-
 # ---------------------------------------------------------------------------------- serve
 
 
@@ -185,9 +173,9 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
     from m2serve.config.parallel import select_parallelism_mode
-    from m2serve.formats.detect import detect_encoding
+    from m2serve.engine.planner import checkpoint_encoding, num_devices
 
-    enc = detect_encoding(llm.config.quantization_config, str(llm.model_path / "config.json")).value
+    enc = checkpoint_encoding(llm.config).value
     mode = select_parallelism_mode(num_devices(llm.args.devices), llm.args.data_parallel_degree, llm.args.ep_size)
     stats = llm.engine.stats
     url = f"http://{opts['host']}:{opts['port']}/v1"
@@ -272,16 +260,13 @@ def run_generate(opts: dict[str, Any]) -> int:
 def run_plan(opts: dict[str, Any]) -> int:
     """Print the memory plan for ``--model`` (dir, config.json or hub id) without loading weights."""
     from m2serve.config.model_config import MiniMaxM2Config
-    from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import format_plan, plan_memory
     from m2serve.serve.resolve import resolve_config
 
     cfg_path = resolve_config(opts.get("model"))
     config = MiniMaxM2Config.from_pretrained(cfg_path)
     args = EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts))
-    mode = select_parallelism_mode(num_devices(args.devices), args.data_parallel_degree, args.ep_size)
     print(f"model: {opts.get('model') or 'embedded default'} ({cfg_path})")
-    print(f"parallel mode: {mode.value}")
     plan = plan_memory(config, args, device_memory_gib=opts.get("device_memory_gib"))
     print(format_plan(plan))
     return 0

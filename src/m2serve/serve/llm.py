@@ -32,7 +32,7 @@ from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.detokenizer import IncrementalDetokenizer
-from m2serve.text.parser import StreamingParser
+from m2serve.text.parser import StreamingParser, starts_in_reasoning
 from m2serve.text.template import ChatTemplate
 from m2serve.text.tokenizer import Tokenizer
 
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 TOOL_PARSERS = ("minimax_m2", "none")
 REASONING_PARSERS = ("minimax_m2", "minimax_m2_append_think", "none")
-_THINK, _THINK_END, _TOOL_CALL = "<think>", "</think>", "<minimax:tool_call>"
 
 
 @dataclass(slots=True)
@@ -133,7 +132,7 @@ class ChoiceAccumulator:
 
 def prompt_tail_in_reasoning(prompt: str) -> bool:
     """P1: generation starts inside reasoning iff the prompt, right-stripped, ends with ``<think>``."""
-    return prompt.rstrip().endswith(_THINK)
+    return starts_in_reasoning(prompt)
 
 
 class LLM:
@@ -163,15 +162,16 @@ class LLM:
         self.served_model_name = self.args.served_model_name or (model or self.model_path.name)
         self.config = MiniMaxM2Config.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.template = (ChatTemplate.from_file(chat_template) if chat_template
-                         else ChatTemplate.from_pretrained(path))
+        tok = self.tokenizer
+        self.template = (ChatTemplate.from_file(chat_template, tok.bos_token, tok.eos_token, tok.unk_token)
+                         if chat_template else ChatTemplate.from_pretrained(path))
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.engine = LLMEngine.from_args(self.args)
         self.max_length = int(getattr(self.engine, "max_length", None) or self.args.max_length
                               or self.config.max_position_embeddings)
-        self.reasoning_end_ids = tuple(self.tokenizer.token_to_id(t) for t in (_THINK_END, _TOOL_CALL))
+        self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._procs: dict[str, OutputProcessor] = {}
         self._ids = itertools.count()
 
@@ -252,8 +252,9 @@ class LLM:
             self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request added here has not finished."""
-        return bool(self._procs)
+        """True while a request added here has not finished, or the engine still has work
+        (an abort it has not applied yet)."""
+        return bool(self._procs) or self.engine.has_unfinished_requests()
 
     def step(self) -> list[OutputDelta]:
         """One engine step; returns one delta per request that produced output.

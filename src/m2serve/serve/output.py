@@ -72,7 +72,6 @@ class OutputProcessor:
         self.finished = False
         self.num_output_tokens = 0
         self.num_reasoning_tokens = 0
-        self.num_tool_calls = 0
         self.output_text: list[str] = []
 
     def process(self, new_token_ids: list[int], finished: bool = False, finish_reason: str | None = None,
@@ -129,19 +128,14 @@ class OutputProcessor:
         for d in deltas:
             out.reasoning += d.reasoning
             out.content += d.content
-            for tc in d.tool_calls:
-                if tc.name is not None:
-                    self.num_tool_calls += 1
-                out.tool_calls.append(tc)
+            out.tool_calls.extend(d.tool_calls)
 
     def _finish_reason(self, engine_reason: str | None) -> str:
-        if engine_reason == "length":
-            return "length"
         if engine_reason == "abort":
             return "abort"
-        if self.parser is not None and self.num_tool_calls:
-            return "tool_calls"
-        return "stop"
+        if self.parser is not None:
+            return self.parser.finish_reason(stopped_by_length=engine_reason == "length")
+        return "length" if engine_reason == "length" else "stop"
 
     def _stamp(self, out: OutputDelta) -> OutputDelta:
         out.num_output_tokens = self.num_output_tokens
