@@ -332,7 +332,7 @@ def format_plan(plan: MemoryPlan) -> str:
                           f"ep {plan.ep_size}, dp {plan.data_parallel_degree}"),
         ("weights", f"{plan.encoding}, compute {plan.dtype}, weight_dequant {plan.weight_dequant}"),
         ("weight bytes / device", gib(plan.weight_bytes)),
-        ("  as stored in checkpoint", gib(plan.checkpoint_bytes)),
+        ("  held packed (as stored)", gib(plan.checkpoint_bytes)),
         ("activations / device", gib(plan.activation_bytes)),
         ("scratch / device", gib(plan.scratch_bytes)),
         ("device memory", f"{gib(plan.free_bytes)} [{plan.memory_source}]"),

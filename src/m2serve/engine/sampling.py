@@ -47,7 +47,8 @@ class SamplingParams:
       tokens exist), max_tokens (None = up to the context limit), logprobs (None = none, 0 = the
       chosen token only, N = also the top N), prompt_logprobs (same counts, for prompt positions),
       thinking_temperature (used instead of temperature while the request is in reasoning),
-      reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051, ``<minimax:tool_call>``)
+      reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051 and
+      ``<minimax:tool_call>`` 200052 in the release tokenizer; the serve layer looks them up)
       and start_in_reasoning (the prompt ends in ``<think>``, chat-and-parsers.md P1).
 
     Handled above the engine (serve/):
