@@ -1,0 +1,216 @@
+"""Offline serving throughput: m2serve's engine vs transformers ``generate`` on the same checkpoint.
+
+For each config (``tiny-random`` and the bench config: vocab 32,000, hidden 3072, 48 heads, 8 KV
+heads, head_dim 128, rotary_dim 64, intermediate 1536, 2 layers, 32 experts top-8, bf16 weights,
+built in a temp dir) and each concurrency c (default 1, 8, 32), c requests of --input-len random
+tokens each generate --output-len tokens (greedy, EOS ignored), all submitted at once:
+
+* m2serve: ``LLMEngine`` (continuous batching, paged KV cache, chunked prefill);
+* transformers: ``MiniMaxM2ForCausalLM.generate`` on the c prompts as one left-padded batch;
+* llama.cpp through llama-cpp-python: skipped with a message (not importable here; when it is, a
+  GGUF of the random checkpoint would still be needed, which this script does not build).
+
+Each peer runs in its own subprocess, one after the other, with the same dtype and thread count.
+Printed: output tokens/s per peer and the m2serve / peer ratio; for c = 1, m2serve's time per
+decoded token next to the batch-1 decode bound = bytes of weights read per token (attention, router,
+the top-k experts of every layer, lm_head, in the compute dtype, plus the KV cache) / streaming-read
+bandwidth measured here (a large tensor sum).
+
+    python benchmarks/throughput.py [--configs tiny,bench] [--concurrency 1,8,32]
+        [--input-len 512] [--output-len 128] [--dtype float32] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                  rotary_dim=64,
+                  intermediate_size=1536, num_local_experts=32, num_experts_per_tok=8, num_hidden_layers=2,
+                  vocab_size=32000)
+PEERS = ("m2serve", "transformers")
+
+
+def prompts(c: int, n: int, vocab: int) -> list[list[int]]:
+    """c deterministic pseudo-random prompts of n token ids (same for every peer)."""
+    import random
+
+    rng = random.Random(1234)
+    return [[rng.randrange(vocab) for _ in range(n)] for _ in range(c)]
+
+
+# ---- workers (each runs in its own subprocess) -----------------------------------------------
+def run_m2serve(path: str, args: argparse.Namespace) -> dict:
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.engine.core import LLMEngine
+    from m2serve.engine.sampling import SamplingParams
+
+    c, n_in, n_out = args.c, args.input_len, args.output_len
+    page = 128
+    eng = LLMEngine.from_args(EngineArgs(
+        model=path, dtype=args.dtype, kv_cache_format=args.dtype, kv_cache_page_size=page,
+        num_kv_pages=c * -(-(n_in + n_out) // page) + 1, max_batch_size=max(c, 1)))
+    V = eng.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.add_request("warm", prompts(1, 16, V)[0], warm)
+    while eng.has_unfinished_requests():
+        eng.step()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts(c, n_in, V)):
+        eng.add_request(f"r{i}", p, params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    generated = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            now = time.perf_counter()
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            generated += len(o.new_token_ids)
+    wall = time.perf_counter() - t0
+    itl = sum(last[r] - first[r] for r in first) / len(first) / max(n_out - 1, 1)
+    return {"tok_s": generated / wall, "wall_s": wall, "tokens": generated,
+            "ttft_s": sum(first.values()) / len(first) - t0, "s_per_decode_token": itl}
+
+
+def run_transformers(path: str, args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    c, n_in, n_out = args.c, args.input_len, args.output_len
+    model = transformers.MiniMaxM2ForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    V = model.config.vocab_size
+    gen = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts(1, 16, V)), max_new_tokens=2, min_new_tokens=2, **gen)
+        ids = torch.tensor(prompts(c, n_in, V))           # equal lengths: the padding mask is all ones
+        mask = torch.ones_like(ids)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, **gen)
+        wall = time.perf_counter() - t0
+    generated = int((out.shape[1] - n_in) * c)
+    return {"tok_s": generated / wall, "wall_s": wall, "tokens": generated}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    fn = {"m2serve": run_m2serve, "transformers": run_transformers}[args.worker]
+    print("RESULT " + json.dumps(fn(args.model, args)), flush=True)
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def stream_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """Streaming-read bandwidth in bytes/s: best of 5 sums over a ``gib`` GiB fp32 tensor."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2 ** 30) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def decode_bytes_per_token(model_dir: Path, dtype: str, context: int) -> int:
+    """Bytes one batch-1 decode step reads: attention, norms, router, the top-k experts of every
+    layer and lm_head in the compute dtype (the embedding row is negligible), plus the KV cache
+    of ``context`` tokens in the same dtype."""
+    from m2serve.config.model_config import MiniMaxM2Config
+
+    cfg = MiniMaxM2Config.from_pretrained(model_dir)
+    H, L, D = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    elem = {"float32": 4, "bfloat16": 2}[dtype]
+    attn = H * cfg.q_size * 2 + H * cfg.kv_size * 2 + cfg.q_size + cfg.kv_size      # q,o,k,v + qk norms
+    experts = cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size
+    router = (cfg.num_local_experts * H + cfg.num_local_experts) * 4 // elem        # fp32 gate + bias
+    per_layer = attn + experts + router + 2 * H
+    weights = (L * per_layer + H + cfg.vocab_size * H) * elem
+    kv = context * L * 2 * cfg.num_key_value_heads * D * elem
+    return weights + kv
+
+
+def spawn(peer: str, model_dir: Path, c: int, a: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", peer, "--model", str(model_dir), "--c", str(c),
+           "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--dtype", a.dtype,
+           "--threads", str(a.threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
+
+
+def build(name: str, root: Path) -> Path:
+    from m2serve.checkpoints.tiny_random import build_tiny_random
+
+    if name == "tiny":
+        return build_tiny_random(root / "tiny-random")
+    if name == "bench":
+        return build_tiny_random(root / "bench", **BENCH_DIMS)
+    raise SystemExit(f"unknown config {name!r}: use tiny or bench")
+
+
+def main(a: argparse.Namespace) -> None:
+    conc = [int(x) for x in a.concurrency.split(",")]
+    import importlib.util
+
+    bw = stream_bandwidth(a.threads)
+    why = ("llama-cpp-python is not importable" if importlib.util.find_spec("llama_cpp") is None
+           else "llama-cpp-python is importable but no GGUF of these checkpoints is built here")
+    print(f"# llama.cpp skipped: {why}")
+    print(f"# streaming-read bandwidth: {bw / 1e9:.2f} GB/s ({a.threads} threads); dtype {a.dtype}; "
+          f"{a.input_len} in / {a.output_len} out per request")
+    with tempfile.TemporaryDirectory(prefix="m2serve-bench-") as tmp:
+        for name in a.configs.split(","):
+            t = time.perf_counter()
+            model_dir = build(name, Path(tmp))
+            print(f"\n## {name} (checkpoint built in {time.perf_counter() - t:.0f} s)")
+            print(f"{'c':>3} {'peer':<13} {'tok/s':>9} {'wall s':>8} {'m2serve x':>10}")
+            for c in conc:
+                res = {peer: spawn(peer, model_dir, c, a) for peer in PEERS}
+                ours = res["m2serve"].get("tok_s")
+                for peer, r in res.items():
+                    if "tok_s" not in r:
+                        print(f"{c:>3} {peer:<13} {'skipped' if 'skip' in r else 'failed'}: "
+                              f"{r.get('skip') or r.get('error')}")
+                        continue
+                    ratio = "" if peer == "m2serve" or not ours else f"{ours / r['tok_s']:.2f}x"
+                    print(f"{c:>3} {peer:<13} {r['tok_s']:>9.1f} {r['wall_s']:>8.1f} {ratio:>10}")
+                if c == 1 and "s_per_decode_token" in res["m2serve"]:
+                    need = decode_bytes_per_token(model_dir, a.dtype, a.input_len + a.output_len // 2)
+                    bound = need / bw
+                    got = res["m2serve"]["s_per_decode_token"]
+                    print(f"    batch-1 decode: {got * 1e3:.2f} ms/token measured, bound "
+                          f"{bound * 1e3:.2f} ms/token ({need / 1e6:.1f} MB/token at {bw / 1e9:.2f} GB/s)"
+                          f" -> {got / bound:.2f}x the bound; TTFT {res['m2serve']['ttft_s']:.2f} s")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="tiny,bench")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse()
+    worker(args) if args.worker else main(args)
