@@ -88,12 +88,12 @@ class MemoryPlan:
         return self.num_pages * self.page_size
 
 
-def plan_memory(config: MiniMaxM2Config, args: EngineArgs, device_memory_gib: float | None = None,
-                free_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
+                device_memory_gib: float | None = None) -> MemoryPlan:
     """Plan weights, activations and KV pages for ``args``'s deployment (serving.md §7).
 
     ``device_memory_gib`` plans for devices of that size (GiB, per device) instead of measuring
-    (hardware you do not have); ``free_bytes`` does the same in bytes. Otherwise the free memory
+    (hardware you do not have). Otherwise the free memory
     of the devices in ``args.devices`` is measured: CPU = available RAM (/proc/meminfo
     MemAvailable) shared by the N ranks of ``cpu:N``; GPU = free memory (torch.cuda.mem_get_info)
     of the smallest listed device, its total if it reports 0.
@@ -138,8 +138,6 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs, device_memory_gib: fl
         if device_memory_gib <= 0:
             raise ValueError(f"device_memory_gib={device_memory_gib} must be positive")
         free_bytes, source = int(device_memory_gib * GiB), f"--device-memory-gib {device_memory_gib:g}"
-    elif free_bytes is not None:
-        source = "given"
     else:
         free_bytes, source = measure_free_bytes(args.devices, P)
 
