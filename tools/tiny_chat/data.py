@@ -544,7 +544,7 @@ def make_example(s: Sampler, kind: str, idx: int) -> Example:
         u, think, a = _direct_turn(s)
         return Example(kind, None, [{"role": "user", "content": u},
                                     {"role": "assistant", "content": a, "reasoning_content": think}])
-    n_tools = r.randint(1, 3)
+    n_tools = r.choices((1, 2, 3), weights=(0.5, 0.3, 0.2))[0]  # mostly one: shorter prompts
     offered = r.sample(TOOLS, n_tools)
     tools = [t.schema() for t in offered]
     if kind == "no_tool":

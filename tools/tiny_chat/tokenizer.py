@@ -27,7 +27,7 @@ else:
 
 BPE_VOCAB = 3000
 VOCAB_PADDED = 3072
-CORPUS_EXAMPLES = 20000
+CORPUS_EXAMPLES = 6000
 CORPUS_SEED = 100
 
 # o200k pre-tokenisation regex (as in GPT-4o's tokenizer; spec chat-and-parsers.md §1).

@@ -1,8 +1,8 @@
 """Resumable training of `tiny-chat`, a small MiniMax-M2 model trained on the synthetic chats (issue 6).
 
-Command (documented in the report / README; ~1 h on 2 CPU cores)::
+Command (documented in the report / README; ~70 min on one CPU core shared with other jobs)::
 
-    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 600
+    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 2400
 
 Re-running the same command continues from ``OUT/ckpt.pt`` (saved every ``--save-every`` seconds and
 at the end): the model, optimiser, load-balancing bias, step and data order all resume, so an
@@ -282,15 +282,16 @@ def save_ckpt(path: Path, model, opt, step: int, args_dict: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="run dir: tokenizer/, ckpt.pt, train.log")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--examples", type=int, default=40000, help="training corpus size")
-    ap.add_argument("--max-tokens", type=int, default=2000, help="padded tokens per batch")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--examples", type=int, default=12000, help="training corpus size")
+    ap.add_argument("--max-tokens", type=int, default=1200, help="padded tokens per batch")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=float, default=240.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (1: on a shared machine OpenMP threads spin-wait)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
