@@ -186,3 +186,13 @@ def test_pool_pages_are_zeroed_before_the_model_sees_them(toy_model, toy_config)
     assert not k[:2].isnan().any()                     # pages in use: written or zero
     assert (k[1, 1:] == 0).all()                       # slots 5..7 not written yet: zero
     assert k[2:].isnan().all()                         # never handed out: untouched
+
+
+def test_multi_rank_model_sets_kv_heads_and_dp_turns_prefix_caching_off(toy_model, toy_config):
+    # parallel/worker.py DistributedModel: rank 0's pool holds Hkv / tp heads; DP replicas split the
+    # batch, so a shared prefix page would live on one replica only (serving.md §6).
+    toy_model.num_kv_heads = 1
+    toy_model.splits_batch = True
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=4)
+    assert eng.runner.kv_storage.k[0].shape == (4, 4, 1, toy_config.head_dim)
+    assert not eng.scheduler.kv.enable_prefix_caching

@@ -28,6 +28,7 @@ from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logpr
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.load import load_model
+from m2serve.parallel.deploy import rank_devices, start_distributed_model
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +66,6 @@ def kv_cache_dtype(name: str) -> torch.dtype:
     return _KV_DTYPES[name]
 
 
-def resolve_device(devices: str) -> torch.device:
-    """Single-device string of EngineArgs.devices ("cpu", "gpu", "gpu:N") -> torch.device."""
-    if devices == "cpu":
-        return torch.device("cpu")
-    if devices == "gpu":
-        return torch.device("cuda", 0)
-    if devices.startswith("gpu:") and "," not in devices:
-        return torch.device("cuda", int(devices[4:]))
-    raise ValueError(f"devices={devices!r}: LLMEngine runs one device ('cpu', 'gpu' or 'gpu:N'); "
-                     "multi-device deployments go through parallel/")
-
-
 @dataclass(slots=True)
 class LLMEngine:
     """Token-ids-in, token-ids-out engine over one model replica (issue 4 items 1–3).
@@ -105,13 +94,16 @@ class LLMEngine:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
         if args.dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_COMPUTE_DTYPES)}")
-        device = resolve_device(args.devices)
+        devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
             plan = plan_memory(config, args)
             args = replace(args, num_kv_pages=plan.num_pages, max_length=plan.max_length)
-        model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=device)
-        return cls.from_model(model, config, args, device=device)
+        if len(devices) > 1:
+            model = start_distributed_model(args)
+        else:
+            model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=devices[0])
+        return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod
     def from_model(cls, model: Callable[[ForwardBatch, KVStorage], torch.Tensor], config: MiniMaxM2Config,
@@ -120,7 +112,10 @@ class LLMEngine:
         """Engine around a built model. ``kv_scales`` = per-layer (k_scale, v_scale) for fp8 KV;
         by default taken from ``model.kv_scales`` when the model has it, else 1.0.
 
-        Without ``args.num_kv_pages`` the planner sizes the pool from the memory free now (the
+        A multi-rank model (parallel/worker.py ``DistributedModel``) tells the pool's KV heads per
+        rank (``num_kv_heads``) and whether it splits the batch over DP replicas
+        (``splits_batch``), which turns prefix caching off (a shared page would live on one
+        replica only). Without ``args.num_kv_pages`` the planner sizes the pool from the memory free now (the
         model already loaded, so this under-counts; :meth:`from_args` plans before loading).
         ``max_length`` defaults to max_position_embeddings, lowered to the pool's capacity with a
         warning; an explicit ``args.max_length`` larger than the pool is a ValueError."""
@@ -143,9 +138,11 @@ class LLMEngine:
         if kv_scales is None:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
-        storage = empty_kv_storage(config.num_hidden_layers, num_pages, S, config.num_key_value_heads,
-                                   config.head_dim, dtype, device, k_scale, v_scale)
-        kv = KVCacheManager(num_pages, S, args.enable_prefix_caching)
+        num_kv_heads = getattr(model, "num_kv_heads", config.num_key_value_heads)
+        storage = empty_kv_storage(config.num_hidden_layers, num_pages, S, num_kv_heads, config.head_dim,
+                                   dtype, device, k_scale, v_scale)
+        caching = args.enable_prefix_caching and not getattr(model, "splits_batch", False)
+        kv = KVCacheManager(num_pages, S, caching)
         scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size)
         return cls(config=config, scheduler=scheduler, runner=ModelRunner(model, storage, device),
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
