@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from m2serve.config.model_config import GenerationDefaults
 from m2serve.engine.sampling import (
@@ -375,3 +377,60 @@ def test_top_k_candidates_and_whole_row_paths_agree():
         both = pair.logprobs[0]
         assert alone.token_id == both.token_id
         assert dict(alone.top) == pytest.approx(dict(both.top), abs=1e-5)
+
+
+# --- property test against a plain-Python reference of serving.md §10 -----------------------------
+
+def reference_distribution(logits, prompt, output, eos, p: SamplingParams) -> dict[int, float]:
+    """{token: logprob} of the distribution one draw uses, in plain Python, step by step in the
+    spec's order (bias and min_tokens mask first, then penalties, temperature, top-k, top-p, min-p)."""
+    x = list(logits)
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    if len(output) < p.min_tokens:
+        for t in set(eos) | set(p.stop_token_ids):
+            x[t] = -math.inf
+    seen = set(prompt) | set(output)
+    for t in range(len(x)):
+        if t in seen and x[t] != -math.inf:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        c = output.count(t)
+        x[t] -= p.presence_penalty * (c > 0) + p.frequency_penalty * c
+    if p.temperature == 0:
+        return {t: v for t, v in enumerate(log_softmax(x)) if v != -math.inf}
+    x = [v / p.temperature for v in x]
+    if 0 < p.top_k < len(x):
+        kth = sorted(x, reverse=True)[p.top_k - 1]
+        x = [v if v >= kth else -math.inf for v in x]
+    probs = [math.exp(v) for v in log_softmax(x)]
+    if p.top_p < 1:
+        x = [v if sum(q for q in probs if q > probs[t]) < p.top_p else -math.inf for t, v in enumerate(x)]
+    if p.min_p > 0:
+        m = max(x)
+        x = [v if v >= m + math.log(p.min_p) else -math.inf for v in x]
+    return {t: v for t, v in enumerate(log_softmax(x)) if v != -math.inf}
+
+
+V_SMALL = 10
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(logits=st.lists(st.integers(-12, 12).map(lambda i: i / 4), min_size=V_SMALL, max_size=V_SMALL),
+       prompt=st.lists(st.integers(0, V_SMALL - 1), max_size=4),
+       output=st.lists(st.integers(0, V_SMALL - 1), max_size=4),
+       temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]), top_k=st.integers(0, V_SMALL),
+       top_p=st.sampled_from([1.0, 0.93, 0.61, 0.27]), min_p=st.sampled_from([0.0, 0.05, 0.33]),
+       rep=st.sampled_from([1.0, 1.3]), pres=st.sampled_from([0.0, 0.4]), freq=st.sampled_from([0.0, -0.3]),
+       bias=st.dictionaries(st.integers(0, V_SMALL - 1), st.sampled_from([-3.0, 2.5]), max_size=2),
+       min_tokens=st.integers(0, 3), in_batch=st.booleans())
+def test_sampler_matches_plain_python_reference(logits, prompt, output, temperature, top_k, top_p, min_p, rep,
+                                                pres, freq, bias, min_tokens, in_batch):
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+              presence_penalty=pres, frequency_penalty=freq, logit_bias=bias, min_tokens=min_tokens)
+    st_ = state(prompt=prompt, eos=(V_SMALL - 1,), output=output, logprobs=MAX_LOGPROBS, seed=0, **kw)
+    want = reference_distribution(logits, prompt, output, (V_SMALL - 1,), st_.params)
+    rows = torch.tensor([logits, logits[::-1]] if in_batch else [logits])  # neighbour without top-k
+    states = [st_, state()] if in_batch else [st_]
+    out = sample(rows, states)
+    assert_dist(dict(out.logprobs[0].top), want)
+    assert out.token_ids[0] in want
