@@ -223,27 +223,9 @@ def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *,
 
 
 def checkpoint_encoding(config: MiniMaxM2Config) -> Encoding:
-    """The checkpoint's weight encoding from its quantization_config (formats/detect.py).
-
-    Planning needs only the format family, so a format that detect.py recognises but cannot load
-    yet (FP4 before issue 7) is still planned: ModelOpt -> NVFP4, Quark -> MXFP4, and
-    compressed-tensors by its ``config_groups`` format name.
-    """
-    quant = config.quantization_config
-    try:
-        return detect_encoding(quant, config.source)
-    except NotImplementedError:
-        method = str((quant or {}).get("quant_method", "")).lower()
-        if method == "modelopt":
-            return Encoding.NVFP4
-        if method == "quark":
-            return Encoding.MXFP4
-        formats = str((quant or {}).get("format", "")) + str((quant or {}).get("config_groups", ""))
-        if method == "compressed-tensors" and "mxfp4" in formats.lower():
-            return Encoding.MXFP4
-        if method == "compressed-tensors":
-            return Encoding.NVFP4
-        raise
+    """The checkpoint's weight encoding from its quantization_config (formats/detect.py; ValueError /
+    NotImplementedError from there for unsupported quantisation)."""
+    return detect_encoding(config.quantization_config, config.source)
 
 
 def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, *, packed: bool) -> int:
