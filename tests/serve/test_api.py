@@ -1,0 +1,127 @@
+"""In-process API tests (FastAPI TestClient, real tiny-random engine): request fields -> SamplingParams.
+
+serving.md §10 (extensions, thinking_temperature and the server-wide --thinking-temperature), issue 5 item 1.
+The engine's ``add_request`` is wrapped to record what the API hands it; generation itself is real.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from m2serve.serve.api import ServerSettings, build_app
+from m2serve.serve.async_engine import AsyncEngine
+from m2serve.serve.cli import _make_llm, build_parser, resolve_options
+
+MESSAGES = [{"role": "user", "content": "Hi there"}]
+
+
+class RecordingEngine:
+    """Forwards to the real engine, recording each add_request (request id, prompt ids, SamplingParams)."""
+
+    def __init__(self, engine):
+        self._engine, self.seen = engine, []
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.seen.append((request_id, list(prompt_token_ids), params))
+        return self._engine.add_request(request_id, prompt_token_ids, params)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_random_dir):
+    parser = build_parser()
+    argv = ["serve", "--model", str(tiny_random_dir), "--thinking-temperature", "0.7", "--dtype", "float32",
+            "--num-kv-pages", "128", "--kv-cache-page-size", "16"]
+    llm = _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
+    llm.engine = RecordingEngine(llm.engine)
+    seen = llm.engine.seen
+    app = build_app(AsyncEngine(llm), ServerSettings(served_model_name="m"))
+    with TestClient(app) as client:
+        yield client, llm, seen
+
+
+def test_thinking_temperature_request_and_server_default(served):
+    # serving.md §10: thinking_temperature per request, --thinking-temperature as the server default
+    client, llm, seen = served
+    seen.clear()
+    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                     "thinking_temperature": 0.2}).status_code == 200
+    (_, _, p_default), (_, _, p_request) = seen
+    assert p_default.thinking_temperature == 0.7 and p_request.thinking_temperature == 0.2
+    tok = llm.tokenizer
+    for p in (p_default, p_request):  # what the sampler needs to switch on token ids (P1)
+        assert p.start_in_reasoning is True
+        assert set(p.reasoning_end_token_ids) == {tok.think_end_id, tok.tool_call_id}
+
+
+def test_completions_do_not_switch_on_reasoning(served):
+    client, _, seen = served
+    seen.clear()
+    assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
+    assert seen[0][2].start_in_reasoning is False and seen[0][2].thinking_temperature is None
+
+
+def test_sampling_fields_reach_sampling_params(served):
+    client, _, seen = served
+    seen.clear()
+    body = {"messages": MESSAGES, "max_completion_tokens": 3, "max_tokens": 50, "temperature": 0.5, "top_p": 0.9,
+            "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "logit_bias": {"5": 2.0}, "seed": 11, "stop": ["xyz"],
+            "stop_token_ids": [9], "ignore_eos": True, "min_tokens": 1, "n": 2, "logprobs": True,
+            "top_logprobs": 3}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert all(len(c["logprobs"]["content"]) == 3 for c in r.json()["choices"])
+    (_, ids0, p0), (_, ids1, p1) = seen
+    assert ids0 == ids1
+    assert (p0.seed, p1.seed) == (11, 12)  # n > 1 fans out with seed + index
+    for p in (p0, p1):
+        assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (3, 0.5, 0.9, 7, 0.05)
+        assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, -0.5)
+        assert p.logit_bias == {5: 2.0} and p.stop == ("xyz",) and p.stop_token_ids == (9,)
+        assert p.ignore_eos and p.min_tokens == 1 and p.n == 1 and p.logprobs == 3
+
+
+def test_usage_and_reasoning_tokens(served):
+    client, _, _ = served
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True,
+                                                  "temperature": 0}).json()
+    u = r["usage"]
+    assert u["completion_tokens"] == 4 and u["total_tokens"] == u["prompt_tokens"] + 4
+    # the prompt ends in <think>: tokens up to </think> count as reasoning (here: no </think> in 4 tokens
+    # unless the model emits it, so reasoning_tokens <= completion_tokens)
+    assert 0 < u["completion_tokens_details"]["reasoning_tokens"] <= 4
+
+
+def test_stream_include_usage_last_chunk(served):
+    client, _, _ = served
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+def test_bad_requests_are_400_and_do_not_reach_engine(served):
+    client, _, seen = served
+    seen.clear()
+    for body in ({"messages": []}, {"messages": MESSAGES, "n": 0}, {"messages": MESSAGES, "top_logprobs": 2},
+                 {"messages": [{"role": "tool", "content": "orphan result"}]},
+                 {"messages": MESSAGES, "logit_bias": {"abc": 1}},
+                 {"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2}):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert seen == []
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert client.get("/health").status_code == 200

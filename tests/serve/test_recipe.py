@@ -1,0 +1,120 @@
+"""Recipes (spec/serving.md §9) and option precedence CLI > environment > recipe > defaults (issue 5 item 5)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m2serve.config.parallel import ParallelismMode, select_parallelism_mode
+from m2serve.serve.cli import build_parser, main, resolve_options
+from m2serve.serve.recipe import RecipeError, load_recipe, recipe_overrides
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+MAX_RECIPES = {  # serving.md §9 table: model_path, data_parallel_degree, ep_size, mode
+    "minimax_m2_8x_b200": ("MiniMaxAI/MiniMax-M2.7", 8, 8, ParallelismMode.DP_EP),
+    "minimax_m2_nvfp4_8x_b200": ("lukealonso/MiniMax-M2.7-NVFP4", 8, 8, ParallelismMode.DP_EP),
+    "minimax_m2_mxfp4_8x_mi355": ("amd/MiniMax-M2.7-MXFP4", 8, 8, ParallelismMode.DP_EP),
+    "minimax_m2_nvfp4_tp_ep_8x_b200": ("lukealonso/MiniMax-M2.7-NVFP4", 1, 8, ParallelismMode.TP_EP),
+    "minimax_m2_nvfp4_tp_tp_8x_b200": ("lukealonso/MiniMax-M2.7-NVFP4", 1, 1, ParallelismMode.TP_TP),
+}
+
+
+def _opts(argv: list[str], environ: dict[str, str] | None = None) -> dict:
+    parser = build_parser()
+    return resolve_options(parser.parse_args(argv), parser, environ or {})
+
+
+@pytest.mark.parametrize("name", sorted(MAX_RECIPES))
+def test_max_recipes_match_spec_table(name):
+    # serving.md §9: all five share trust_remote_code, 8 devices, utilisation 0.8, 1024 batch input tokens
+    model_path, dp, ep, mode = MAX_RECIPES[name]
+    o = recipe_overrides(load_recipe(RECIPES / f"{name}.yaml"))
+    assert o["model"] == model_path and o["data_parallel_degree"] == dp and o.get("ep_size", 1) == ep
+    assert o["devices"] == "gpu:0,1,2,3,4,5,6,7"
+    assert o["device_memory_utilization"] == 0.8 and o["max_batch_input_tokens"] == 1024
+    assert "ep_use_allreduce" not in o
+    assert select_parallelism_mode(8, dp, ep) is mode  # the mode the spec's table lists
+
+
+def test_every_shipped_recipe_parses():
+    names = {p.stem for p in RECIPES.glob("*.yaml")}
+    assert set(MAX_RECIPES) < names  # the five MAX deployments + the CPU recipe
+    for p in RECIPES.glob("*.yaml"):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize("name", sorted(MAX_RECIPES) + ["minimax_m2_tiny_cpu"])
+def test_plan_reports_mode_of_selection_function(name, capsys, tiny_random_dir, monkeypatch):
+    # issue 5 "Must show": `m2serve plan --config-file RECIPE` (no weights; hub id -> shipped config)
+    monkeypatch.setenv("M2SERVE_CACHE", str(Path(tiny_random_dir).parent))  # embedded default, no build
+    raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    n = len(raw["model"]["device_specs"]) if isinstance(raw["model"]["device_specs"], list) else 1
+    expected = select_parallelism_mode(n, raw["model"].get("data_parallel_degree", 1),
+                                       raw.get("runtime", {}).get("ep_size", 1))
+    assert main(["plan", "--config-file", str(RECIPES / f"{name}.yaml"), "--device-memory-gib", "180"]) == 0
+    out = capsys.readouterr().out
+    mode_line = next(line for line in out.splitlines() if line.startswith("parallel mode"))
+    assert mode_line.split()[2].rstrip(":") == expected.value
+    assert "KV pages" in out
+
+
+def test_plan_console_script_on_hub_id():
+    # the installed console script, a hub id resolved offline to the shipped config
+    exe = Path(sys.executable).with_name("m2serve")
+    r = subprocess.run([str(exe), "plan", "--config-file", str(RECIPES / "minimax_m2_nvfp4_tp_ep_8x_b200.yaml"),
+                        "--device-memory-gib", "180"], capture_output=True, text=True, timeout=120,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert r.returncode == 0, r.stderr
+    assert "TP_EP" in r.stdout and "hub_configs/lukealonso/MiniMax-M2.7-NVFP4/config.json" in r.stdout
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  model_path: x\n  kv_cache:\n    device_memory_utilisation: 0.8\n")
+    with pytest.raises(RecipeError, match=r"model\.kv_cache\.device_memory_utilisation: unknown key"):
+        load_recipe(p)
+    p.write_text("runtime:\n  ep_size: zero\n")
+    with pytest.raises(RecipeError, match=r"runtime\.ep_size"):
+        load_recipe(p)
+
+
+def test_trust_remote_code_accepted_and_logged(tmp_path, caplog):
+    p = tmp_path / "r.yaml"
+    p.write_text("trust_remote_code: true\nmodel:\n  model_path: some/model\n")
+    with caplog.at_level(logging.INFO, logger="m2serve.serve.recipe"):
+        o = recipe_overrides(load_recipe(p))
+    assert o == {"model": "some/model"}
+    assert "trust_remote_code is accepted and ignored" in caplog.text
+
+
+def test_precedence_cli_env_recipe_defaults(tmp_path):
+    # issue 5 item 5: CLI > environment > recipe > defaults
+    p = tmp_path / "r.yaml"
+    p.write_text("model:\n  data_parallel_degree: 2\n  kv_cache:\n    device_memory_utilization: 0.5\n"
+                 "runtime:\n  ep_size: 4\n  max_batch_input_tokens: 1024\n")
+    o = _opts(["serve", "--config-file", str(p)])
+    assert (o["ep_size"], o["data_parallel_degree"], o["device_memory_utilization"]) == (4, 2, 0.5)
+    assert o["max_batch_input_tokens"] == 1024 and o["port"] == 8000 and o["host"] == "127.0.0.1"  # defaults
+    o = _opts(["serve", "--config-file", str(p)], {"M2SERVE_EP_SIZE": "8", "M2SERVE_PORT": "9000",
+                                                     "M2SERVE_ENABLE_PREFIX_CACHING": "false"})
+    assert o["ep_size"] == 8 and o["port"] == 9000 and o["enable_prefix_caching"] is False
+    assert o["data_parallel_degree"] == 2  # recipe still applies where env is silent
+    o = _opts(["serve", "--config-file", str(p), "--ep-size", "2", "--enable-prefix-caching"],
+              {"M2SERVE_EP_SIZE": "8", "M2SERVE_ENABLE_PREFIX_CACHING": "0"})
+    assert o["ep_size"] == 2 and o["enable_prefix_caching"] is True
+    o = _opts(["serve"], {"M2SERVE_CONFIG_FILE": str(p), "M2SERVE_API_KEY": "k"})
+    assert o["ep_size"] == 4 and o["api_key"] == "k"
+    with pytest.raises(ValueError, match="M2SERVE_PORT"):
+        _opts(["serve"], {"M2SERVE_PORT": "eighty"})
+
+
+def test_thinking_temperature_flag_reaches_options():
+    # serving.md §10: the server-wide --thinking-temperature default (its effect on SamplingParams: test_api.py)
+    assert _opts(["serve", "--thinking-temperature", "0.6"])["thinking_temperature"] == 0.6
+    assert _opts(["serve"], {"M2SERVE_THINKING_TEMPERATURE": "0.4"})["thinking_temperature"] == 0.4
+    assert _opts(["serve"])["thinking_temperature"] is None
