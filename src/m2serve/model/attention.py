@@ -151,9 +151,10 @@ def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionM
     Hkv = K.shape[2]
     G = Hq // Hkv
     qp = q[meta.query_index].float().view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, D]
-    kt = K.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, Lk]
-    s = torch.matmul(qp, kt) * scale  # [B, Hkv, G, Tq, Lk] f32
-    p = torch.softmax(s.masked_fill(~meta.mask, float("-inf")), dim=-1)
-    o = torch.matmul(p, V.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Tq, D] f32
-    o = o.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
+    qp = qp.reshape(B, Hkv, G * Tq, D)  # the G heads sharing a KV head, stacked: no K/V broadcast copies
+    s = torch.matmul(qp, K.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G·Tq, Lk] f32
+    s = s.view(B, Hkv, G, Tq, -1).masked_fill(~meta.mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).view(B, Hkv, G * Tq, -1)
+    o = torch.matmul(p, V.permute(0, 2, 1, 3))  # [B, Hkv, G·Tq, D] f32
+    o = o.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
     return o[meta.query_valid].to(q.dtype)  # [T, Hq·D], request order
