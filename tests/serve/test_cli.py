@@ -1,0 +1,77 @@
+"""``m2serve generate`` and model resolution (issue 5 items 4–5, issue 4 item 6).
+
+The hub-id tests use a fake local Hugging Face cache (``HF_HUB_CACHE`` with the hub's
+``models--org--name/snapshots/<rev>`` + ``refs/main`` layout) and ``HF_HUB_OFFLINE=1``: no network.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2serve.serve.resolve import HUB_CONFIGS, ModelNotFoundError, looks_like_hub_id, resolve_config, resolve_model
+
+EXE = str(Path(sys.executable).with_name("m2serve"))
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tiny_random_dir, tmp_path_factory):
+    """A fake HF cache holding tiny-random as test-org/tiny (files linked, not copied)."""
+    root = tmp_path_factory.mktemp("hf-cache")
+    repo = root / "models--test-org--tiny"
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snap.mkdir(parents=True)
+    for f in Path(tiny_random_dir).iterdir():
+        (snap / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    return root, snap
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "M2SERVE_"))}
+    full.update({"OMP_NUM_THREADS": "1", **env})
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=300, env=full)
+
+
+def test_generate_hub_id_from_offline_cache(hf_cache):
+    # issue 5 item 4: a hub id resolves through the HF cache with no network; `m2serve generate` (greedy)
+    root, snap = hf_cache
+    r = _run(["generate", "--model", "test-org/tiny", "--max-tokens", "4", "--dtype", "float32",
+              "--num-kv-pages", "64", "--kv-cache-page-size", "16", "Hello", "World"],
+             {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "--- 'Hello' [length, 4 tokens]" in r.stdout and "--- 'World' [length, 4 tokens]" in r.stdout
+    assert "2 requests in" in r.stderr and "output tok/s" in r.stderr  # throughput summary
+    assert "requests" in r.stderr  # the tqdm bar over requests
+
+
+def test_missing_hub_id_offline_is_a_clear_error(hf_cache):
+    root, _ = hf_cache
+    r = _run(["generate", "--model", "test-org/absent", "hi"], {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    assert "test-org/absent" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
+
+
+def test_generate_embedded_default_without_model(tiny_random_dir, tmp_path):
+    # README quick start: `m2serve generate "prompt"` with the embedded default and no download
+    (tmp_path / "tiny-random").symlink_to(tiny_random_dir)
+    r = _run(["generate", "--max-tokens", "3", "--chat", "Hi there"], {"M2SERVE_CACHE": str(tmp_path),
+                                                                        "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "--- 'Hi there'" in r.stdout and "1 requests in" in r.stderr
+
+
+def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
+    assert resolve_model(str(tiny_random_dir)) == Path(tiny_random_dir)
+    assert resolve_config(str(tiny_random_dir)) == Path(tiny_random_dir) / "config.json"
+    assert resolve_config("MiniMaxAI/MiniMax-M2.7") == HUB_CONFIGS / "MiniMaxAI/MiniMax-M2.7/config.json"
+    assert looks_like_hub_id("org/name") and not looks_like_hub_id("./org/name") and not looks_like_hub_id("a/b/c")
+    with pytest.raises(ModelNotFoundError, match="no such directory"):
+        resolve_model(str(tmp_path / "missing" / "dir"))
+    with pytest.raises(ModelNotFoundError, match="MiniMaxAI/MiniMax-M2.7"):  # names the shipped ids
+        resolve_config("nobody/nothing-" + tmp_path.name)

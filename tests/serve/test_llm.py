@@ -1,0 +1,94 @@
+"""The offline ``LLM`` API and its output processor (issue 4 item 6; chat-and-parsers.md §1, §3).
+
+Real tiny-random engine. References are independent of the code under test: the token ids the engine
+produced (decoded by the tokenizer), an unstopped run for stop strings, and the text layer's
+non-streaming ``parse_output`` for chat.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from m2serve.engine.sampling import SamplingParams
+from m2serve.serve.llm import LLM
+from m2serve.text.parser import parse_output
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_random_dir):
+    return LLM(str(tiny_random_dir), dtype="float32", num_kv_pages=256, kv_cache_page_size=16,
+               max_batch_input_tokens=256)
+
+
+def test_generate_text_is_decode_of_ids(llm):
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    results = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert [r.prompt for r in results] == prompts
+    for prompt, r in zip(prompts, results):
+        o = r.outputs[0]
+        assert r.prompt_token_ids == llm.tokenizer.encode(prompt)
+        assert len(o.token_ids) == 12 and o.finish_reason == "length"
+        assert o.text == llm.tokenizer.decode(o.token_ids)
+    # token-id prompts give the same greedy output
+    again = llm.generate([results[0].prompt_token_ids], SamplingParams(max_tokens=12, **GREEDY))
+    assert again[0].outputs[0].token_ids == results[0].outputs[0].token_ids
+
+
+def test_stop_string_split_across_tokens_is_never_emitted(llm):
+    # spec §1 + issue 4 "stop strings never appear in output": pick a stop string that straddles two tokens
+    prompt = "Once upon a time"
+    [free] = llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))
+    ids = free.outputs[0].token_ids
+    pieces = [llm.tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    k = next(i for i in range(4, len(ids) - 1)
+             if len(pieces[i]) > len(pieces[i - 1]) and len(pieces[i + 1]) > len(pieces[i])
+             and "\ufffd" not in pieces[i + 1][len(pieces[i - 1]):])
+    stop = pieces[k + 1][len(pieces[k]) - 1:len(pieces[k]) + 1]  # last char of token k + first of token k+1
+    full = free.outputs[0].text
+    [r] = llm.generate([prompt], SamplingParams(max_tokens=24, stop=(stop,), **GREEDY))
+    o = r.outputs[0]
+    assert o.finish_reason == "stop"
+    assert stop not in o.text
+    assert o.text == full[:full.index(stop)]
+    assert not llm.has_unfinished_requests() and llm.engine.stats.kv_pages_used == 0  # aborted in the engine
+
+
+def test_stream_concatenates_to_generate(llm):
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    [r] = llm.generate(["Hello world"], params)
+    deltas = list(llm.stream("Hello world", params))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == r.outputs[0].text
+    assert [t for d in deltas for t in d.token_ids] == r.outputs[0].token_ids
+
+
+def test_n_choices_and_seeds(llm):
+    [greedy] = llm.generate(["abc"], SamplingParams(max_tokens=6, n=3, **GREEDY))
+    assert [o.index for o in greedy.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in greedy.outputs}) == 1
+    p = SamplingParams(max_tokens=8, n=2, seed=5, temperature=1.0, top_k=0, top_p=1.0, ignore_eos=True)
+    [a] = llm.generate(["abc"], p)
+    [b] = llm.generate(["abc"], p)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]  # seeded: reproducible
+
+
+def test_chat_matches_text_layer_parse(llm):
+    # chat-and-parsers.md §3: streaming parse inside the pipeline == non-streaming parse of the raw text
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    r = llm.chat(messages, SamplingParams(max_tokens=16, **GREEDY))
+    o = r.outputs[0]
+    prompt = llm.render_chat(messages)
+    assert prompt.endswith("]~b]ai\n<think>\n")
+    ref = parse_output(o.text, None, "split", prompt)
+    assert (o.reasoning, o.content) == (ref.reasoning, ref.content)
+    assert o.num_reasoning_tokens > 0
+    [batch] = llm.chat([messages], SamplingParams(max_tokens=16, **GREEDY))
+    assert batch.outputs[0].text == o.text
+
+
+def test_too_long_prompt_is_rejected_with_numbers(llm):
+    with pytest.raises(ValueError, match=str(llm.max_length)):
+        llm.generate([[5] * (llm.max_length + 1)], SamplingParams(max_tokens=1))
+    assert not llm.has_unfinished_requests()
