@@ -1,0 +1,405 @@
+"""Real FP4 exports of tiny-random, loaded unconverted, against the fp32 oracle (issue 7).
+
+checkpoints.md §4 (detection, per-linear header check), §6 (formulas), §8 (produce / check with
+the reference libraries); model.md §6 (oracle: transformers in fp32 on a dense copy dequantised
+by the reference library, |Δlogit| <= 1e-4 * max(1, |logit|)).
+
+- ModelOpt NVFP4: produced by ModelOpt itself on CPU (``mtq.quantize`` W4A4 NVFP4 +
+  ``export_hf_checkpoint`` on transformers' MiniMaxM2, attention / router / lm_head excluded
+  like the lukealonso release). Dense copy: ``NVFP4QTensor.dequantize``.
+- compressed-tensors NVFP4: the ModelOpt export converted by compressed-tensors' own
+  ``convert_checkpoint`` + ``ModelOptNvfp4Converter`` (weight_packed, weight_global_scale =
+  1 / weight_scale_2). Dense copy: ``unpack_fp4_from_uint8`` + its ``dequantize``.
+- Quark MXFP4: written with Quark's own ``PerBlockMXObserver`` (OCP MXFP4, even rounding),
+  ``real_quantize_fp4_fp6_per_group``, ``Pack_fp4`` and ``to_e8m0_uint8`` in Quark's export
+  names and config (Quark's quantiser skips transformers' fused expert tensors, so its end-to-end
+  export cannot be used). Dense copy: ``dequantize_fp4_fp6_per_group``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.formats.detect import Encoding, LinearKind
+from m2serve.formats.loader import open_checkpoint, read_input_scales
+from m2serve.model.load import load_model
+from m2serve.model.simple_cache import SimpleKVCache
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import transformers
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import (
+        dequantize_fp4_fp6_per_group,
+        real_quantize_fp4_fp6_per_group,
+    )
+    from quark.torch.quantization.config.config import OCP_MXFP4Spec
+    from quark.torch.quantization.observer.observer import PerBlockMXObserver
+    from quark.torch.utils.numerics import to_e8m0_uint8
+    from quark.torch.utils.pack import Pack_fp4
+
+PROMPT_LENS = (5, 9)
+DECODE_STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards on the shared 2-core machine (see tests/model/conftest.py)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- producing the checkpoints with the reference libraries --------------------------------------
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    index = d / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(d / f))
+    return out
+
+
+def _write(d: Path, tensors: dict[str, torch.Tensor], config: dict, src: Path,
+           extra_files: tuple[str, ...] = ("generation_config.json",)) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps(config, indent=1))
+    for f in extra_files:
+        if (src / f).exists():
+            shutil.copy(src / f, d / f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def modelopt_dir(tiny_random_dir, tmp_path_factory) -> Path:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_dir, dtype=torch.bfloat16)
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)  # W4A4 NVFP4, as the release recipe
+    cfg["quant_cfg"] += [{"quantizer_name": pat, "enable": False}
+                         for pat in ("*self_attn*", "*lm_head*", "*mlp.gate.*")]
+    g = torch.Generator().manual_seed(0)
+
+    def calibrate(m):
+        for _ in range(4):
+            m(torch.randint(0, model.config.vocab_size, (2, 16), generator=g))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, calibrate)
+        out = tmp_path_factory.mktemp("nvfp4") / "modelopt"
+        export_hf_checkpoint(model, export_dir=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ct_dir(modelopt_dir, tmp_path_factory) -> Path:
+    from compressed_tensors.entrypoints.convert.convert_checkpoint import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+
+    out = tmp_path_factory.mktemp("nvfp4") / "compressed-tensors"
+    ignore = ["lm_head", "model.embed_tokens", r"re:.*self_attn.*", r"re:.*block_sparse_moe\.gate$"]
+    convert_checkpoint(modelopt_dir, out, ModelOptNvfp4Converter(ignore=ignore, targets=["Linear"]),
+                       max_workers=1, device="cpu")
+    return out
+
+
+QUARK_CONFIG = {  # the amd/MiniMax-M2.7-MXFP4 quantization_config (checkpoints.md §4), trimmed
+    "quant_method": "quark", "quant_mode": "eager_mode",
+    "global_quant_config": {
+        "weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+                   "scale_format": "e8m0", "scale_calculation_mode": "even", "round_method": "half_even",
+                   "observer_cls": "PerBlockMXObserver", "is_dynamic": False},
+        "input_tensors": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+                          "scale_format": "e8m0", "scale_calculation_mode": "even",
+                          "round_method": "half_even", "observer_cls": "PerBlockMXObserver",
+                          "is_dynamic": True},
+        "output_tensors": None, "bias": None},
+    "exclude": ["lm_head", "*block_sparse_moe.gate*", "*self_attn*"],
+    "export": {"weight_format": "real_quantized", "pack_method": "reorder"},
+}
+
+
+def _quark_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quark's own MXFP4 weight path: observer scale, real quantise, pack, E8M0 encode."""
+    obs = PerBlockMXObserver(OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec())
+    obs(w)
+    scale, _ = obs.calculate_qparams()  # [N, K/32] f32 powers of two
+    q = real_quantize_fp4_fp6_per_group(w, scale, axis=-1, group_size=32, quant_dtype="fp4")
+    return Pack_fp4("per_group", "fp4").pack(q, reorder=False), to_e8m0_uint8(scale)
+
+
+@pytest.fixture(scope="module")
+def quark_dir(tiny_random_dir, tmp_path_factory) -> Path:
+    tensors = {}
+    for name, t in _weights(tiny_random_dir).items():
+        if ".experts." in name:
+            packed, scale = _quark_mxfp4(t.float())
+            tensors[name], tensors[name[: -len("weight")] + "weight_scale"] = packed, scale
+        else:
+            tensors[name] = t
+    config = json.loads((tiny_random_dir / "config.json").read_text())
+    config["quantization_config"] = QUARK_CONFIG
+    return _write(tmp_path_factory.mktemp("mxfp4") / "quark", tensors, config, tiny_random_dir)
+
+
+# ---- the oracle: a dense copy dequantised by the reference library -------------------------------
+
+def _ref_modelopt(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    packed = t[p + "weight"]
+    shape = torch.Size([packed.shape[0], 2 * packed.shape[1]])
+    return NVFP4QTensor(shape, torch.float32, packed).dequantize(
+        dtype=torch.float32, scale=t[p + "weight_scale"], double_scale=t[p + "weight_scale_2"],
+        block_sizes={-1: 16})
+
+
+def _ref_ct(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    packed = t[p + "weight_packed"]
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+    return ct_dequantize(unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32),
+                         scale=t[p + "weight_scale"].float(), args=args,
+                         global_scale=t[p + "weight_global_scale"], dtype=torch.float32)
+
+
+def _ref_quark(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    values = Pack_fp4("per_group", "fp4").unpack(t[p + "weight"], reorder=False)
+    scale = 2 ** (t[p + "weight_scale"].to(torch.int16) - 127).to(torch.float32)  # Quark unpack_params (e8m0)
+    return dequantize_fp4_fp6_per_group(values, scale, axis=-1, group_size=32)
+
+
+_FP4_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "weight_global_scale",
+              "input_scale", "input_global_scale")
+
+
+def dense_copy(src: Path, out: Path, ref: Callable[[dict[str, torch.Tensor], str], torch.Tensor]) -> Path:
+    """``src`` with every packed FP4 set replaced by ``ref``'s fp32 dequantisation, no quant config."""
+    t = _weights(src)
+    dense: dict[str, torch.Tensor] = {}
+    for name, v in t.items():
+        prefix, _, part = name.rpartition(".")
+        packed = t.get(prefix + ".weight", t.get(prefix + ".weight_packed"))
+        if part in _FP4_PARTS and packed is not None and packed.dtype == torch.uint8:
+            if part in ("weight", "weight_packed"):
+                dense[prefix + ".weight"] = ref(t, prefix + ".")
+        else:
+            dense[name] = v
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    return _write(out, dense, config, src)
+
+
+def assert_logits_match_oracle(path: Path, oracle_dir: Path, **load_kw) -> torch.Tensor:
+    """Ragged prefill (all positions) + teacher-forced decode steps vs transformers fp32 (model.md §6)."""
+    ours = load_model(path, dtype=torch.float32, **load_kw)
+    ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).float().eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(ours.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    cache = SimpleKVCache.create(ours.config, num_pages=16, page_size=4)
+    got = [ours(cache.batch(list(enumerate(prompts)), return_n_logits=10**6), cache.storage)]
+    with torch.no_grad():
+        want = [torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])]
+        seqs = [list(p) for p in prompts]
+        last = want[0][torch.tensor(PROMPT_LENS).cumsum(0) - 1]  # [B, V] each prompt's last position
+        for _ in range(DECODE_STEPS):  # teacher-forced with the oracle's greedy tokens
+            nxt = last.argmax(-1).tolist()
+            for seq, tok in zip(seqs, nxt):
+                seq.append(tok)
+            got.append(ours(cache.batch([(i, [tok]) for i, tok in enumerate(nxt)]), cache.storage))
+            last = torch.stack([ref(torch.tensor([seq])).logits[0, -1] for seq in seqs])
+            want.append(last)
+    got_t, want_t = torch.cat(got), torch.cat(want).float()
+    err = (got_t - want_t).abs()
+    tol = 1e-4 * want_t.abs().clamp(min=1.0)
+    assert bool((err <= tol).all()), f"max |Δlogit| {err.max():.3g} (max |logit| {want_t.abs().max():.3g})"
+    return got_t
+
+
+# ---- must show: each real export loads and matches the oracle -----------------------------------
+
+def test_modelopt_export_layout(modelopt_dir):  # checkpoints.md §2, §4, §7 (lukealonso release layout)
+    cfg = MiniMaxM2Config.from_pretrained(modelopt_dir)
+    assert cfg.quantization_config["quant_method"] == "modelopt"
+    plan = open_checkpoint(modelopt_dir, cfg)
+    assert plan.quant.encoding is Encoding.NVFP4
+    kinds = {k: v for k, v in plan.kinds.items()}
+    assert all(v is LinearKind.NVFP4 for k, v in kinds.items() if ".experts." in k)
+    assert all(v is LinearKind.DENSE for k, v in kinds.items() if ".self_attn." in k)
+    assert plan.reader.tensors["model.layers.0.self_attn.q_proj.weight"].dtype == "BF16"
+    plan.reader.close()
+
+
+def test_modelopt_nvfp4_matches_oracle(modelopt_dir, tmp_path):  # checkpoints.md §6 NVFP4 (ModelOpt)
+    assert_logits_match_oracle(modelopt_dir, dense_copy(modelopt_dir, tmp_path / "dense", _ref_modelopt))
+
+
+def test_compressed_tensors_nvfp4_matches_oracle(ct_dir, tmp_path):  # checkpoints.md §4 compressed-tensors
+    cfg = MiniMaxM2Config.from_pretrained(ct_dir)
+    assert cfg.quantization_config["quant_method"] == "compressed-tensors"
+    assert (ct_dir / "hf_quant_config.json").exists()  # stale ModelOpt file: config.json decides
+    plan = open_checkpoint(ct_dir, cfg)
+    assert {v for k, v in plan.kinds.items() if ".experts." in k} == {LinearKind.NVFP4_CT}
+    plan.reader.close()
+    assert_logits_match_oracle(ct_dir, dense_copy(ct_dir, tmp_path / "dense", _ref_ct))
+
+
+def test_quark_mxfp4_matches_oracle(quark_dir, tmp_path):  # checkpoints.md §6 MXFP4 (Quark)
+    plan = open_checkpoint(quark_dir, MiniMaxM2Config.from_pretrained(quark_dir))
+    assert plan.quant.encoding is Encoding.MXFP4
+    assert {v for k, v in plan.kinds.items() if ".experts." in k} == {LinearKind.MXFP4}
+    plan.reader.close()
+    assert_logits_match_oracle(quark_dir, dense_copy(quark_dir, tmp_path / "dense", _ref_quark))
+
+
+def test_hf_quant_config_alone_is_detected(modelopt_dir, tmp_path):  # checkpoints.md §1, §4
+    t = _weights(modelopt_dir)
+    config = json.loads((modelopt_dir / "config.json").read_text())
+    config.pop("quantization_config")
+    d = _write(tmp_path / "ckpt", t, config, modelopt_dir, ("generation_config.json", "hf_quant_config.json"))
+    plan = open_checkpoint(d, MiniMaxM2Config.from_pretrained(d))
+    assert plan.quant.encoding is Encoding.NVFP4 and plan.quant.source.endswith("hf_quant_config.json")
+    assert plan.quant.excluded_by("model.layers.1.self_attn.o_proj") == "model.layers.1.self_attn*"
+    plan.reader.close()
+
+
+def test_missing_input_scale_recorded_as_one(modelopt_dir, tmp_path):  # checkpoints.md §3.3
+    t = _weights(modelopt_dir)
+    gone = "model.layers.1.block_sparse_moe.experts.3.w2.input_scale"
+    kept = "model.layers.0.block_sparse_moe.experts.0.w1.input_scale"
+    d = _write(tmp_path / "ckpt", {k: v for k, v in t.items() if k != gone},
+               json.loads((modelopt_dir / "config.json").read_text()), modelopt_dir)
+    plan = open_checkpoint(d, MiniMaxM2Config.from_pretrained(d))
+    scales = read_input_scales(plan)
+    plan.reader.close()
+    assert scales[gone.replace("input_scale", "weight")] == 1.0
+    assert scales[kept.replace("input_scale", "weight")] == t[kept].item() != 1.0
+    assert len(scales) == 2 * 8 * 3  # every expert linear has one
+    # none in the file at all -> nothing recorded (the 1.0 rule only fills gaps)
+    d2 = _write(tmp_path / "none", {k: v for k, v in t.items() if not k.endswith("input_scale")},
+                json.loads((modelopt_dir / "config.json").read_text()), modelopt_dir)
+    plan = open_checkpoint(d2, MiniMaxM2Config.from_pretrained(d2))
+    assert read_input_scales(plan) == {}
+    plan.reader.close()
+
+
+# ---- errors: each raised with its message asserted (issue 7 "Errors") ---------------------------
+
+def _mutated(src: Path, out: Path, drop: tuple[str, ...] = (), put: dict | None = None,
+             quant: Callable[[dict], None] | None = None) -> Path:
+    t = {k: v for k, v in _weights(src).items() if k not in drop}
+    t.update(put or {})
+    config = json.loads((src / "config.json").read_text())
+    if quant:
+        quant(config["quantization_config"])
+    return _write(out, t, config, src)
+
+
+def _plan_error(d: Path) -> None:
+    open_checkpoint(d, MiniMaxM2Config.from_pretrained(d))
+
+
+W1 = "model.layers.0.block_sparse_moe.experts.2.w1."
+
+
+def test_missing_scale_names_tensor(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+    d = _mutated(modelopt_dir, tmp_path / "a", drop=(W1 + "weight_scale",))
+    with pytest.raises(ValueError, match=rf"{W1}weight: U8 weight without a recognised scale set: no "
+                       r"weight_scale \(packed FP4 needs F8_E4M3 weight_scale \+ weight_scale_2"):
+        _plan_error(d)
+    d = _mutated(modelopt_dir, tmp_path / "b", drop=(W1 + "weight_scale_2",))
+    with pytest.raises(ValueError, match=rf"{W1}weight: NVFP4 weight is missing its weight_scale_2 tensor "
+                       rf"\({W1}weight_scale_2\)"):
+        _plan_error(d)
+    d = _mutated(quark_dir, tmp_path / "c", drop=(W1 + "weight_scale",))
+    with pytest.raises(ValueError, match=rf"{W1}weight: U8 weight without a recognised scale set"):
+        _plan_error(d)
+
+
+def test_wrong_scale_shape_names_tensor(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+    t = _weights(modelopt_dir)
+    d = _mutated(modelopt_dir, tmp_path / "a", put={W1 + "weight_scale": t[W1 + "weight_scale"][:, :8]})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale: scale shape \[512, 8\] does not match weight "
+                       rf"{W1}weight \[512, 256\] in groups of 16 along K \(expected \[512, 16\]\)"):
+        _plan_error(d)
+    bad = torch.full((512, 16), 127, dtype=torch.uint8)
+    d = _mutated(quark_dir, tmp_path / "b", put={W1 + "weight_scale": bad})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale: scale shape \[512, 16\] does not match weight "
+                       rf"{W1}weight \[512, 256\] in groups of 32 along K \(expected \[512, 8\]\)"):
+        _plan_error(d)
+
+
+def test_unknown_quant_algo(modelopt_dir, tmp_path):  # checkpoints.md §4
+    d = _mutated(modelopt_dir, tmp_path / "a", quant=lambda q: q.update(quant_algo="W4A8_AWQ"))
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config\.quant_algo='W4A8_AWQ' is not "
+                       r"supported \(ModelOpt checkpoints: NVFP4\)"):
+        _plan_error(d)
+
+
+def test_group_size_other_than_16_or_32(modelopt_dir, quark_dir, ct_dir, tmp_path):  # checkpoints.md §4
+    d = _mutated(modelopt_dir, tmp_path / "a",
+                 quant=lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32))
+    with pytest.raises(ValueError, match=r"quantization_config\.config_groups\.group_0\.weights\."
+                       r"group_size=32 is not supported \(NVFP4 uses group size 16; supported FP4 group "
+                       r"sizes: NVFP4 16, MXFP4 32\)"):
+        _plan_error(d)
+    d = _mutated(quark_dir, tmp_path / "b",
+                 quant=lambda q: q["global_quant_config"]["weight"].update(group_size=64))
+    with pytest.raises(ValueError, match=r"quantization_config\.global_quant_config\.weight\.group_size=64 "
+                       r"is not supported \(MXFP4 uses group size 32"):
+        _plan_error(d)
+    d = _mutated(ct_dir, tmp_path / "c",
+                 quant=lambda q: q["config_groups"]["config_group_0"]["weights"].update(group_size=64))
+    with pytest.raises(ValueError, match=r"config_groups\.config_group_0\.weights\.group_size=64 is not "
+                       r"supported \(supported FP4 group sizes: NVFP4 16, MXFP4 32\)"):
+        _plan_error(d)
+
+
+def test_e8m0_nan_scale_names_tensor(quark_dir, tmp_path):  # checkpoints.md §5 (255 = NaN)
+    s = _weights(quark_dir)[W1 + "weight_scale"].clone()
+    s[7, 3] = 255
+    d = _mutated(quark_dir, tmp_path / "a", put={W1 + "weight_scale": s})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale: 1 E8M0 scale\(s\) hold the NaN code 255 "
+                       r"\(first at index \[7, 3\]\); the checkpoint is corrupt"):
+        load_model(d, dtype=torch.float32)
+
+
+def test_exclude_list_is_checked_against_headers(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+    d = _mutated(modelopt_dir, tmp_path / "a", quant=lambda q: q["ignore"].append("*experts.2*"))
+    with pytest.raises(ValueError, match=rf"{W1[:-1]}: nvfp4 weight, but \S*config\.json excludes it "
+                       r"from quantisation \(pattern '\*experts\.2\*'\)"):
+        _plan_error(d)
+    d = _mutated(quark_dir, tmp_path / "b", quant=lambda q: q.update(exclude=["lm_head"]))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.\w_proj: dense weight, but "
+                       r"\S*config\.json quantises it \(it matches no ignore/exclude pattern\)"):
+        _plan_error(d)
+
+
+def test_conventions_are_never_mixed(ct_dir, modelopt_dir, tmp_path):  # checkpoints.md §4
+    t = _weights(ct_dir)
+    gs = t[W1 + "weight_global_scale"]
+    d = _mutated(ct_dir, tmp_path / "a", drop=(W1 + "weight_global_scale",),
+                 put={W1 + "weight_scale_2": 1 / gs})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale_2: weight_scale_2 belongs to the ModelOpt "
+                       rf"convention but {W1}weight_packed uses compressed-tensors names"):
+        _plan_error(d)
+    d = _mutated(modelopt_dir, tmp_path / "b", quant=lambda q: q.update(quant_algo="FP8"))
+    with pytest.raises(ValueError, match=r"quant_algo='FP8' is not supported"):
+        _plan_error(d)
