@@ -7,7 +7,7 @@ G = Hq / Hkv, D head_dim, H hidden.
 The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]); K is written
 after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
 causally. Mixed prefill chunks and decodes run in one call: requests are padded to [B, Tq]
-queries x [B, Lk] keys and masked.
+queries x [B, Lk] keys and masked (padding queries see key 0 and are dropped).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from m2serve.model.batch import ForwardBatch, KVStorage
@@ -35,7 +36,7 @@ class AttentionMetadata:
     query_index:  int64 [B, Tq] index into [T] of request b's i-th new token (0 for padding).
     query_valid:  bool [B, Tq] False on padding rows.
     ctx_slots:    int64 [B, Lk] cache slot of request b's j-th context token (0 for padding).
-    mask:         bool [B, 1, 1, Tq, Lk] True where query i may attend key j (j <= pos_i).
+    mask:         bool [B, 1, Tq, Lk] True where query i may attend key j (j <= pos_i).
     """
 
     cos: torch.Tensor
@@ -71,7 +72,7 @@ class AttentionMetadata:
         tables = batch.block_tables.to(device=dev, dtype=torch.int64)
         page = tables[:, (j // page_size).clamp(max=max_pages - 1)]  # [B, Lk]
         ctx_slots = torch.where(j[None, :] < ctx[:, None], page * page_size + j % page_size, 0)  # [B, Lk]
-        mask = (j[None, None, :] <= qpos[:, :, None])[:, None, None]  # [B, 1, 1, Tq, Lk]
+        mask = (j[None, None, :] <= qpos[:, :, None])[:, None]  # [B, 1, Tq, Lk]
         cos, sin = rope_cos_sin(batch.positions, inv_freq)
         return cls(cos, sin, batch.slot_mapping.to(torch.int64), query_index, query_valid, ctx_slots, mask)
 
@@ -141,20 +142,14 @@ def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionM
                     scale: float) -> torch.Tensor:
     """Causal GQA over each request's cached + new tokens (spec/model.md §3 step 7).
 
-    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G. Scores, softmax and
-    p·v run in fp32 (exact for an fp32 act; for bf16 this is more precise than transformers'
-    bf16 matmuls, and CPU bf16 batched matmuls are far slower), one cast to act at the end.
+    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G (``enable_gqa``);
+    ``softmax(q·kᵀ · scale + mask) · v`` through F.scaled_dot_product_attention, whose kernels
+    accumulate scores and softmax in fp32 for bf16 inputs.
     """
     T, Hq, D = q.shape
     B, Tq = meta.query_index.shape
-    K, V = read_kv(kv, layer, meta.ctx_slots, torch.float32)  # [B, Lk, Hkv, D] f32
-    Hkv = K.shape[2]
-    G = Hq // Hkv
-    qp = q[meta.query_index].float().view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Tq, D]
-    qp = qp.reshape(B, Hkv, G * Tq, D)  # the G heads sharing a KV head, stacked: no K/V broadcast copies
-    s = torch.matmul(qp, K.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G·Tq, Lk] f32
-    s = s.view(B, Hkv, G, Tq, -1).masked_fill(~meta.mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).view(B, Hkv, G * Tq, -1)
-    o = torch.matmul(p, V.permute(0, 2, 1, 3))  # [B, Hkv, G·Tq, D] f32
-    o = o.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
-    return o[meta.query_valid].to(q.dtype)  # [T, Hq·D], request order
+    K, V = read_kv(kv, layer, meta.ctx_slots, q.dtype)  # [B, Lk, Hkv, D]
+    qp = q[meta.query_index].transpose(1, 2)  # [B, Hq, Tq, D]
+    o = F.scaled_dot_product_attention(qp, K.transpose(1, 2), V.transpose(1, 2), attn_mask=meta.mask,
+                                       scale=scale, enable_gqa=True)  # [B, Hq, Tq, D]
+    return o.transpose(1, 2).reshape(B, Tq, Hq * D)[meta.query_valid]  # [T, Hq·D], request order
