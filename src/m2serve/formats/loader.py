@@ -196,10 +196,13 @@ def _pad_to_blocks(q: torch.Tensor) -> torch.Tensor:
 
 
 def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = None,
-                 progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 progress: bool | None = None,
+                 packed_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedFP4]]:
     """Yield ``(canonical name, tensor)`` one at a time, ready for the model.
 
-    Linear weights: dense ``dtype`` via :func:`dequantize_linear`. Router gate and correction
+    Linear weights: dense ``dtype`` via :func:`dequantize_linear`, except FP4 expert weights
+    when ``packed_experts`` (``--weight-dequant runtime``): those come as :class:`PackedFP4`
+    (:func:`packed_linear`), dequantised later per active expert. Router gate and correction
     bias: float32 whatever the file holds (model.md §5.1). Everything else: ``dtype``.
     ``shard`` is the rank's slice hook (module docstring). A tqdm bar counts bytes read; it is
     shown when ``progress`` is True, or by default when stderr is a terminal.
@@ -218,7 +221,9 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
             if sl is not None:
                 dim, start, end = sl
                 rows, cols = ((start, end), None) if dim == 0 else (None, (start, end))
-            if canon in plan.kinds:
+            if packed_experts and plan.kinds.get(canon) in _FP4_SCHEMES and ".experts." in canon:
+                t = packed_linear(plan, canon, rows, cols)
+            elif canon in plan.kinds:
                 t = dequantize_linear(plan, canon, dtype, rows, cols)
             else:
                 target = torch.float32 if names.is_router(canon) else dtype
