@@ -201,3 +201,15 @@ def test_fp8_scale_wrong_shape(tiny_random_fp8_dir, tmp_path):
     _edit_shard(d, _shard_of(d, name), lambda t: {**t, name: torch.ones(2, 1)})
     with pytest.raises(ValueError, match=re.escape(name) + r": FP8 block scale must be float \[4, 2\]"):
         load_model(d)
+
+
+def test_use_routing_bias_false_without_bias_tensor(ckpt):
+    # model.md §1: use_routing_bias false and no bias tensor -> bias = 0 (not a missing tensor)
+    for shard in sorted({*_index(ckpt)["weight_map"].values()}):
+        _edit_shard(ckpt, shard, lambda t: {k: v for k, v in t.items() if "e_score_correction_bias" not in k})
+    with pytest.raises(CheckpointMismatchError, match="missing: .*e_score_correction_bias"):
+        load_model(ckpt)
+    _edit_config(ckpt, use_routing_bias=False)
+    model = load_model(ckpt)
+    for layer in model.model.layers:
+        assert torch.equal(layer.block_sparse_moe.e_score_correction_bias, torch.zeros(8))

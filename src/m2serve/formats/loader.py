@@ -102,7 +102,8 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
         raise CheckpointMismatchError(
             f"{reader.path}: {len(unknown)} unknown tensor(s) not used by a MiniMax-M2 model with "
             f"this config: {', '.join(sorted(unknown)[:10])}")
-    missing = [n for n in expected if n not in plan.files]
+    missing = [n for n in expected if n not in plan.files
+               and (config.use_routing_bias or not n.endswith("e_score_correction_bias"))]
     if missing:
         raise CheckpointMismatchError(
             f"{reader.path}: {len(missing)} required tensor(s) missing: {', '.join(missing[:10])}")

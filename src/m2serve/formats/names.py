@@ -71,8 +71,7 @@ def expected_shapes(cfg: MiniMaxM2Config) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
         out[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
         out[p + "block_sparse_moe.gate.weight"] = (E, H)
-        if cfg.use_routing_bias:
-            out[p + "block_sparse_moe.e_score_correction_bias"] = (E,)
+        out[p + "block_sparse_moe.e_score_correction_bias"] = (E,)  # optional if not use_routing_bias
         for e in range(E):
             q = f"{p}block_sparse_moe.experts.{e}."
             out[q + "w1.weight"] = (I, H)

@@ -29,13 +29,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     parallel = parallel or ParallelState()
     with torch.device(device):
         model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)
+    for layer in model.model.layers:  # bias = 0 unless the file has one (model.md §1 use_routing_bias)
+        layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:
         for name, tensor in iter_weights(plan, dtype, shard, progress):
             model.load_weight(name, tensor)
         model.kv_scales = read_kv_scales(plan)
     finally:
         plan.reader.close()
-    if not cfg.use_routing_bias:
-        for layer in model.model.layers:
-            layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     return model.eval()
