@@ -52,7 +52,9 @@ class TestOnlyReplayModel:
 
     def _next(self, history: list[int]) -> int:
         m = len(self.marker)
-        start = max((i + m for i in range(len(history) - m + 1) if history[i:i + m] == self.marker), default=None)
+        start = max(
+            (i + m for i in range(len(history) - m + 1) if history[i : i + m] == self.marker), default=None
+        )
         if start is None:
             return self.eos
         g = len(history) - start
@@ -66,7 +68,9 @@ def main(argv: list[str]) -> int:
     def from_args(cls, args):  # replaces LLMEngine.from_args in this process only
         tok = Tokenizer.from_pretrained(args.model)
         config = MiniMaxM2Config.from_pretrained(args.model)
-        model = TestOnlyReplayModel(tok.encode(text), tok.encode("<think>\n"), tok.eos_token_id, config.vocab_size)
+        model = TestOnlyReplayModel(
+            tok.encode(text), tok.encode("<think>\n"), tok.eos_token_id, config.vocab_size
+        )
         return cls.from_model(model, config, args)
 
     core.LLMEngine.from_args = classmethod(from_args)

@@ -17,8 +17,18 @@ import httpx
 HERE = Path(__file__).resolve().parent
 
 # Small, fast engine settings shared by the e2e servers (fp32 compute: faster than bf16 on CPU).
-FAST_ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-page-size", "16", "--num-kv-pages", "512",
-                     "--max-batch-input-tokens", "2048", "--log-level", "warning"]
+FAST_ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--kv-cache-page-size",
+    "16",
+    "--num-kv-pages",
+    "512",
+    "--max-batch-input-tokens",
+    "2048",
+    "--log-level",
+    "warning",
+]
 
 
 def free_port() -> int:
@@ -58,13 +68,24 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
-def start_server(args: list[str], tmp_dir: Path, env: dict[str, str] | None = None,
-                 entry: list[str] | None = None, timeout: float = 180.0) -> ServerProcess:
+def start_server(
+    args: list[str],
+    tmp_dir: Path,
+    env: dict[str, str] | None = None,
+    entry: list[str] | None = None,
+    timeout: float = 180.0,
+) -> ServerProcess:
     """Start ``m2serve serve ARGS --port P`` (or a test-only ``entry`` script) and wait for /health."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
-    cmd = (entry or [sys.executable, "-m", "m2serve.serve.cli"]) + ["serve", *args, "--host", "127.0.0.1",
-                                                                     "--port", str(port)]
+    cmd = (entry or [sys.executable, "-m", "m2serve.serve.cli"]) + [
+        "serve",
+        *args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env)

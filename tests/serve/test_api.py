@@ -35,8 +35,19 @@ class RecordingEngine:
 @pytest.fixture(scope="module")
 def served(tiny_random_dir):
     parser = build_parser()
-    argv = ["serve", "--model", str(tiny_random_dir), "--thinking-temperature", "0.7", "--dtype", "float32",
-            "--num-kv-pages", "128", "--kv-cache-page-size", "16"]
+    argv = [
+        "serve",
+        "--model",
+        str(tiny_random_dir),
+        "--thinking-temperature",
+        "0.7",
+        "--dtype",
+        "float32",
+        "--num-kv-pages",
+        "128",
+        "--kv-cache-page-size",
+        "16",
+    ]
     llm = _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
     llm.engine = RecordingEngine(llm.engine)
     seen = llm.engine.seen
@@ -49,9 +60,15 @@ def test_thinking_temperature_request_and_server_default(served):
     # serving.md §10: thinking_temperature per request, --thinking-temperature as the server default
     client, llm, seen = served
     seen.clear()
-    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
-    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
-                                                     "thinking_temperature": 0.2}).status_code == 200
+    assert (
+        client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
+    )
+    assert (
+        client.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "thinking_temperature": 0.2}
+        ).status_code
+        == 200
+    )
     (_, _, p_default), (_, _, p_request) = seen
     assert p_default.thinking_temperature == 0.7 and p_request.thinking_temperature == 0.2
     tok = llm.tokenizer
@@ -70,11 +87,27 @@ def test_completions_do_not_switch_on_reasoning(served):
 def test_sampling_fields_reach_sampling_params(served):
     client, _, seen = served
     seen.clear()
-    body = {"messages": MESSAGES, "max_completion_tokens": 3, "max_tokens": 50, "temperature": 0.5, "top_p": 0.9,
-            "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5,
-            "frequency_penalty": -0.5, "logit_bias": {"5": 2.0}, "seed": 11, "stop": ["xyz"],
-            "stop_token_ids": [9], "ignore_eos": True, "min_tokens": 1, "n": 2, "logprobs": True,
-            "top_logprobs": 3}
+    body = {
+        "messages": MESSAGES,
+        "max_completion_tokens": 3,
+        "max_tokens": 50,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"5": 2.0},
+        "seed": 11,
+        "stop": ["xyz"],
+        "stop_token_ids": [9],
+        "ignore_eos": True,
+        "min_tokens": 1,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
@@ -91,8 +124,10 @@ def test_sampling_fields_reach_sampling_params(served):
 
 def test_usage_and_reasoning_tokens(served):
     client, _, _ = served
-    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True,
-                                                  "temperature": 0}).json()
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "temperature": 0},
+    ).json()
     u = r["usage"]
     assert u["completion_tokens"] == 4 and u["total_tokens"] == u["prompt_tokens"] + 4
     # the prompt ends in <think>: tokens up to </think> count as reasoning (here: no </think> in 4 tokens
@@ -102,9 +137,17 @@ def test_usage_and_reasoning_tokens(served):
 
 def test_stream_include_usage_last_chunk(served):
     client, _, _ = served
-    with client.stream("POST", "/v1/chat/completions", json={
-            "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2][6:])
@@ -114,14 +157,20 @@ def test_stream_include_usage_last_chunk(served):
 def test_bad_requests_are_400_and_do_not_reach_engine(served):
     client, _, seen = served
     seen.clear()
-    for body in ({"messages": []}, {"messages": MESSAGES, "n": 0}, {"messages": MESSAGES, "top_logprobs": 2},
-                 {"messages": [{"role": "tool", "content": "orphan result"}]},
-                 {"messages": MESSAGES, "logit_bias": {"abc": 1}},
-                 {"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2}):
+    for body in (
+        {"messages": []},
+        {"messages": MESSAGES, "n": 0},
+        {"messages": MESSAGES, "top_logprobs": 2},
+        {"messages": [{"role": "tool", "content": "orphan result"}]},
+        {"messages": MESSAGES, "logit_bias": {"abc": 1}},
+        {"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2},
+    ):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert seen == []
-    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     assert client.get("/health").status_code == 200

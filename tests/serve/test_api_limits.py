@@ -22,8 +22,20 @@ MESSAGES = [{"role": "user", "content": "Write a long story."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_random_dir, tmp_path_factory):
-    s = start_server(["--model", str(tiny_random_dir), "--max-batch-size", "1", "--max-queue-size", "1",
-                      "--grace-period", str(GRACE_S), *FAST_ENGINE_FLAGS], tmp_path_factory.mktemp("limits"))
+    s = start_server(
+        [
+            "--model",
+            str(tiny_random_dir),
+            "--max-batch-size",
+            "1",
+            "--max-queue-size",
+            "1",
+            "--grace-period",
+            str(GRACE_S),
+            *FAST_ENGINE_FLAGS,
+        ],
+        tmp_path_factory.mktemp("limits"),
+    )
     yield s
     s.stop()
 
@@ -43,7 +55,9 @@ def _first_token(resp: httpx.Response):
     for line in lines:
         if line.startswith("data: {"):
             choices = json.loads(line[6:])["choices"]
-            if choices and (choices[0]["delta"].get("reasoning_content") or choices[0]["delta"].get("content")):
+            if choices and (
+                choices[0]["delta"].get("reasoning_content") or choices[0]["delta"].get("content")
+            ):
                 return lines
     raise AssertionError("stream ended before any token")
 
@@ -66,24 +80,41 @@ def test_full_queue_503_retry_after(server):
                 assert "max-queue-size" in err["message"] and err["code"] == "queue_full"
                 next(lines_a)  # A is unaffected and still streaming
     # both clients left: their requests are aborted and the pages come back
-    assert _wait_for(lambda: metric(m := server.metrics(), "m2serve_num_requests_running") == 0
-                     and metric(m, "m2serve_num_requests_waiting") == 0 and metric(m, "m2serve_kv_pages_used") == 0)
+    assert _wait_for(
+        lambda: (
+            metric(m := server.metrics(), "m2serve_num_requests_running") == 0
+            and metric(m, "m2serve_num_requests_waiting") == 0
+            and metric(m, "m2serve_kv_pages_used") == 0
+        )
+    )
     r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
 
 def test_sigterm_finishes_inflight_and_exits_0(server):
     # issue 5 item 3: SIGTERM stops accepting, lets in-flight requests finish within the grace period, exits 0
-    body = {"messages": MESSAGES, "max_tokens": 40, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions", json=body) as resp:
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    with (
+        httpx.Client(timeout=60) as h,
+        h.stream("POST", server.url + "/v1/chat/completions", json=body) as resp,
+    ):
         lines = _first_token(resp)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in rest[:-1]]
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    finishes = [
+        c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c["choices"] and c["choices"][0].get("finish_reason")
+    ]
     assert finishes == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 40  # the in-flight request ran to its end
     try:

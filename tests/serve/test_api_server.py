@@ -13,7 +13,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
 API_KEY = "test-key-123"
@@ -23,8 +22,20 @@ MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_random_dir, tmp_path_factory):
-    s = start_server(["--model", str(tiny_random_dir), "--served-model-name", MODEL, "--api-key", API_KEY,
-                      "--max-batch-size", "128", *FAST_ENGINE_FLAGS], tmp_path_factory.mktemp("server"))
+    s = start_server(
+        [
+            "--model",
+            str(tiny_random_dir),
+            "--served-model-name",
+            MODEL,
+            "--api-key",
+            API_KEY,
+            "--max-batch-size",
+            "128",
+            *FAST_ENGINE_FLAGS,
+        ],
+        tmp_path_factory.mktemp("server"),
+    )
     yield s
     s.stop()
 
@@ -96,8 +107,15 @@ def test_completions_echo_and_logprobs(client, tokenizer):
     # issue 5 item 1: /v1/completions with echo and logprobs (OpenAI legacy logprobs shape)
     prompt = "Hello world, this is"
     n_prompt = len(tokenizer.encode(prompt))
-    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=5,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        echo=True,
+        logprobs=2,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     c = r.choices[0]
     assert c.text.startswith(prompt)
     assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 5
@@ -112,8 +130,9 @@ def test_completions_echo_and_logprobs(client, tokenizer):
         assert 1 <= len(top) <= 2
         assert lp.token_logprobs[i] == pytest.approx(max(top.values()), abs=1e-4)
     # the non-echo text is what follows the prompt
-    r2 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
-                                   extra_body={"ignore_eos": True})
+    r2 = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert c.text == prompt + r2.choices[0].text
 
 
@@ -130,18 +149,34 @@ def test_completions_token_ids_and_list_prompts(client, tokenizer):
 def test_bad_fields_400(server, client):
     # issue 5 item 2: 400 in the OpenAI error shape, naming the field
     url = server.url + "/v1/chat/completions"
-    err = _assert_error_shape(httpx.post(url, headers=_headers(), json={
-        "model": MODEL, "messages": MESSAGES, "temperature": 5}), 400)
+    err = _assert_error_shape(
+        httpx.post(url, headers=_headers(), json={"model": MODEL, "messages": MESSAGES, "temperature": 5}),
+        400,
+    )
     assert "temperature" in err["message"] and err["param"] == "temperature"
-    err = _assert_error_shape(httpx.post(url, headers=_headers(), json={
-        "model": MODEL, "messages": MESSAGES, "bogus_field": 1}), 400)
+    err = _assert_error_shape(
+        httpx.post(url, headers=_headers(), json={"model": MODEL, "messages": MESSAGES, "bogus_field": 1}),
+        400,
+    )
     assert "bogus_field" in err["message"]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    err = _assert_error_shape(httpx.post(url, headers=_headers(), json={
-        "model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": "required"}), 400)
+    err = _assert_error_shape(
+        httpx.post(
+            url,
+            headers=_headers(),
+            json={"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": "required"},
+        ),
+        400,
+    )
     assert "constrained decoding" in err["message"]
-    err = _assert_error_shape(httpx.post(url, headers=_headers(), json={
-        "model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}), 400)
+    err = _assert_error_shape(
+        httpx.post(
+            url,
+            headers=_headers(),
+            json={"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
+        ),
+        400,
+    )
     assert "constrained decoding" in err["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"999999999": 5})
@@ -152,8 +187,11 @@ def test_prompt_longer_than_context_400(server):
     # issue 5 item 2: the message states the numbers
     models = httpx.get(server.url + "/v1/models", headers=_headers()).json()["data"]
     max_len = models[0]["max_model_len"]
-    resp = httpx.post(server.url + "/v1/completions", headers=_headers(), json={
-        "model": MODEL, "prompt": [5] * (max_len + 10), "max_tokens": 2})
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        headers=_headers(),
+        json={"model": MODEL, "prompt": [5] * (max_len + 10), "max_tokens": 2},
+    )
     err = _assert_error_shape(resp, 400)
     assert str(max_len + 10) in err["message"] and str(max_len) in err["message"]
 
@@ -180,8 +218,9 @@ def test_metrics_counters(server, client):
     before = server.metrics()
     usage = []
     for _ in range(2):
-        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                           extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
         usage.append(r.usage)
         assert r.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError):
@@ -203,14 +242,19 @@ def test_metrics_counters(server, client):
 
 
 def test_100_concurrent_streams(server):
-    # issue 5 "Must show": 100 concurrent streaming requests share the batch and complete with the right lengths
+    # issue 5 "Must show": 100 concurrent streams share the batch and complete with the right lengths
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
     lengths = [3 + i % 8 for i in range(100)]
 
     async def one(n: int) -> tuple[int, int, str | None]:
         stream = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Count to {n}."}], max_tokens=n, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {n}."}],
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage, finish = None, None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -235,8 +279,10 @@ def test_client_disconnect_frees_pages(server, client):
     # issue 5 item 3: a client that disconnects mid-stream aborts its request and frees its KV pages
     before = server.metrics()
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/chat/completions", headers=_headers(),
-                                                  json=body) as resp:
+    with (
+        httpx.Client(timeout=60) as h,
+        h.stream("POST", server.url + "/v1/chat/completions", headers=_headers(), json=body) as resp,
+    ):
         assert resp.status_code == 200
         seen, pages_while_streaming = 0, 0.0
         for line in resp.iter_lines():
@@ -256,7 +302,10 @@ def test_client_disconnect_frees_pages(server, client):
     assert metric(m, "m2serve_num_requests_running") == 0
     assert metric(m, "m2serve_kv_pages_used") == 0
     assert metric(m, "m2serve_requests_aborted_total") - metric(before, "m2serve_requests_aborted_total") == 1
-    assert metric(m, "m2serve_generation_tokens_total") - metric(before, "m2serve_generation_tokens_total") < 2000
+    assert (
+        metric(m, "m2serve_generation_tokens_total") - metric(before, "m2serve_generation_tokens_total")
+        < 2000
+    )
     # the server stays healthy and serves the next request
     assert httpx.get(server.url + "/health").status_code == 200
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from m2serve.serve.resolve import HUB_CONFIGS, ModelNotFoundError, looks_like_hub_id, resolve_config, resolve_model
+from m2serve.serve.resolve import (
+    HUB_CONFIGS,
+    ModelNotFoundError,
+    looks_like_hub_id,
+    resolve_config,
+    resolve_model,
+)
 
 EXE = str(Path(sys.executable).with_name("m2serve"))
 
@@ -41,9 +47,24 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_generate_hub_id_from_offline_cache(hf_cache):
     # issue 5 item 4: a hub id resolves through the HF cache with no network; `m2serve generate` (greedy)
     root, snap = hf_cache
-    r = _run(["generate", "--model", "test-org/tiny", "--max-tokens", "4", "--dtype", "float32",
-              "--num-kv-pages", "64", "--kv-cache-page-size", "16", "Hello", "World"],
-             {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"})
+    r = _run(
+        [
+            "generate",
+            "--model",
+            "test-org/tiny",
+            "--max-tokens",
+            "4",
+            "--dtype",
+            "float32",
+            "--num-kv-pages",
+            "64",
+            "--kv-cache-page-size",
+            "16",
+            "Hello",
+            "World",
+        ],
+        {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert "--- 'Hello' [length, 4 tokens]" in r.stdout and "--- 'World' [length, 4 tokens]" in r.stdout
     assert "2 requests in" in r.stderr and "output tok/s" in r.stderr  # throughput summary
@@ -52,7 +73,9 @@ def test_generate_hub_id_from_offline_cache(hf_cache):
 
 def test_missing_hub_id_offline_is_a_clear_error(hf_cache):
     root, _ = hf_cache
-    r = _run(["generate", "--model", "test-org/absent", "hi"], {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"})
+    r = _run(
+        ["generate", "--model", "test-org/absent", "hi"], {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+    )
     assert r.returncode == 2
     assert "test-org/absent" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
 
@@ -60,8 +83,10 @@ def test_missing_hub_id_offline_is_a_clear_error(hf_cache):
 def test_generate_embedded_default_without_model(tiny_random_dir, tmp_path):
     # README quick start: `m2serve generate "prompt"` with the embedded default and no download
     (tmp_path / "tiny-random").symlink_to(tiny_random_dir)
-    r = _run(["generate", "--max-tokens", "3", "--chat", "Hi there"], {"M2SERVE_CACHE": str(tmp_path),
-                                                                        "HF_HUB_OFFLINE": "1"})
+    r = _run(
+        ["generate", "--max-tokens", "3", "--chat", "Hi there"],
+        {"M2SERVE_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert "--- 'Hi there'" in r.stdout and "1 requests in" in r.stderr
 
@@ -70,7 +95,11 @@ def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
     assert resolve_model(str(tiny_random_dir)) == Path(tiny_random_dir)
     assert resolve_config(str(tiny_random_dir)) == Path(tiny_random_dir) / "config.json"
     assert resolve_config("MiniMaxAI/MiniMax-M2.7") == HUB_CONFIGS / "MiniMaxAI/MiniMax-M2.7/config.json"
-    assert looks_like_hub_id("org/name") and not looks_like_hub_id("./org/name") and not looks_like_hub_id("a/b/c")
+    assert (
+        looks_like_hub_id("org/name")
+        and not looks_like_hub_id("./org/name")
+        and not looks_like_hub_id("a/b/c")
+    )
     with pytest.raises(ModelNotFoundError, match="no such directory"):
         resolve_model(str(tmp_path / "missing" / "dir"))
     with pytest.raises(ModelNotFoundError, match="MiniMaxAI/MiniMax-M2.7"):  # names the shipped ids

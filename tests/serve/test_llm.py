@@ -18,8 +18,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_random_dir):
-    return LLM(str(tiny_random_dir), dtype="float32", num_kv_pages=256, kv_cache_page_size=16,
-               max_batch_input_tokens=256)
+    return LLM(
+        str(tiny_random_dir),
+        dtype="float32",
+        num_kv_pages=256,
+        kv_cache_page_size=16,
+        max_batch_input_tokens=256,
+    )
 
 
 def test_generate_text_is_decode_of_ids(llm):
@@ -42,16 +47,20 @@ def test_stop_string_split_across_tokens_is_never_emitted(llm):
     [free] = llm.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))
     ids = free.outputs[0].token_ids
     pieces = [llm.tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
-    k = next(i for i in range(4, len(ids) - 1)
-             if len(pieces[i]) > len(pieces[i - 1]) and len(pieces[i + 1]) > len(pieces[i])
-             and "\ufffd" not in pieces[i + 1][len(pieces[i - 1]):])
-    stop = pieces[k + 1][len(pieces[k]) - 1:len(pieces[k]) + 1]  # last char of token k + first of token k+1
+    k = next(
+        i
+        for i in range(4, len(ids) - 1)
+        if len(pieces[i]) > len(pieces[i - 1])
+        and len(pieces[i + 1]) > len(pieces[i])
+        and "\ufffd" not in pieces[i + 1][len(pieces[i - 1]) :]
+    )
+    stop = pieces[k + 1][len(pieces[k]) - 1 : len(pieces[k]) + 1]  # last char of token k + first of token k+1
     full = free.outputs[0].text
     [r] = llm.generate([prompt], SamplingParams(max_tokens=24, stop=(stop,), **GREEDY))
     o = r.outputs[0]
     assert o.finish_reason == "stop"
     assert stop not in o.text
-    assert o.text == full[:full.index(stop)]
+    assert o.text == full[: full.index(stop)]
     assert not llm.has_unfinished_requests() and llm.engine.stats.kv_pages_used == 0  # aborted in the engine
 
 

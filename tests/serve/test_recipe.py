@@ -1,4 +1,4 @@
-"""Recipes (spec/serving.md §9) and option precedence CLI > environment > recipe > defaults (issue 5 item 5)."""
+"""Recipes (spec/serving.md §9); option precedence CLI > environment > recipe > defaults (issue 5 item 5)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def test_plan_reports_mode_of_selection_function(name, capsys, tiny_random_dir, 
     monkeypatch.setenv("M2SERVE_CACHE", str(Path(tiny_random_dir).parent))  # embedded default, no build
     raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     n = len(raw["model"]["device_specs"]) if isinstance(raw["model"]["device_specs"], list) else 1
-    expected = select_parallelism_mode(n, raw["model"].get("data_parallel_degree", 1),
-                                       raw.get("runtime", {}).get("ep_size", 1))
+    expected = select_parallelism_mode(
+        n, raw["model"].get("data_parallel_degree", 1), raw.get("runtime", {}).get("ep_size", 1)
+    )
     assert main(["plan", "--config-file", str(RECIPES / f"{name}.yaml"), "--device-memory-gib", "180"]) == 0
     out = capsys.readouterr().out
     mode_line = next(line for line in out.splitlines() if line.startswith("parallel mode"))
@@ -66,9 +67,20 @@ def test_plan_reports_mode_of_selection_function(name, capsys, tiny_random_dir, 
 def test_plan_console_script_on_hub_id():
     # the installed console script, a hub id resolved offline to the shipped config
     exe = Path(sys.executable).with_name("m2serve")
-    r = subprocess.run([str(exe), "plan", "--config-file", str(RECIPES / "minimax_m2_nvfp4_tp_ep_8x_b200.yaml"),
-                        "--device-memory-gib", "180"], capture_output=True, text=True, timeout=120,
-                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    r = subprocess.run(
+        [
+            str(exe),
+            "plan",
+            "--config-file",
+            str(RECIPES / "minimax_m2_nvfp4_tp_ep_8x_b200.yaml"),
+            "--device-memory-gib",
+            "180",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
     assert r.returncode == 0, r.stderr
     assert "TP_EP" in r.stdout and "hub_configs/lukealonso/MiniMax-M2.7-NVFP4/config.json" in r.stdout
 
@@ -95,17 +107,23 @@ def test_trust_remote_code_accepted_and_logged(tmp_path, caplog):
 def test_precedence_cli_env_recipe_defaults(tmp_path):
     # issue 5 item 5: CLI > environment > recipe > defaults
     p = tmp_path / "r.yaml"
-    p.write_text("model:\n  data_parallel_degree: 2\n  kv_cache:\n    device_memory_utilization: 0.5\n"
-                 "runtime:\n  ep_size: 4\n  max_batch_input_tokens: 1024\n")
+    p.write_text(
+        "model:\n  data_parallel_degree: 2\n  kv_cache:\n    device_memory_utilization: 0.5\n"
+        "runtime:\n  ep_size: 4\n  max_batch_input_tokens: 1024\n"
+    )
     o = _opts(["serve", "--config-file", str(p)])
     assert (o["ep_size"], o["data_parallel_degree"], o["device_memory_utilization"]) == (4, 2, 0.5)
     assert o["max_batch_input_tokens"] == 1024 and o["port"] == 8000 and o["host"] == "127.0.0.1"  # defaults
-    o = _opts(["serve", "--config-file", str(p)], {"M2SERVE_EP_SIZE": "8", "M2SERVE_PORT": "9000",
-                                                     "M2SERVE_ENABLE_PREFIX_CACHING": "false"})
+    o = _opts(
+        ["serve", "--config-file", str(p)],
+        {"M2SERVE_EP_SIZE": "8", "M2SERVE_PORT": "9000", "M2SERVE_ENABLE_PREFIX_CACHING": "false"},
+    )
     assert o["ep_size"] == 8 and o["port"] == 9000 and o["enable_prefix_caching"] is False
     assert o["data_parallel_degree"] == 2  # recipe still applies where env is silent
-    o = _opts(["serve", "--config-file", str(p), "--ep-size", "2", "--enable-prefix-caching"],
-              {"M2SERVE_EP_SIZE": "8", "M2SERVE_ENABLE_PREFIX_CACHING": "0"})
+    o = _opts(
+        ["serve", "--config-file", str(p), "--ep-size", "2", "--enable-prefix-caching"],
+        {"M2SERVE_EP_SIZE": "8", "M2SERVE_ENABLE_PREFIX_CACHING": "0"},
+    )
     assert o["ep_size"] == 2 and o["enable_prefix_caching"] is True
     o = _opts(["serve"], {"M2SERVE_CONFIG_FILE": str(p), "M2SERVE_API_KEY": "k"})
     assert o["ep_size"] == 4 and o["api_key"] == "k"
@@ -114,7 +132,7 @@ def test_precedence_cli_env_recipe_defaults(tmp_path):
 
 
 def test_thinking_temperature_flag_reaches_options():
-    # serving.md §10: the server-wide --thinking-temperature default (its effect on SamplingParams: test_api.py)
+    # serving.md §10: the server-wide --thinking-temperature default (effect on SamplingParams: test_api.py)
     assert _opts(["serve", "--thinking-temperature", "0.6"])["thinking_temperature"] == 0.6
     assert _opts(["serve"], {"M2SERVE_THINKING_TEMPERATURE": "0.4"})["thinking_temperature"] == 0.4
     assert _opts(["serve"])["thinking_temperature"] is None

@@ -17,18 +17,33 @@ import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, HERE, metric, start_server
 
 REASONING = "The user wants the weather and the local time in Paris."
-REPLAY = (REASONING + "\n</think>\n\n<minimax:tool_call>\n"
-          '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-          '<parameter name="days">3</parameter>\n</invoke>\n'
-          '<invoke name="get_time">\n<parameter name="timezone">Europe/Paris</parameter>\n</invoke>\n'
-          "</minimax:tool_call>")
+REPLAY = (
+    REASONING + "\n</think>\n\n<minimax:tool_call>\n"
+    '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="days">3</parameter>\n</invoke>\n'
+    '<invoke name="get_time">\n<parameter name="timezone">Europe/Paris</parameter>\n</invoke>\n'
+    "</minimax:tool_call>"
+)
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"}, "days": {"type": "integer"}}}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Local time",
-                                      "parameters": {"type": "object", "properties": {
-                                          "timezone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time",
+            "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}},
+        },
+    },
 ]
 EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"timezone": "Europe/Paris"})]
 MESSAGES = [{"role": "user", "content": "What's the weather and the time in Paris?"}]
@@ -39,9 +54,19 @@ def server(tiny_random_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replay")
     replay_file = tmp / "replay.txt"
     replay_file.write_text(REPLAY, encoding="utf-8")
-    s = start_server(["--model", str(tiny_random_dir), "--served-model-name", "replay",
-                      *FAST_ENGINE_FLAGS, "--kv-cache-format", "float32"], tmp,
-                     entry=[sys.executable, str(HERE / "replay_server.py"), str(replay_file)])
+    s = start_server(
+        [
+            "--model",
+            str(tiny_random_dir),
+            "--served-model-name",
+            "replay",
+            *FAST_ENGINE_FLAGS,
+            "--kv-cache-format",
+            "float32",
+        ],
+        tmp,
+        entry=[sys.executable, str(HERE / "replay_server.py"), str(replay_file)],
+    )
     yield s
     s.stop()
 
@@ -72,8 +97,9 @@ def test_stream_matches_nonstream(client):
     reasoning, content, finish = [], [], None
     first: dict[int, list] = {}
     args: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(model="replay", messages=MESSAGES, tools=TOOLS, max_tokens=400,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model="replay", messages=MESSAGES, tools=TOOLS, max_tokens=400, stream=True
+    ):
         if not chunk.choices:
             continue
         d = chunk.choices[0].delta
@@ -95,7 +121,9 @@ def test_stream_matches_nonstream(client):
     assert ("".join(content) or None) == (ns.choices[0].message.content or None)
     assert finish == "tool_calls"
     streamed = [(first[i][1], "".join(args[i])) for i in sorted(first)]
-    assert streamed == [(t.function.name, t.function.arguments) for t in ns.choices[0].message.tool_calls]  # P24
+    assert streamed == [
+        (t.function.name, t.function.arguments) for t in ns.choices[0].message.tool_calls
+    ]  # P24
     assert [(n, json.loads(a)) for n, a in streamed] == EXPECTED
 
 
@@ -111,14 +139,17 @@ def test_undeclared_tool_rejected_and_counted(client, server):
 
 
 def test_tool_choice_none_and_passthrough(client):
-    # §3: tool_choice "none" disables tool parsing (the block stays content); reasoning_split=false = P7 passthrough
-    r = client.chat.completions.create(model="replay", messages=MESSAGES, tools=TOOLS, tool_choice="none",
-                                       max_tokens=400)
+    # §3: tool_choice "none" disables tool parsing (the block stays content);
+    # reasoning_split=false = P7 passthrough
+    r = client.chat.completions.create(
+        model="replay", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=400
+    )
     m = r.choices[0].message
     assert not m.tool_calls and r.choices[0].finish_reason == "stop"
     assert m.reasoning_content == REASONING and m.content.startswith("<minimax:tool_call>")
-    r = client.chat.completions.create(model="replay", messages=MESSAGES, max_tokens=400,
-                                       extra_body={"reasoning_split": False})
+    r = client.chat.completions.create(
+        model="replay", messages=MESSAGES, max_tokens=400, extra_body={"reasoning_split": False}
+    )
     m = r.choices[0].message
     assert getattr(m, "reasoning_content", None) is None
     assert m.content == "<think>" + REPLAY

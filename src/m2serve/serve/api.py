@@ -53,17 +53,26 @@ class ServerSettings:
 class APIError(Exception):
     """An error answered in the OpenAI shape with ``status``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(P.error_body(e.message, e.type, e.param, e.code if e.code is not None else e.status),
-                        status_code=e.status, headers=e.headers)
+    return JSONResponse(
+        P.error_body(e.message, e.type, e.param, e.code if e.code is not None else e.status),
+        status_code=e.status,
+        headers=e.headers,
+    )
 
 
 class _AuthAndCount:
@@ -90,8 +99,14 @@ class _AuthAndCount:
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not secrets.compare_digest(token.encode(), self.api_key.encode()):
                 count(401)
-                resp = _error_response(APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                                "authentication_error", code="invalid_api_key"))
+                resp = _error_response(
+                    APIError(
+                        401,
+                        "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
                 await resp(scope, receive, send)
                 return
 
@@ -145,8 +160,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def check_model(name: str | None) -> None:
         if name is None or name in (settings.served_model_name, *settings.model_aliases):
             return
-        raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                       f"'{settings.served_model_name}'", "not_found_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{settings.served_model_name}'",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
 
     # -------------------------------------------------------------- simple routes
 
@@ -183,14 +203,21 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < llm.config.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})",
-                           param="tokens")
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})",
+                param="tokens",
+            )
         return {"prompt": llm.decode(req.tokens, skip_special_tokens=False)}
 
     # -------------------------------------------------------------- helpers
 
-    def _render(messages: list[P.ChatMessage], tools: list[P.ToolDef] | None,
-                kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> str:
+    def _render(
+        messages: list[P.ChatMessage],
+        tools: list[P.ToolDef] | None,
+        kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         msgs = [m.model_dump(exclude_unset=True) for m in messages]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
@@ -200,30 +227,56 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     def _check_length(ids: list[int]) -> None:
         if len(ids) >= llm.max_length:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's max context is "
-                           f"{llm.max_length} tokens (at least one must be left to generate); shorten it",
-                           param="messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens but the model's max context is "
+                f"{llm.max_length} tokens (at least one must be left to generate); shorten it",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
 
-    def _params(req: P._SamplingFields, logprobs: int | None, prompt_logprobs: int | None = None,
-                thinking_temperature: float | None = None) -> SamplingParams:
+    def _params(
+        req: P._SamplingFields,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        thinking_temperature: float | None = None,
+    ) -> SamplingParams:
         try:
             p = SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                logit_bias=req.logit_bias, seed=req.seed, stop=tuple(req.stop_list()),
-                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens, max_tokens=req.token_limit(), n=req.n, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, thinking_temperature=thinking_temperature)
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias=req.logit_bias,
+                seed=req.seed,
+                stop=tuple(req.stop_list()),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                max_tokens=req.token_limit(),
+                n=req.n,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                thinking_temperature=thinking_temperature,
+            )
             p.check_token_ids(llm.config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         return p
 
-    def _submit(base_id: str, ids: list[int], params: SamplingParams, make_parser: Any,
-                skip_special_tokens: bool, q: asyncio.Queue) -> list[str]:
+    def _submit(
+        base_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        make_parser: Any,
+        skip_special_tokens: bool,
+        q: asyncio.Queue,
+    ) -> list[str]:
         """Submit the n choices of one prompt into the shared delta queue ``q``; returns their ids."""
         rids: list[str] = []
         try:
@@ -236,12 +289,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         except QueueFullError as e:
             for rid in rids:
                 engine.abort(rid)
-            raise APIError(503, str(e), "server_error", code="queue_full",
-                           headers={"Retry-After": str(settings.retry_after_s)}) from e
+            raise APIError(
+                503,
+                str(e),
+                "server_error",
+                code="queue_full",
+                headers={"Retry-After": str(settings.retry_after_s)},
+            ) from e
         except EngineDeadError as e:
             for rid in rids:
                 engine.abort(rid)
-            raise APIError(503, str(e), "server_error", headers={"Retry-After": str(settings.retry_after_s)}) from e
+            raise APIError(
+                503, str(e), "server_error", headers={"Retry-After": str(settings.retry_after_s)}
+            ) from e
         return rids
 
     async def _collect(request: Request, rids: list[str], q: asyncio.Queue) -> dict[str, ChoiceAccumulator]:
@@ -272,57 +332,96 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
         check_model(req.model)
         if req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice):
-            raise APIError(400, "tool_choice 'required' and named tool choices need constrained decoding, "
-                           "which m2serve does not support yet; use tool_choice 'auto' or 'none'",
-                           param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice 'required' and named tool choices need constrained decoding, "
+                "which m2serve does not support yet; use tool_choice 'auto' or 'none'",
+                param="tool_choice",
+            )
         if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} needs constrained decoding, "
-                           "which m2serve does not support yet; use 'text'", param="response_format")
+            raise APIError(
+                400,
+                f"response_format {req.response_format.type!r} needs constrained decoding, "
+                "which m2serve does not support yet; use 'text'",
+                param="response_format",
+            )
         prompt = _render(req.messages, req.tools, req.chat_template_kwargs)
         ids = llm.encode(prompt)
         _check_length(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = llm.chat_params(_params(req, logprobs, thinking_temperature=req.thinking_temperature), prompt)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
+        params = llm.chat_params(
+            _params(req, logprobs, thinking_temperature=req.thinking_temperature), prompt
+        )
+        tools = (
+            [t.model_dump(exclude_none=True) for t in req.tools]
+            if req.tools and req.tool_choice != "none"
             else None
+        )
         mode = llm.reasoning_mode(req.reasoning_split)
         base = P.new_id("chatcmpl")
         q: asyncio.Queue = asyncio.Queue()
-        rids = _submit(base, ids, params, lambda: llm.new_parser(prompt, tools, mode, base), req.skip_special_tokens, q)
+        rids = _submit(
+            base, ids, params, lambda: llm.new_parser(prompt, tools, mode, base), req.skip_special_tokens, q
+        )
         model = settings.served_model_name
         if not req.stream:
             accs = await _collect(request, rids, q)
-            return JSONResponse(_chat_response(base, model, accs, len(ids), req.logprobs).model_dump(mode="json"))
+            return JSONResponse(
+                _chat_response(base, model, accs, len(ids), req.logprobs).model_dump(mode="json")
+            )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         gen = _chat_stream(base, model, rids, q, len(ids), include_usage, req.logprobs)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    def _chat_response(base: str, model: str, accs: dict[str, ChoiceAccumulator], n_prompt: int,
-                       want_logprobs: bool) -> P.ChatCompletionResponse:
+    def _chat_response(
+        base: str, model: str, accs: dict[str, ChoiceAccumulator], n_prompt: int, want_logprobs: bool
+    ) -> P.ChatCompletionResponse:
         choices, n_out, n_reason, cached = [], 0, 0, 0
         for acc in accs.values():
             o = acc.result()
             n_out += len(o.token_ids)
             n_reason += o.num_reasoning_tokens
             cached = max(cached, acc.num_cached_tokens)
-            msg = P.AssistantMessage(content=o.content, reasoning_content=o.reasoning, tool_calls=[
-                P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
-                for c in o.tool_calls])
+            msg = P.AssistantMessage(
+                content=o.content,
+                reasoning_content=o.reasoning,
+                tool_calls=[
+                    P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in o.tool_calls
+                ],
+            )
             lp = P.ChoiceLogprobs(content=_chat_logprobs(o.logprobs)) if want_logprobs else None
-            choices.append(P.ChatChoice(index=o.index, message=msg, logprobs=lp, finish_reason=o.finish_reason))
-        return P.ChatCompletionResponse(id=base, model=model, choices=choices,
-                                        usage=_usage(n_prompt, n_out, n_reason))
+            choices.append(
+                P.ChatChoice(index=o.index, message=msg, logprobs=lp, finish_reason=o.finish_reason)
+            )
+        return P.ChatCompletionResponse(
+            id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, n_reason)
+        )
 
-    async def _chat_stream(base: str, model: str, rids: list[str], q: asyncio.Queue, n_prompt: int,
-                           include_usage: bool, want_logprobs: bool) -> AsyncIterator[str]:
+    async def _chat_stream(
+        base: str,
+        model: str,
+        rids: list[str],
+        q: asyncio.Queue,
+        n_prompt: int,
+        include_usage: bool,
+        want_logprobs: bool,
+    ) -> AsyncIterator[str]:
         index = {rid: i for i, rid in enumerate(rids)}
         n_out, n_reason = {}, {}
 
-        def chunk(i: int, delta: P.DeltaMessage, finish: str | None = None,
-                  logprobs: list[TokenLogprobs] | None = None) -> str:
+        def chunk(
+            i: int,
+            delta: P.DeltaMessage,
+            finish: str | None = None,
+            logprobs: list[TokenLogprobs] | None = None,
+        ) -> str:
             lp = P.ChoiceLogprobs(content=_chat_logprobs(logprobs)) if want_logprobs and logprobs else None
-            c = P.ChatCompletionChunk(id=base, model=model, choices=[
-                P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish)])
+            c = P.ChatCompletionChunk(
+                id=base,
+                model=model,
+                choices=[P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish)],
+            )
             return _sse(c.model_dump(mode="json", exclude_none=True))
 
         for i in range(len(rids)):
@@ -339,7 +438,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     yield chunk(i, P.DeltaMessage(content=d.content), logprobs=lps)
                     lps = None
                 if d.tool_calls:
-                    yield chunk(i, P.DeltaMessage(tool_calls=[_tool_delta(tc) for tc in d.tool_calls]), logprobs=lps)
+                    yield chunk(
+                        i, P.DeltaMessage(tool_calls=[_tool_delta(tc) for tc in d.tool_calls]), logprobs=lps
+                    )
                     lps = None
                 if lps:
                     yield chunk(i, P.DeltaMessage(content=""), logprobs=lps)
@@ -358,9 +459,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         out = []
         for lp in lps or []:
             text = llm.token_text(lp.token_id)
-            out.append(P.TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=[
-                P.TopLogprob(token=(t := llm.token_text(tid)), logprob=v, bytes=list(t.encode()))
-                for tid, v in lp.top]))
+            out.append(
+                P.TokenLogprob(
+                    token=text,
+                    logprob=lp.logprob,
+                    bytes=list(text.encode()),
+                    top_logprobs=[
+                        P.TopLogprob(token=(t := llm.token_text(tid)), logprob=v, bytes=list(t.encode()))
+                        for tid, v in lp.top
+                    ],
+                )
+            )
         return out
 
     # -------------------------------------------------------------- completions
@@ -379,13 +488,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             else:
                 bad = [t for t in p if not 0 <= t < llm.config.vocab_size]
                 if bad:
-                    raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary "
-                                   f"[0, {llm.config.vocab_size})", param="prompt")
+                    raise APIError(
+                        400,
+                        f"prompt token id {bad[0]} is outside the vocabulary [0, {llm.config.vocab_size})",
+                        param="prompt",
+                    )
                 prompts.append((llm.decode(p, skip_special_tokens=False), list(p)))
         for _, ids in prompts:
             _check_length(ids)
-        params = _params(req, req.logprobs, prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None)
-                         else None)
+        params = _params(
+            req,
+            req.logprobs,
+            prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None,
+        )
         base = P.new_id("cmpl")
         rids: list[str] = []
         q: asyncio.Queue = asyncio.Queue()
@@ -403,10 +518,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         model = settings.served_model_name
         if not req.stream:
             accs = await _collect(request, rids, q)
-            return JSONResponse(_completion_response(base, model, accs, meta, prompts, req).model_dump(mode="json"))
+            return JSONResponse(
+                _completion_response(base, model, accs, meta, prompts, req).model_dump(mode="json")
+            )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(base, model, rids, q, meta, prompts, req, include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _completion_stream(base, model, rids, q, meta, prompts, req, include_usage),
+            media_type="text/event-stream",
+        )
 
     def _completion_logprobs(lps: list[TokenLogprobs | None], offset: int) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
@@ -434,9 +553,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             offset += len(text)
         return out
 
-    def _completion_response(base: str, model: str, accs: dict[str, ChoiceAccumulator],
-                             meta: dict[str, tuple[int, int]], prompts: list[tuple[str, list[int]]],
-                             req: P.CompletionRequest) -> P.CompletionResponse:
+    def _completion_response(
+        base: str,
+        model: str,
+        accs: dict[str, ChoiceAccumulator],
+        meta: dict[str, tuple[int, int]],
+        prompts: list[tuple[str, list[int]]],
+        req: P.CompletionRequest,
+    ) -> P.CompletionResponse:
         choices, n_out = [], 0
         for rid, acc in accs.items():
             pi, index = meta[rid]
@@ -454,14 +578,25 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 lp.token_logprobs += gen.token_logprobs
                 lp.top_logprobs += gen.top_logprobs
                 lp.text_offset += gen.text_offset
-            choices.append(P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason))
+            choices.append(
+                P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=o.finish_reason)
+            )
         choices.sort(key=lambda c: c.index)
         n_prompt = sum(len(ids) for _, ids in prompts)
-        return P.CompletionResponse(id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, None))
+        return P.CompletionResponse(
+            id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, None)
+        )
 
-    async def _completion_stream(base: str, model: str, rids: list[str], q: asyncio.Queue,
-                                 meta: dict[str, tuple[int, int]], prompts: list[tuple[str, list[int]]],
-                                 req: P.CompletionRequest, include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(
+        base: str,
+        model: str,
+        rids: list[str],
+        q: asyncio.Queue,
+        meta: dict[str, tuple[int, int]],
+        prompts: list[tuple[str, list[int]]],
+        req: P.CompletionRequest,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         n_out: dict[str, int] = {}
         offsets: dict[str, int] = {}
         echoed: set[str] = set()
@@ -488,16 +623,27 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                         lp.top_logprobs += gen.top_logprobs
                         lp.text_offset += gen.text_offset
                 if text or lp is not None or d.finished:
-                    c = P.CompletionResponse(id=base, model=model, choices=[P.CompletionChoice(
-                        index=index, text=text, logprobs=lp, finish_reason=d.finish_reason if d.finished else None)])
+                    c = P.CompletionResponse(
+                        id=base,
+                        model=model,
+                        choices=[
+                            P.CompletionChoice(
+                                index=index,
+                                text=text,
+                                logprobs=lp,
+                                finish_reason=d.finish_reason if d.finished else None,
+                            )
+                        ],
+                    )
                     yield _sse(c.model_dump(mode="json", exclude_none=True))
         except (ValueError, EngineDeadError) as e:
             err = _engine_error(e)
             yield _sse(P.error_body(err.message, err.type, err.param, err.status))
         if include_usage:
             n_prompt = sum(len(ids) for _, ids in prompts)
-            c = P.CompletionResponse(id=base, model=model, choices=[],
-                                     usage=_usage(n_prompt, sum(n_out.values()), None))
+            c = P.CompletionResponse(
+                id=base, model=model, choices=[], usage=_usage(n_prompt, sum(n_out.values()), None)
+            )
             yield _sse(c.model_dump(mode="json", exclude_none=True))
         yield "data: [DONE]\n\n"
 
@@ -516,14 +662,22 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _usage(n_prompt: int, n_out: int, n_reason: int | None) -> P.Usage:
     details = P.CompletionTokensDetails(reasoning_tokens=n_reason) if n_reason is not None else None
-    return P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                   completion_tokens_details=details)
+    return P.Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_out,
+        total_tokens=n_prompt + n_out,
+        completion_tokens_details=details,
+    )
 
 
 def _tool_delta(tc: Any) -> P.ToolCallDelta:
     if tc.name is not None:
-        return P.ToolCallDelta(index=tc.index, id=tc.id, type="function",
-                               function=P.FunctionCallDelta(name=tc.name, arguments=tc.arguments))
+        return P.ToolCallDelta(
+            index=tc.index,
+            id=tc.id,
+            type="function",
+            function=P.FunctionCallDelta(name=tc.name, arguments=tc.arguments),
+        )
     return P.ToolCallDelta(index=tc.index, function=P.FunctionCallDelta(arguments=tc.arguments))
 
 

@@ -61,7 +61,9 @@ class AsyncEngine:
     ITL, gauges); max_queue_size: None = unbounded.
     """
 
-    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None, max_queue_size: int | None = None) -> None:
+    def __init__(
+        self, llm: LLM, metrics: ServerMetrics | None = None, max_queue_size: int | None = None
+    ) -> None:
         self.llm = llm
         self.metrics = metrics or ServerMetrics()
         self.max_queue_size = max_queue_size
@@ -106,20 +108,29 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (asyncio side)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               processor: OutputProcessor, q: asyncio.Queue | None = None) -> asyncio.Queue:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        processor: OutputProcessor,
+        q: asyncio.Queue | None = None,
+    ) -> asyncio.Queue:
         """Queue a request; its deltas go to ``q`` (a new queue if None), which is returned.
 
         Several requests (the n choices of one HTTP request) may share one queue.
         Raises QueueFullError / EngineDeadError.
         """
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error
-                                  else "the engine is not running")
+            raise EngineDeadError(
+                f"the engine is not running ({self.error!r})" if self.error else "the engine is not running"
+            )
         with self._lock:
             if self.max_queue_size is not None and self.num_waiting >= self.max_queue_size:
-                raise QueueFullError(f"the waiting queue is full ({self.num_waiting} >= --max-queue-size "
-                                     f"{self.max_queue_size}); retry later")
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.num_waiting} >= --max-queue-size "
+                    f"{self.max_queue_size}); retry later"
+                )
             q = q if q is not None else asyncio.Queue()
             self._tracked[request_id] = _Tracked(q, time.perf_counter(), parser=processor.parser)
             self._inbox_adds += 1
@@ -255,9 +266,11 @@ def engine_gauges(engine: Any) -> EngineGauges:
     s = engine.stats
     s = s() if callable(s) else s
     get = s.get if isinstance(s, dict) else (lambda k, d=0: getattr(s, k, d))
-    return EngineGauges(running=int(get("running", 0) or get("num_running", 0) or 0),
-                        waiting=int(get("waiting", 0) or get("num_waiting", 0) or 0),
-                        kv_pages_used=int(get("kv_pages_used", 0) or 0),
-                        kv_pages_free=int(get("kv_pages_free", 0) or 0),
-                        prefix_cache_queries=int(get("prefix_cache_queries", 0) or 0),
-                        prefix_cache_hits=int(get("prefix_cache_hits", 0) or 0))
+    return EngineGauges(
+        running=int(get("running", 0) or get("num_running", 0) or 0),
+        waiting=int(get("waiting", 0) or get("num_waiting", 0) or 0),
+        kv_pages_used=int(get("kv_pages_used", 0) or 0),
+        kv_pages_free=int(get("kv_pages_free", 0) or 0),
+        prefix_cache_queries=int(get("prefix_cache_queries", 0) or 0),
+        prefix_cache_hits=int(get("prefix_cache_hits", 0) or 0),
+    )

@@ -25,14 +25,30 @@ ENV_PREFIX = "M2SERVE_"
 
 # Server-level defaults (engine-level ones come from EngineArgs).
 SERVE_DEFAULTS: dict[str, Any] = {
-    "host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_size": None,
-    "tool_parser": "minimax_m2", "reasoning_parser": "minimax_m2", "thinking_temperature": None,
-    "chat_template": None, "grace_period": 30.0, "log_level": "info",
+    "host": "127.0.0.1",
+    "port": 8000,
+    "api_key": None,
+    "max_queue_size": None,
+    "tool_parser": "minimax_m2",
+    "reasoning_parser": "minimax_m2",
+    "thinking_temperature": None,
+    "chat_template": None,
+    "grace_period": 30.0,
+    "log_level": "info",
 }
 GENERATE_DEFAULTS: dict[str, Any] = {
-    "max_tokens": 64, "temperature": 0.0, "top_p": None, "top_k": None, "sampling_seed": None, "chat": False,
-    "prompts_file": None, "chat_template": None, "tool_parser": "minimax_m2",
-    "reasoning_parser": "minimax_m2", "thinking_temperature": None, "log_level": "warning",
+    "max_tokens": 64,
+    "temperature": 0.0,
+    "top_p": None,
+    "top_k": None,
+    "sampling_seed": None,
+    "chat": False,
+    "prompts_file": None,
+    "chat_template": None,
+    "tool_parser": "minimax_m2",
+    "reasoning_parser": "minimax_m2",
+    "thinking_temperature": None,
+    "log_level": "warning",
 }
 PLAN_DEFAULTS: dict[str, Any] = {"device_memory_gib": None, "log_level": "warning"}
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
@@ -102,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
-    g.add_argument("--chat", action="store_true", default=None, help="wrap each prompt as a user chat message")
+    g.add_argument(
+        "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
+    )
 
     pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
@@ -111,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_options(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
-                    environ: dict[str, str] | None = None) -> dict[str, Any]:
+def resolve_options(
+    ns: argparse.Namespace,
+    parser: argparse.ArgumentParser | None = None,
+    environ: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Merge defaults < recipe < environment < CLI into one dict keyed by flag dest.
 
     Environment variables are ``M2SERVE_<DEST>`` (``M2SERVE_EP_SIZE=8``) and are converted with
@@ -124,7 +145,9 @@ def resolve_options(ns: argparse.Namespace, parser: argparse.ArgumentParser | No
     environ = os.environ if environ is None else environ
     cli = {k: v for k, v in vars(ns).items() if v is not None and k != "command"}
     defaults = {f.name: f.default for f in fields(EngineArgs)}
-    defaults.update({"serve": SERVE_DEFAULTS, "generate": GENERATE_DEFAULTS, "plan": PLAN_DEFAULTS}[ns.command])
+    defaults.update(
+        {"serve": SERVE_DEFAULTS, "generate": GENERATE_DEFAULTS, "plan": PLAN_DEFAULTS}[ns.command]
+    )
     opts = {k: v for k, v in defaults.items()}
     config_file = cli.get("config_file") or environ.get(ENV_PREFIX + "CONFIG_FILE")
     if config_file:
@@ -165,9 +188,14 @@ def engine_args_from(opts: dict[str, Any]) -> dict[str, Any]:
 def _make_llm(opts: dict[str, Any]) -> Any:
     from m2serve.serve.llm import LLM
 
-    return LLM(opts.get("model"), chat_template=opts.get("chat_template"), tool_parser=opts["tool_parser"],
-               reasoning_parser=opts["reasoning_parser"], thinking_temperature=opts.get("thinking_temperature"),
-               **engine_args_from(opts))
+    return LLM(
+        opts.get("model"),
+        chat_template=opts.get("chat_template"),
+        tool_parser=opts["tool_parser"],
+        reasoning_parser=opts["reasoning_parser"],
+        thinking_temperature=opts.get("thinking_temperature"),
+        **engine_args_from(opts),
+    )
 
 
 def banner(llm: Any, opts: dict[str, Any]) -> str:
@@ -176,12 +204,16 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     from m2serve.engine.planner import checkpoint_encoding, num_devices
 
     enc = checkpoint_encoding(llm.config).value
-    mode = select_parallelism_mode(num_devices(llm.args.devices), llm.args.data_parallel_degree, llm.args.ep_size)
+    mode = select_parallelism_mode(
+        num_devices(llm.args.devices), llm.args.data_parallel_degree, llm.args.ep_size
+    )
     stats = llm.engine.stats
     url = f"http://{opts['host']}:{opts['port']}/v1"
-    return (f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
-            f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
-            f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}")
+    return (
+        f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
+        f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
+        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}"
+    )
 
 
 def run_server(opts: dict[str, Any], llm: Any = None) -> int:
@@ -200,12 +232,19 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     llm = llm or _make_llm(opts)
     engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
     aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
-    settings = ServerSettings(served_model_name=llm.served_model_name, api_key=opts.get("api_key"),
-                              model_aliases=aliases)
+    settings = ServerSettings(
+        served_model_name=llm.served_model_name, api_key=opts.get("api_key"), model_aliases=aliases
+    )
     app = build_app(engine, settings)
     print(banner(llm, opts), flush=True)
-    config = uvicorn.Config(app, host=opts["host"], port=int(opts["port"]), log_level=opts["log_level"],
-                            timeout_graceful_shutdown=float(opts["grace_period"]), access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=opts["host"],
+        port=int(opts["port"]),
+        log_level=opts["log_level"],
+        timeout_graceful_shutdown=float(opts["grace_period"]),
+        access_log=False,
+    )
     server = uvicorn.Server(config)
     # uvicorn re-raises the captured signal after its graceful shutdown; with these handlers
     # that re-raise is a no-op and the process exits 0 instead of dying from the signal.
@@ -231,8 +270,13 @@ def run_generate(opts: dict[str, Any]) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     prompts = prompts or _DEFAULT_PROMPTS
     llm = _make_llm(opts)
-    params = SamplingParams(temperature=opts["temperature"], top_p=opts.get("top_p"), top_k=opts.get("top_k"),
-                            seed=opts.get("sampling_seed"), max_tokens=opts["max_tokens"])
+    params = SamplingParams(
+        temperature=opts["temperature"],
+        top_p=opts.get("top_p"),
+        top_k=opts.get("top_k"),
+        seed=opts.get("sampling_seed"),
+        max_tokens=opts["max_tokens"],
+    )
     t0 = time.perf_counter()
     if opts.get("chat"):
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
@@ -280,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve_options(ns, parser)
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if ns.command == "serve":
             return run_server(opts)

@@ -125,8 +125,10 @@ class ChoiceAccumulator:
         o.text = "".join(self._text)
         o.reasoning = "".join(self._reasoning) or None
         o.content = "".join(self._content) or None
-        o.tool_calls = [ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
-                        for _, s in sorted(self._calls.items())]
+        o.tool_calls = [
+            ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
+            for _, s in sorted(self._calls.items())
+        ]
         return o
 
 
@@ -149,13 +151,22 @@ class LLM:
     the text layer raise while loading.
     """
 
-    def __init__(self, model: str | None = None, *, chat_template: str | None = None,
-                 tool_parser: str = "minimax_m2", reasoning_parser: str = "minimax_m2",
-                 thinking_temperature: float | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        chat_template: str | None = None,
+        tool_parser: str = "minimax_m2",
+        reasoning_parser: str = "minimax_m2",
+        thinking_temperature: float | None = None,
+        **engine_args: Any,
+    ) -> None:
         if tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser={tool_parser!r}: choose one of {', '.join(TOOL_PARSERS)}")
         if reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser={reasoning_parser!r}: choose one of {', '.join(REASONING_PARSERS)}")
+            raise ValueError(
+                f"reasoning_parser={reasoning_parser!r}: choose one of {', '.join(REASONING_PARSERS)}"
+            )
         path = resolve_model(model)
         self.model_path = Path(path)
         self.args = EngineArgs(model=str(path), **engine_args)
@@ -163,14 +174,20 @@ class LLM:
         self.config = MiniMaxM2Config.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         tok = self.tokenizer
-        self.template = (ChatTemplate.from_file(chat_template, tok.bos_token, tok.eos_token, tok.unk_token)
-                         if chat_template else ChatTemplate.from_pretrained(path))
+        self.template = (
+            ChatTemplate.from_file(chat_template, tok.bos_token, tok.eos_token, tok.unk_token)
+            if chat_template
+            else ChatTemplate.from_pretrained(path)
+        )
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.engine = LLMEngine.from_args(self.args)
-        self.max_length = int(getattr(self.engine, "max_length", None) or self.args.max_length
-                              or self.config.max_position_embeddings)
+        self.max_length = int(
+            getattr(self.engine, "max_length", None)
+            or self.args.max_length
+            or self.config.max_position_embeddings
+        )
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._procs: dict[str, OutputProcessor] = {}
         self._ids = itertools.count()
@@ -189,16 +206,23 @@ class LLM:
         """The text of one token as it appears in output (special tokens included)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    chat_template_kwargs: dict[str, Any] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """Render a conversation with the checkpoint's template (chat-and-parsers.md §2).
 
         Raises the text layer's TemplateError (the server answers 400) for invalid messages.
         """
-        return self.template.render(list(messages), tools=list(tools) if tools else None,
-                                    add_generation_prompt=add_generation_prompt,
-                                    **(chat_template_kwargs or {}))
+        return self.template.render(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
 
     def reasoning_mode(self, reasoning_split: bool | None) -> str | None:
         """Parser mode for a chat request: ``split`` / ``passthrough``, or None for no reasoning parsing."""
@@ -211,11 +235,16 @@ class LLM:
         thinking = params.thinking_temperature
         if thinking is None:
             thinking = self.thinking_temperature
-        return replace(params, thinking_temperature=thinking, start_in_reasoning=prompt_tail_in_reasoning(prompt),
-                       reasoning_end_token_ids=self.reasoning_end_ids)
+        return replace(
+            params,
+            thinking_temperature=thinking,
+            start_in_reasoning=prompt_tail_in_reasoning(prompt),
+            reasoning_end_token_ids=self.reasoning_end_ids,
+        )
 
-    def new_parser(self, prompt: str, tools: Sequence[dict[str, Any]] | None, mode: str | None,
-                   request_id: str = "") -> StreamingParser | None:
+    def new_parser(
+        self, prompt: str, tools: Sequence[dict[str, Any]] | None, mode: str | None, request_id: str = ""
+    ) -> StreamingParser | None:
         """A streaming parser for one chat choice, or None when nothing is to be parsed.
 
         mode None (``--reasoning-parser none``): reasoning is not parsed; if tools are on, the
@@ -224,22 +253,33 @@ class LLM:
         use_tools = bool(tools) and self.tool_parser != "none"
         if mode is None and not use_tools:
             return None
-        return StreamingParser(tools=list(tools) if use_tools else None, mode=mode or "passthrough",
-                               prompt_tail=prompt[-64:] if mode is not None else "", request_id=request_id)
+        return StreamingParser(
+            tools=list(tools) if use_tools else None,
+            mode=mode or "passthrough",
+            prompt_tail=prompt[-64:] if mode is not None else "",
+            request_id=request_id,
+        )
 
-    def new_processor(self, request_id: str, params: SamplingParams, parser: Any = None,
-                      skip_special_tokens: bool = True) -> OutputProcessor:
+    def new_processor(
+        self, request_id: str, params: SamplingParams, parser: Any = None, skip_special_tokens: bool = True
+    ) -> OutputProcessor:
         """The output processor of one engine request (detokeniser + stop strings + parser)."""
-        decoder = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens,
-                                         stop=params.stop)
-        return OutputProcessor(request_id, decoder, parser=parser,
-                               reasoning_end_ids=self.reasoning_end_ids,
-                               start_in_reasoning=params.start_in_reasoning)
+        decoder = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=skip_special_tokens, stop=params.stop
+        )
+        return OutputProcessor(
+            request_id,
+            decoder,
+            parser=parser,
+            reasoning_end_ids=self.reasoning_end_ids,
+            start_in_reasoning=params.start_in_reasoning,
+        )
 
     # ------------------------------------------------------------------ engine requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    processor: OutputProcessor) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, processor: OutputProcessor
+    ) -> None:
         """Queue one engine request (n = 1). Raises ValueError (prompt too long, bad params)."""
         if params.n != 1:
             raise ValueError("add_request takes n = 1; fan out with SamplingParams.child(i)")
@@ -266,8 +306,15 @@ class LLM:
             proc = self._procs.get(o.request_id)
             if proc is None:
                 continue  # aborted above the engine (client gone or stop string)
-            d = proc.process(o.new_token_ids, o.finished, o.finish_reason, o.new_logprobs, o.prompt_logprobs,
-                             o.num_prompt_tokens, o.num_cached_tokens)
+            d = proc.process(
+                o.new_token_ids,
+                o.finished,
+                o.finish_reason,
+                o.new_logprobs,
+                o.prompt_logprobs,
+                o.num_prompt_tokens,
+                o.num_cached_tokens,
+            )
             if d.finished:
                 del self._procs[o.request_id]
                 if d.stop_hit and not o.finished:
@@ -277,9 +324,12 @@ class LLM:
 
     # ------------------------------------------------------------------ offline API
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestResult]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestResult]:
         """Complete prompts (strings or token-id lists); returns results in prompt order.
 
         ``sampling_params`` None = the checkpoint's generation_config defaults; one per prompt or
@@ -293,10 +343,15 @@ class LLM:
             requests.append((prompt if isinstance(prompt, str) else None, ids, params, None, None))
         return self._run(requests, use_tqdm)
 
-    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, tools: Sequence[dict[str, Any]] | None = None,
-             reasoning_split: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = False) -> RequestResult | list[RequestResult]:
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        reasoning_split: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> RequestResult | list[RequestResult]:
         """Chat completion for one conversation (returns one result) or a list of them (a list).
 
         The template renders ``messages`` and ``tools``; the parser splits reasoning, content and
@@ -314,7 +369,9 @@ class LLM:
         results = self._run(requests, use_tqdm, chat=True)
         return results[0] if single else results
 
-    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[OutputDelta]:
+    def stream(
+        self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[OutputDelta]:
         """Yield the deltas of one request (n = 1) as the engine produces them (raw text)."""
         params = sampling_params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -401,5 +458,8 @@ def throughput_summary(results: list[RequestResult], seconds: float) -> str:
     """One line: requests, prompt/output tokens and tokens/s over ``seconds`` of wall time."""
     n_in = sum(len(r.prompt_token_ids) for r in results)
     n_out = sum(len(o.token_ids) for r in results for o in r.outputs)
-    return (f"{len(results)} requests in {seconds:.2f} s: {n_in} prompt + {n_out} output tokens, "
-            f"{n_out / max(seconds, 1e-9):.1f} output tok/s, {(n_in + n_out) / max(seconds, 1e-9):.1f} total tok/s")
+    return (
+        f"{len(results)} requests in {seconds:.2f} s: {n_in} prompt + {n_out} output tokens, "
+        f"{n_out / max(seconds, 1e-9):.1f} output tok/s, "
+        f"{(n_in + n_out) / max(seconds, 1e-9):.1f} total tok/s"
+    )

@@ -41,24 +41,41 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("m2serve_requests", "HTTP generation requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "m2serve_requests",
+            "HTTP generation requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("m2serve_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("m2serve_generation_tokens", "Tokens generated", registry=r)
         self.aborted = Counter("m2serve_requests_aborted", "Requests aborted before finishing", registry=r)
-        self.ttft = Histogram("m2serve_time_to_first_token_seconds", "Time from arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("m2serve_inter_token_latency_seconds", "Time between consecutive outputs of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "m2serve_time_to_first_token_seconds",
+            "Time from arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "m2serve_inter_token_latency_seconds",
+            "Time between consecutive outputs of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("m2serve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("m2serve_num_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("m2serve_kv_pages_used", "KV cache pages held by requests", registry=r)
-        self.kv_free = Gauge("m2serve_kv_pages_free", "KV cache pages free (including evictable cached pages)",
-                             registry=r)
-        self.prefix_hit_rate = Gauge("m2serve_prefix_cache_hit_rate",
-                                     "Prefix-cache hit tokens / queried prompt tokens since start", registry=r)
-        self.tool_calls_rejected = Counter("m2serve_tool_calls_rejected", "Tool calls not returned",
-                                           ["reason"], registry=r)
+        self.kv_free = Gauge(
+            "m2serve_kv_pages_free", "KV cache pages free (including evictable cached pages)", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "m2serve_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens / queried prompt tokens since start",
+            registry=r,
+        )
+        self.tool_calls_rejected = Counter(
+            "m2serve_tool_calls_rejected", "Tool calls not returned", ["reason"], registry=r
+        )
         self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
 
     def set_engine(self, g: EngineGauges) -> None:
@@ -67,7 +84,9 @@ class ServerMetrics:
         self.waiting.set(g.waiting)
         self.kv_used.set(g.kv_pages_used)
         self.kv_free.set(g.kv_pages_free)
-        self.prefix_hit_rate.set(g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0)
+        self.prefix_hit_rate.set(
+            g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0
+        )
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""

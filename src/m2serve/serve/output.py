@@ -55,15 +55,21 @@ class OutputProcessor:
     """Detokenise, apply stop strings and (optionally) parse one request's output.
 
     decoder: the text layer's incremental detokeniser for this request, built with the request's
-    stop strings (it holds back possible stop prefixes and sets ``stopped`` on a match); parser: a text-layer ``StreamingParser`` (chat) or None (raw text);
+    stop strings (it holds back possible stop prefixes and sets ``stopped`` on a match);
+    parser: a text-layer ``StreamingParser`` (chat) or None (raw text);
     reasoning_end_ids: token ids that end reasoning (``</think>``, ``<minimax:tool_call>``) and
     start_in_reasoning: whether the prompt ends inside ``<think>`` (P1) — used only to count
     ``reasoning_tokens`` for usage.
     """
 
-    def __init__(self, request_id: str, decoder: IncrementalDetokenizer,
-                 parser: StreamingParser | None = None, reasoning_end_ids: tuple[int, ...] = (),
-                 start_in_reasoning: bool = False) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        decoder: IncrementalDetokenizer,
+        parser: StreamingParser | None = None,
+        reasoning_end_ids: tuple[int, ...] = (),
+        start_in_reasoning: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.decoder = decoder
         self.parser = parser
@@ -74,18 +80,29 @@ class OutputProcessor:
         self.num_reasoning_tokens = 0
         self.output_text: list[str] = []
 
-    def process(self, new_token_ids: list[int], finished: bool = False, finish_reason: str | None = None,
-                logprobs: list[TokenLogprobs] | None = None,
-                prompt_logprobs: list[TokenLogprobs | None] | None = None,
-                num_prompt_tokens: int = 0, num_cached_tokens: int = 0) -> OutputDelta:
+    def process(
+        self,
+        new_token_ids: list[int],
+        finished: bool = False,
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+        num_prompt_tokens: int = 0,
+        num_cached_tokens: int = 0,
+    ) -> OutputDelta:
         """Turn one engine output into an :class:`OutputDelta` (see the module docstring).
 
         After a stop string (or a finished output) the processor is finished and further calls
         return empty finished deltas.
         """
-        out = OutputDelta(self.request_id, token_ids=list(new_token_ids), logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, num_prompt_tokens=num_prompt_tokens,
-                          num_cached_tokens=num_cached_tokens)
+        out = OutputDelta(
+            self.request_id,
+            token_ids=list(new_token_ids),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=num_cached_tokens,
+        )
         if self.finished:
             out.token_ids, out.logprobs = [], None
             return self._stamp(out)
@@ -141,4 +158,3 @@ class OutputProcessor:
         out.num_output_tokens = self.num_output_tokens
         out.num_reasoning_tokens = self.num_reasoning_tokens
         return out
-

@@ -95,7 +95,9 @@ def devices_from_specs(specs: list[int | str] | str) -> str:
     for s in specs:
         kind, _, idx = str(s).partition(":")
         if kind != "gpu" or not idx.isdigit():
-            raise RecipeError(f"model.device_specs entry {s!r}: mix GPU ids only (e.g. [0, 1] or ['gpu:0', 'gpu:1'])")
+            raise RecipeError(
+                f"model.device_specs entry {s!r}: mix GPU ids only (e.g. [0, 1] or ['gpu:0', 'gpu:1'])"
+            )
         ids.append(idx)
     return "gpu:" + ",".join(ids)
 

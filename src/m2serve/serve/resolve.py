@@ -35,8 +35,11 @@ def default_model_path() -> Path:
 
 def looks_like_hub_id(model: str) -> bool:
     """``org/name`` with exactly one slash and no leading ``.``/``/``/``~`` (not a path)."""
-    return (model.count("/") == 1 and not model.startswith((".", "/", "~"))
-            and all(part.strip() for part in model.split("/")))
+    return (
+        model.count("/") == 1
+        and not model.startswith((".", "/", "~"))
+        and all(part.strip() for part in model.split("/"))
+    )
 
 
 def hub_offline() -> bool:
@@ -56,7 +59,9 @@ def resolve_model(model: str | None) -> Path:
     if p.is_dir():
         return p
     if not looks_like_hub_id(model):
-        raise ModelNotFoundError(f"--model {model!r}: no such directory (and not a hub id of the form org/name)")
+        raise ModelNotFoundError(
+            f"--model {model!r}: no such directory (and not a hub id of the form org/name)"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -71,7 +76,9 @@ def resolve_model(model: str | None) -> Path:
         log.info("downloading %s from the Hugging Face hub", model)
         return Path(snapshot_download(model))
     except Exception as e:  # noqa: BLE001
-        raise ModelNotFoundError(f"--model {model!r}: could not download from the hub ({type(e).__name__}: {e})") from e
+        raise ModelNotFoundError(
+            f"--model {model!r}: could not download from the hub ({type(e).__name__}: {e})"
+        ) from e
 
 
 def resolve_config(model: str | None) -> Path:
@@ -98,5 +105,7 @@ def resolve_config(model: str | None) -> Path:
     if shipped.is_file():
         return shipped
     known = sorted(str(c.parent.relative_to(HUB_CONFIGS)) for c in HUB_CONFIGS.glob("*/*/config.json"))
-    raise ModelNotFoundError(f"--model {model!r}: config.json is not in the Hugging Face cache and m2serve "
-                             f"ships no config for it (shipped: {', '.join(known) or 'none'})")
+    raise ModelNotFoundError(
+        f"--model {model!r}: config.json is not in the Hugging Face cache and m2serve "
+        f"ships no config for it (shipped: {', '.join(known) or 'none'})"
+    )
