@@ -85,7 +85,7 @@ def test_batching_changes_nothing(model_and_engine_factory):
     # issue 4 must-show #1; serving.md §6 (ragged batch), §7 (prefix pages), §8 (budget, chunking,
     # preemption by recompute).
     _, make = model_and_engine_factory
-    max_tokens = 4
+    max_tokens = 6
     ref_eng = make(max_batch_size=1, enable_prefix_caching=False, num_kv_pages=6)
     vocab = ref_eng.config.vocab_size
     prompts = make_prompts(vocab, 64, seed=1)
