@@ -174,3 +174,16 @@ def test_bad_requests_are_400_and_do_not_reach_engine(served):
     )
     assert r.status_code == 400
     assert client.get("/health").status_code == 200
+
+
+def test_prefix_cache_hits_reported_as_cached_tokens(served):
+    # usage.prompt_tokens_details.cached_tokens: prompt tokens served from full cached pages (page size 16)
+    client, _, _ = served
+    body = {
+        "messages": [{"role": "user", "content": "A prompt long enough to fill one KV page or more."}],
+        "max_tokens": 1,
+    }
+    client.post("/v1/chat/completions", json=body)
+    u = client.post("/v1/chat/completions", json=body).json()["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= cached < u["prompt_tokens"] and cached % 16 == 0

@@ -101,3 +101,25 @@ def test_too_long_prompt_is_rejected_with_numbers(llm):
     with pytest.raises(ValueError, match=str(llm.max_length)):
         llm.generate([[5] * (llm.max_length + 1)], SamplingParams(max_tokens=1))
     assert not llm.has_unfinished_requests()
+
+
+def test_reasoning_parser_none_gives_raw_content(llm):
+    # issue 5 item 5: --reasoning-parser none = raw text in content, no parsing
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    llm.reasoning_parser = "none"
+    try:
+        o = llm.chat(messages, params).outputs[0]
+    finally:
+        llm.reasoning_parser = "minimax_m2"
+    assert o.reasoning is None and o.content == (o.text or None)
+
+
+def test_chat_template_override(tiny_random_dir, tmp_path):
+    # issue 5 item 4: --chat-template FILE overrides the checkpoint's template
+    t = tmp_path / "t.jinja"
+    t.write_text("{{ bos_token }}CUSTOM{% for m in messages %}|{{ m.role }}:{{ m.content }}{% endfor %}|ai:")
+    other = LLM(
+        str(tiny_random_dir), chat_template=str(t), dtype="float32", num_kv_pages=16, kv_cache_page_size=16
+    )
+    assert other.render_chat([{"role": "user", "content": "hi"}]) == "]~!b[CUSTOM|user:hi|ai:"

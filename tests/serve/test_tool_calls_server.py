@@ -153,3 +153,17 @@ def test_tool_choice_none_and_passthrough(client):
     m = r.choices[0].message
     assert getattr(m, "reasoning_content", None) is None
     assert m.content == "<think>" + REPLAY
+
+
+def test_parallel_tool_calls_false_returns_first_call_only(client):
+    kw = dict(model="replay", messages=MESSAGES, tools=TOOLS, max_tokens=400, parallel_tool_calls=False)
+    r = client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == EXPECTED[:1]
+    streamed = {
+        tc.index
+        for ch in client.chat.completions.create(**kw, stream=True)
+        if ch.choices
+        for tc in ch.choices[0].delta.tool_calls or []
+    }
+    assert streamed == {0}

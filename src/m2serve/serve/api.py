@@ -364,17 +364,22 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             base, ids, params, lambda: llm.new_parser(prompt, tools, mode, base), req.skip_special_tokens, q
         )
         model = settings.served_model_name
+        one_call = req.parallel_tool_calls is False  # only the first call of each choice is returned
         if not req.stream:
             accs = await _collect(request, rids, q)
-            return JSONResponse(
-                _chat_response(base, model, accs, len(ids), req.logprobs).model_dump(mode="json")
-            )
+            resp = _chat_response(base, model, accs, len(ids), req.logprobs, one_call)
+            return JSONResponse(resp.model_dump(mode="json"))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _chat_stream(base, model, rids, q, len(ids), include_usage, req.logprobs)
+        gen = _chat_stream(base, model, rids, q, len(ids), include_usage, req.logprobs, one_call)
         return StreamingResponse(gen, media_type="text/event-stream")
 
     def _chat_response(
-        base: str, model: str, accs: dict[str, ChoiceAccumulator], n_prompt: int, want_logprobs: bool
+        base: str,
+        model: str,
+        accs: dict[str, ChoiceAccumulator],
+        n_prompt: int,
+        want_logprobs: bool,
+        one_call: bool,
     ) -> P.ChatCompletionResponse:
         choices, n_out, n_reason, cached = [], 0, 0, 0
         for acc in accs.values():
@@ -387,15 +392,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 reasoning_content=o.reasoning,
                 tool_calls=[
                     P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
-                    for c in o.tool_calls
-                ],
+                    for c in (o.tool_calls[:1] if one_call else o.tool_calls)
+                ]
+                or None,
             )
             lp = P.ChoiceLogprobs(content=_chat_logprobs(o.logprobs)) if want_logprobs else None
             choices.append(
                 P.ChatChoice(index=o.index, message=msg, logprobs=lp, finish_reason=o.finish_reason)
             )
         return P.ChatCompletionResponse(
-            id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, n_reason)
+            id=base, model=model, choices=choices, usage=_usage(n_prompt, n_out, n_reason, cached)
         )
 
     async def _chat_stream(
@@ -406,9 +412,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         n_prompt: int,
         include_usage: bool,
         want_logprobs: bool,
+        one_call: bool,
     ) -> AsyncIterator[str]:
         index = {rid: i for i, rid in enumerate(rids)}
-        n_out, n_reason = {}, {}
+        n_out, n_reason, cached = {}, {}, 0
 
         def chunk(
             i: int,
@@ -430,6 +437,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             async for d in engine.stream(rids, q):
                 i = index[d.request_id]
                 n_out[i], n_reason[i] = d.num_output_tokens, d.num_reasoning_tokens
+                cached = max(cached, d.num_cached_tokens)
+                calls = [tc for tc in d.tool_calls if tc.index == 0] if one_call else d.tool_calls
                 lps = d.logprobs
                 if d.reasoning:
                     yield chunk(i, P.DeltaMessage(reasoning_content=d.reasoning), logprobs=lps)
@@ -437,10 +446,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 if d.content:
                     yield chunk(i, P.DeltaMessage(content=d.content), logprobs=lps)
                     lps = None
-                if d.tool_calls:
-                    yield chunk(
-                        i, P.DeltaMessage(tool_calls=[_tool_delta(tc) for tc in d.tool_calls]), logprobs=lps
-                    )
+                if calls:
+                    yield chunk(i, P.DeltaMessage(tool_calls=[_tool_delta(tc) for tc in calls]), logprobs=lps)
                     lps = None
                 if lps:
                     yield chunk(i, P.DeltaMessage(content=""), logprobs=lps)
@@ -450,7 +457,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             err = _engine_error(e)
             yield _sse(P.error_body(err.message, err.type, err.param, err.status))
         if include_usage:
-            u = _usage(n_prompt, sum(n_out.values()), sum(n_reason.values()))
+            u = _usage(n_prompt, sum(n_out.values()), sum(n_reason.values()), cached)
             c = P.ChatCompletionChunk(id=base, model=model, choices=[], usage=u)
             yield _sse(c.model_dump(mode="json", exclude_none=True))
         yield "data: [DONE]\n\n"
@@ -660,13 +667,16 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _usage(n_prompt: int, n_out: int, n_reason: int | None) -> P.Usage:
+def _usage(n_prompt: int, n_out: int, n_reason: int | None, n_cached: int | None = None) -> P.Usage:
+    """OpenAI usage; reasoning_tokens (chat) and cached prompt tokens (prefix cache) when known."""
     details = P.CompletionTokensDetails(reasoning_tokens=n_reason) if n_reason is not None else None
+    cached = P.PromptTokensDetails(cached_tokens=n_cached) if n_cached is not None else None
     return P.Usage(
         prompt_tokens=n_prompt,
         completion_tokens=n_out,
         total_tokens=n_prompt + n_out,
         completion_tokens_details=details,
+        prompt_tokens_details=cached,
     )
 
 

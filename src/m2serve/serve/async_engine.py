@@ -212,8 +212,12 @@ class AsyncEngine:
                 return  # aborted before it reached the engine
             try:
                 self.llm.add_request(item.request_id, item.prompt_token_ids, item.params, item.processor)
-            except (ValueError, RuntimeError) as e:
+            except ValueError as e:  # rejected at admission (prompt too long ...): the request's fault
                 self._finish_with(item.request_id, e)
+                return
+            except Exception as e:  # noqa: BLE001 - one request must not take the engine thread down
+                log.exception("adding request %s failed", item.request_id)
+                self._finish_with(item.request_id, EngineDeadError(f"{type(e).__name__}: {e}"))
                 return
             self.metrics.prompt_tokens.inc(len(item.prompt_token_ids))
             self._waiting += 1  # visible to submit() until the next step refreshes it

@@ -28,7 +28,6 @@ class _Response(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class FunctionDef(BaseModel):
@@ -115,7 +114,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_split: bool | None = None
     thinking_temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -181,6 +179,7 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Response):
@@ -215,7 +214,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
