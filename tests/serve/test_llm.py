@@ -71,6 +71,16 @@ def test_stream_concatenates_to_generate(llm):
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert "".join(d.text for d in deltas) == r.outputs[0].text
     assert [t for d in deltas for t in d.token_ids] == r.outputs[0].token_ids
+    # several prompts interleave in one batch; leaving early aborts the rest
+    both = list(llm.stream(["Hello world", "abc"], params))
+    first = [d for d in both if d.request_id.endswith("-0")]
+    assert "".join(d.text for d in first) == r.outputs[0].text
+    assert sum(d.finished for d in both) == 2
+    for _ in llm.stream(["Hello world", "abc"], SamplingParams(max_tokens=50, **GREEDY)):
+        break
+    assert [d for d in llm.step() if not d.finished] == [] and llm.engine.stats.kv_pages_used == 0
+    with pytest.raises(ValueError, match="max_batch_sise"):
+        LLM(None, max_batch_sise=3)
 
 
 def test_n_choices_and_seeds(llm):

@@ -17,13 +17,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
 from m2serve.serve.metrics import EngineGauges, ServerMetrics
 from m2serve.serve.output import OutputDelta, OutputProcessor
+from m2serve.text.parser import StreamingParser
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class _Tracked:
     queue: asyncio.Queue
     arrival: float
     last: float | None = None
-    parser: Any = None
+    parser: StreamingParser | None = None
     finished: bool = False
 
 
@@ -51,7 +52,6 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     processor: OutputProcessor
-    error: list[BaseException] = field(default_factory=list)
 
 
 class AsyncEngine:

@@ -110,7 +110,9 @@ class ChoiceAccumulator:
             slot[2].append(tc.arguments)
         self.out.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
-            self.out.logprobs = (self.out.logprobs or []) + list(d.logprobs)
+            if self.out.logprobs is None:
+                self.out.logprobs = []
+            self.out.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = list(d.prompt_logprobs)
         self.num_prompt_tokens = d.num_prompt_tokens or self.num_prompt_tokens
@@ -130,11 +132,6 @@ class ChoiceAccumulator:
             for _, s in sorted(self._calls.items())
         ]
         return o
-
-
-def prompt_tail_in_reasoning(prompt: str) -> bool:
-    """P1: generation starts inside reasoning iff the prompt, right-stripped, ends with ``<think>``."""
-    return starts_in_reasoning(prompt)
 
 
 class LLM:
@@ -166,6 +163,12 @@ class LLM:
         if reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser={reasoning_parser!r}: choose one of {', '.join(REASONING_PARSERS)}"
+            )
+        unknown = sorted(set(engine_args) - set(EngineArgs.__dataclass_fields__))
+        if unknown:
+            raise ValueError(
+                f"LLM: unknown engine argument(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(EngineArgs.__dataclass_fields__))}"
             )
         path = resolve_model(model)
         self.model_path = Path(path)
@@ -238,7 +241,7 @@ class LLM:
         return replace(
             params,
             thinking_temperature=thinking,
-            start_in_reasoning=prompt_tail_in_reasoning(prompt),
+            start_in_reasoning=starts_in_reasoning(prompt),
             reasoning_end_token_ids=self.reasoning_end_ids,
         )
 
@@ -370,22 +373,33 @@ class LLM:
         return results[0] if single else results
 
     def stream(
-        self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | None = None,
     ) -> Iterator[OutputDelta]:
-        """Yield the deltas of one request (n = 1) as the engine produces them (raw text)."""
+        """Yield the deltas of all prompts (n = 1 each, raw text) as the engine produces them.
+
+        ``delta.request_id`` is ``stream-<k>-<i>`` for the i-th prompt. Leaving the loop early
+        aborts what is still running.
+        """
         params = sampling_params or SamplingParams()
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        rid = f"stream-{next(self._ids)}"
-        self.add_request(rid, ids, params, self.new_processor(rid, params))
+        base = f"stream-{next(self._ids)}"
+        open_ids = set()
         try:
-            while True:
+            for i, prompt in enumerate(_prompt_list(prompts)):
+                ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = f"{base}-{i}"
+                self.add_request(rid, ids, params, self.new_processor(rid, params))
+                open_ids.add(rid)
+            while open_ids:
                 for d in self.step():
-                    if d.request_id == rid:
-                        yield d
+                    if d.request_id in open_ids:
                         if d.finished:
-                            return
+                            open_ids.discard(d.request_id)
+                        yield d
         finally:
-            self.abort_request(rid)
+            for rid in open_ids:
+                self.abort_request(rid)
 
     def _run(self, requests: list[tuple], use_tqdm: bool, chat: bool = False) -> list[RequestResult]:
         """Add every request (n fanned out), step until all finish, return results in order."""
