@@ -15,6 +15,8 @@ import openai
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
+import m2serve
+
 API_KEY = "test-key-123"
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris."}]
@@ -310,3 +312,18 @@ def test_client_disconnect_frees_pages(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens <= 3
+
+
+def test_banner_and_version(server):
+    # issue 5 item 5: the start banner prints model, encoding, parallel mode, KV pages, max context and URL
+    first = server.log().splitlines()[0]
+    for part in (
+        f"m2serve {MODEL}",
+        "encoding dense",
+        "mode DP_EP",
+        "pages x 16 tokens",
+        "max context",
+        server.url + "/v1",
+    ):
+        assert part in first, first
+    assert httpx.get(server.url + "/version").json() == {"version": m2serve.__version__}
