@@ -107,6 +107,8 @@ def test_too_long_prompt_rejected_with_both_numbers(toy_model, toy_config):
         eng.add_request("y", [64])
     with pytest.raises(ValueError, match="empty"):
         eng.add_request("z", [])
+    with pytest.raises(ValueError, match="n=2"):
+        eng.add_request("n", [1], SamplingParams(n=2))
     eng.add_request("w", [1] * 32, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("w", [1])

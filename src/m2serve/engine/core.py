@@ -115,10 +115,11 @@ class LLMEngine:
         A multi-rank model (parallel/worker.py ``DistributedModel``) tells the pool's KV heads per
         rank (``num_kv_heads``) and whether it splits the batch over DP replicas
         (``splits_batch``), which turns prefix caching off (a shared page would live on one
-        replica only). Without ``args.num_kv_pages`` the planner sizes the pool from the memory free now (the
-        model already loaded, so this under-counts; :meth:`from_args` plans before loading).
-        ``max_length`` defaults to max_position_embeddings, lowered to the pool's capacity with a
-        warning; an explicit ``args.max_length`` larger than the pool is a ValueError."""
+        replica only). Without ``args.num_kv_pages`` the planner sizes the pool from the memory
+        free now (the model already loaded, so this under-counts; :meth:`from_args` plans before
+        loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
+        capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
+        ValueError, as is an unknown kv_cache_format or a non-positive page size."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         S = args.kv_cache_page_size
         if S <= 0:
@@ -152,11 +153,15 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None) -> None:
         """Queue a request; thread-safe. It joins the batch at the next ``step()``.
 
-        Raises ValueError for an empty prompt, a token id outside the vocabulary, a prompt longer
-        than the max context (stating both numbers), or a request_id already in use.
+        Raises ValueError for an empty prompt, a token id outside the vocabulary (prompt or
+        params), a prompt longer than the max context (stating both numbers), n != 1, or a
+        request_id already in use.
         """
         params = (sampling_params or SamplingParams()).resolved(self.config.generation)
         params.check_token_ids(self.config.vocab_size)
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: the engine runs n=1 sequences (got n={params.n}); "
+                             "fan out above it with params.child(i)")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
