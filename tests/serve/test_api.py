@@ -187,3 +187,28 @@ def test_prefix_cache_hits_reported_as_cached_tokens(served):
     u = client.post("/v1/chat/completions", json=body).json()["usage"]
     cached = u["prompt_tokens_details"]["cached_tokens"]
     assert 16 <= cached < u["prompt_tokens"] and cached % 16 == 0
+
+
+def test_stop_string_over_http_and_n_streams(served):
+    # spec §1: a stop string ends the request and is never returned; n = 2 streams both choices
+    client, _, _ = served
+    base = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    free = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    i = next(
+        i for i in range(3, len(free) - 2) if "\ufffd" not in free[i : i + 2] and free[i : i + 2].strip()
+    )
+    stop = free[i : i + 2]
+    r = client.post("/v1/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == free[: free.index(stop)] and stop not in r["text"]
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "stream": True, "n": 2},
+    ) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    finishes = {
+        c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c["choices"][0].get("finish_reason")
+    }
+    assert finishes == {0: "length", 1: "length"}
