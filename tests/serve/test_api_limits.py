@@ -2,7 +2,8 @@
 
 One server with one running slot (--max-batch-size 1) and a waiting queue of one (--max-queue-size 1):
 a third concurrent request gets 503 + Retry-After; then SIGTERM lets the in-flight stream finish,
-aborts the one still running when the grace period ends, and the process exits 0. The SIGTERM test stops the server, so it runs last.
+aborts the one still running when the grace period ends, and the process exits 0. The SIGTERM
+test stops the server, so it runs last.
 """
 
 from __future__ import annotations
