@@ -19,11 +19,9 @@ def _sum_ranks(rank: int, world: int) -> tuple[float, int, str, int]:
     return float(t), torch.get_num_threads(), dist.get_backend(), dist.get_world_size()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_group_one_thread_per_rank(world):
-    out = run_ranks(_sum_ranks, world, timeout_s=30)
-    want = world * (world + 1) / 2  # 1 + 2 + ... + P
-    assert out == [(want, 1, "gloo", world)] * world
+def test_gloo_group_one_thread_per_rank():  # 4 ranks: tests/parallel/test_modes.py
+    out = run_ranks(_sum_ranks, 2, timeout_s=30)
+    assert out == [(3.0, 1, "gloo", 2)] * 2  # 1 + 2
 
 
 def _rank1_killed(rank: int, world: int) -> None:

@@ -168,8 +168,12 @@ class WorkerGroup:
     procs: list[Any] = field(default_factory=list)
     closed: bool = False
 
-    def check(self) -> None:
-        """Raise WorkerError naming the first dead worker (rank, pid, signal or exit code)."""
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise WorkerError naming the first dead worker (rank, pid, signal or exit code).
+        ``wait_s``: give a dying worker that long to be reaped first (after a failed collective)."""
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for r, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 raise WorkerError(f"worker rank {r} (pid {p.pid}) has exited ({_describe_exit(p)}); the "

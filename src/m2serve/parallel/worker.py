@@ -175,6 +175,12 @@ class DistributedModel:
         return self.model.dims.num_kv_heads
 
     @property
+    def splits_batch(self) -> bool:
+        """True when requests are split across DP replicas (the engine then disables prefix
+        caching: a shared page would live on one replica only)."""
+        return dp_attention(self.state.mode, self.state.world_size)
+
+    @property
     def kv_scales(self) -> tuple[list[float], list[float]] | None:
         """Checkpoint fp8 KV scales (as the single-process model)."""
         return self.model.kv_scales
@@ -193,10 +199,10 @@ class DistributedModel:
         try:
             _send(self.state, {"kind": "step", "batch": batch, "kv": KVSpec.of(kv) if first else None})
             logits = run_rank_step(self.model, self.state, batch, kv)
-        except RuntimeError as e:
+        except RuntimeError:
             if self.workers is not None:
-                self.workers.check()
-            raise WorkerError(f"a collective failed on rank 0 ({e}); a worker rank is probably gone") from e
+                self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
+            raise
         if order is None:
             return logits
         # back from replica order to the caller's request order
@@ -223,14 +229,18 @@ class DistributedModel:
         out.data_parallel_splits = sizes.to(batch.tokens.device)
         return out, order
 
-    def shutdown(self) -> None:
-        """Tell the workers to stop, leave the process group and join spawned workers."""
+    def stop(self) -> None:
+        """Tell the workers to leave :func:`worker_loop` (the process group stays up)."""
         if self.closed:
             return
         self.closed = True
+        if self.workers is None or all(p.exitcode is None for p in self.workers.procs):
+            _send(self.state, {"kind": "stop"})
+
+    def shutdown(self) -> None:
+        """Stop the workers, leave the process group and join spawned workers."""
         try:
-            if self.workers is None or all(p.exitcode is None for p in self.workers.procs):
-                _send(self.state, {"kind": "stop"})
+            self.stop()
         except RuntimeError as e:  # a dead worker cannot be told; it is joined / killed below
             log.warning("could not send stop to the workers: %s", e)
         finally:
