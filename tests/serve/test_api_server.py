@@ -327,3 +327,30 @@ def test_banner_and_version(server):
     ):
         assert part in first, first
     assert httpx.get(server.url + "/version").json() == {"version": m2serve.__version__}
+
+
+def test_nonstream_client_gone_is_aborted(server):
+    # issue 5 item 3 for non-streaming requests: a client that gives up frees the request's pages
+    before = server.metrics()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", headers=_headers(), json=body, timeout=2.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if metric(m, "m2serve_requests_aborted_total") > metric(before, "m2serve_requests_aborted_total"):
+            break
+        time.sleep(0.2)
+    assert metric(m, "m2serve_requests_aborted_total") - metric(before, "m2serve_requests_aborted_total") == 1
+    assert _wait_pages_free(server)
+    assert metric(server.metrics(), "m2serve_requests_total", endpoint="chat", status="499") >= 1
+
+
+def _wait_pages_free(server, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if metric(m, "m2serve_num_requests_running") == 0 and metric(m, "m2serve_kv_pages_used") == 0:
+            return True
+        time.sleep(0.2)
+    return False

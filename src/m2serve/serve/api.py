@@ -317,7 +317,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             while not task.done():
                 await asyncio.wait([task], timeout=0.5)
                 if not task.done() and await request.is_disconnected():
-                    task.cancel()
+                    task.cancel()  # the stream's finally aborts the requests, freeing their pages
+                    await asyncio.wait([task])
+                    raise APIError(499, "client closed the request", code="client_closed_request")
             task.result()
             return accs
         except (ValueError, EngineDeadError) as e:
