@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 def _attention(Hq=6, Hkv=2, D=16, H=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     ident = lambda x: x  # noqa: E731
-    a = MiniMaxM2Attention(H, Hq, Hkv, D, Hq * D, Hkv * D, D ** -0.5, 1e-6, ident, ident)
+    a = MiniMaxM2Attention(H, Hq, Hkv, D, Hq * D, Hkv * D, D ** -0.5, 1e-6, ident)
     for p in a.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() == 2 else 1))
     return a

@@ -21,7 +21,7 @@ from torch import nn
 
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.linear import Linear
-from m2serve.model.norm import RMSNorm, qk_norm
+from m2serve.model.norm import RMSNorm, qk_norm_pair
 from m2serve.model.rope import apply_rope, rope_cos_sin
 
 E4M3_MAX = 448.0
@@ -105,17 +105,18 @@ class MiniMaxM2Attention(nn.Module):
     Weights (hub names under ``self_attn.``): q_proj [Hq·D, H], k_proj / v_proj [Hkv·D, H],
     o_proj [H, Hq·D], q_norm [Hq·D], k_norm [Hkv·D], with Hq / Hkv the LOCAL head counts.
     ``q_width`` / ``k_width`` are the GLOBAL QK-norm widths (Hq·D, Hkv·D of the whole model).
-    ``reduce_qk`` sums the QK-norm statistic over ranks and ``reduce_out`` the o_proj partial
-    sums (identity on one rank; spec/serving.md §4).
+    ``reduce_qk`` sums the [T, 2] QK-norm statistics of q and k over ranks in one call (identity
+    on one rank; spec/serving.md §4). Under TP the output is this rank's o_proj partial sum: the
+    decoder layer reduces it with the residual (model/collectives.py).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, q_width: int,
                  k_width: int, scale: float, eps: float, reduce_qk: Callable[[torch.Tensor], torch.Tensor],
-                 reduce_out: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_width, self.k_width, self.scale, self.eps = q_width, k_width, scale, eps
-        self.reduce_qk, self.reduce_out = reduce_qk, reduce_out
+        self.reduce_qk = reduce_qk
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         self.q_proj = Linear(hidden_size, q, dtype)
         self.k_proj = Linear(hidden_size, kv, dtype)
@@ -125,17 +126,17 @@ class MiniMaxM2Attention(nn.Module):
         self.k_norm = RMSNorm(kv, eps, dtype)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
-        """h [T, H] act -> attention output [T, H] act (after o_proj and ``reduce_out``)."""
+        """h [T, H] act -> attention output [T, H] act (after o_proj; a partial sum under TP)."""
         T = h.shape[0]
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = qk_norm(self.q_proj(h), self.q_norm.weight, self.eps, self.q_width, self.reduce_qk)  # [T, Hq·D]
-        k = qk_norm(self.k_proj(h), self.k_norm.weight, self.eps, self.k_width, self.reduce_qk)  # [T, Hkv·D]
+        q, k = qk_norm_pair(self.q_proj(h), self.k_proj(h), self.q_norm.weight, self.k_norm.weight,
+                            self.eps, self.q_width, self.k_width, self.reduce_qk)  # [T, Hq·D], [T, Hkv·D]
         v = self.v_proj(h).view(T, Hkv, D)
         q = apply_rope(q.view(T, Hq, D), meta.cos, meta.sin)
         k = apply_rope(k.view(T, Hkv, D), meta.cos, meta.sin)
         write_kv(kv, layer, k, v, meta.slot_mapping)
         o = paged_attention(q, kv, layer, meta, self.scale)  # [T, Hq·D]
-        return self.reduce_out(self.o_proj(o))
+        return self.o_proj(o)
 
 
 def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionMetadata,

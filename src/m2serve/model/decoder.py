@@ -4,9 +4,9 @@ Legend: T new tokens, N returned logit rows, H hidden, V vocab, E experts, k top
 
 Parameter names follow the hub layout (checkpoints.md §2) except the experts, which are
 stacked per rank (experts.py). The model takes a ParallelState (config/parallel.py); local head
-counts and the expert range come from :func:`local_dims`, and the three cross-rank reductions
-are the functions :func:`reduce_attention_output`, :func:`reduce_qk_sumsq` and
-:func:`reduce_moe_output` (identity on one rank: no collective runs).
+counts and the expert range come from :func:`local_dims`; the cross-rank steps (the QK-norm
+statistics, the attention and MoE residual paths, the EP dispatch/combine) are
+model/collectives.py (no collective runs on one rank).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,6 +23,14 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState
 from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.collectives import (
+    attention_residual,
+    ep_moe,
+    moe_residual,
+    reduce_moe_partial,
+    reduce_qk_stats,
+    uses_ep_exchange,
+)
 from m2serve.model.experts import MiniMaxM2Experts
 from m2serve.model.linear import Linear
 from m2serve.model.norm import RMSNorm
@@ -66,27 +73,6 @@ def local_dims(cfg: MiniMaxM2Config, parallel: ParallelState) -> LocalDims:
         intermediate_size=cfg.intermediate_size // tp if split_i else cfg.intermediate_size)
 
 
-def _all_reduce(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    dist.all_reduce(x, group=parallel.group)
-    return x
-
-
-def reduce_attention_output(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Sum o_proj partial outputs over the TP group (serving.md §4); identity when tp_size == 1."""
-    return _all_reduce(x, parallel) if parallel.tp_size > 1 else x
-
-
-def reduce_qk_sumsq(sumsq: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Sum the QK-norm sum of squares [T, 1] f32 over the TP group; identity when tp_size == 1."""
-    return _all_reduce(sumsq, parallel) if parallel.tp_size > 1 else sumsq
-
-
-def reduce_moe_output(m: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Sum the MoE partial outputs [T, H] f32 over ranks holding other experts / intermediate
-    slices; identity on one rank."""
-    return _all_reduce(m, parallel) if parallel.tp_size > 1 or parallel.ep_size > 1 else m
-
-
 class MiniMaxM2SparseMoeBlock(nn.Module):
     """Router (replicated, fp32) + this rank's experts; hub prefix ``block_sparse_moe.``."""
 
@@ -101,10 +87,14 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
                                         dims.num_local_experts, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, H] act -> [T, H] act: route, grouped experts, fp32 combine, reduce, one cast."""
+        """h [T, H] act -> [T, H] act: route, grouped experts (here, or on their owners' ranks via
+        the EP exchange), fp32 combine, partial sums reduced, one cast (serving.md §3)."""
         weights, ids = self.gate(h, self.e_score_correction_bias)
-        m = self.experts(h, ids, weights)  # [T, H] f32
-        return reduce_moe_output(m, self.parallel).to(h.dtype)
+        if uses_ep_exchange(self.parallel):
+            m = ep_moe(h, ids, weights, self.experts.num_local, self.experts.rows, self.parallel)
+        else:
+            m = reduce_moe_partial(self.experts(h, ids, weights), self.parallel)  # [T, H] f32
+        return m.to(h.dtype)
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
@@ -113,19 +103,21 @@ class MiniMaxM2DecoderLayer(nn.Module):
     def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
                  dtype: torch.dtype | None):
         super().__init__()
+        self.parallel = parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MiniMaxM2Attention(
             cfg.hidden_size, dims.num_heads, dims.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size,
             cfg.attention_multiplier, cfg.rms_norm_eps,
-            reduce_qk=partial(reduce_qk_sumsq, parallel=parallel),
-            reduce_out=partial(reduce_attention_output, parallel=parallel), dtype=dtype)
+            reduce_qk=partial(reduce_qk_stats, parallel=parallel), dtype=dtype)
         self.block_sparse_moe = MiniMaxM2SparseMoeBlock(cfg, dims, parallel, dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
-        """x [T, H] act -> [T, H] act."""
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv, layer)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+        """x [T, H] act -> [T, H] act. Under TP_EP default the MoE runs on this rank's rows of the
+        tokens, between a reduce_scatter and an all_gather (serving.md §3)."""
+        T = x.shape[0]
+        x = attention_residual(x, self.self_attn(self.input_layernorm(x), meta, kv, layer), self.parallel)
+        return moe_residual(x, self.block_sparse_moe(self.post_attention_layernorm(x)), self.parallel, T)
 
 
 class MiniMaxM2Model(nn.Module):

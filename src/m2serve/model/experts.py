@@ -64,14 +64,20 @@ class MiniMaxM2Experts(nn.Module):
         T, k = ids.shape
         flat = ids.reshape(-1) - self.start  # [T·k]
         pairs = torch.nonzero((flat >= 0) & (flat < self.num_local)).squeeze(1)
-        local = flat[pairs]
-        order = torch.argsort(local, stable=True)
-        pairs, local = pairs[order], local[order]
-        experts, counts = torch.unique_consecutive(local, return_counts=True)
         y = h.new_zeros(T * k, h.shape[1])  # [T·k, H] act
+        y[pairs] = self.rows(h[pairs // k], flat[pairs])
+        return (y.view(T, k, h.shape[1]).float() * weights[..., None]).sum(1)
+
+    def rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H] act, local_ids [N] int64 in [0, E_loc) -> [N, H] act: row n through expert
+        ``start + local_ids[n]``; rows grouped by expert, one :func:`expert_ffn` per ACTIVE expert
+        (also the receiving side of the EP exchange, model/collectives.py)."""
+        order = torch.argsort(local_ids, stable=True)
+        experts, counts = torch.unique_consecutive(local_ids[order], return_counts=True)
+        out = torch.empty_like(x)
         s = 0
         for e, c in zip(experts.tolist(), counts.tolist()):
-            sel = pairs[s: s + c]
-            y[sel] = expert_ffn(h[sel // k], self.w13[e], self.w2[e])
+            sel = order[s: s + c]
+            out[sel] = expert_ffn(x[sel], self.w13[e], self.w2[e])
             s += c
-        return (y.view(T, k, -1).float() * weights[..., None]).sum(1)
+        return out

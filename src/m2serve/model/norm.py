@@ -36,6 +36,23 @@ def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, global_width: int
     return weight * y.to(x.dtype)
 
 
+def qk_norm_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, q_width: int, k_width: int,
+                 reduce_stats: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm` of q and k with ONE reduction of both statistics (spec/serving.md §4).
+
+    q [T, Wq_local], k [T, Wk_local] act. The local fp32 sums of squares form one [T, 2] tensor
+    that ``reduce_stats`` sums over the TP ranks (one all_reduce; identity on one rank); each is
+    divided by its GLOBAL width (``q_width`` = Hq·D, ``k_width`` = Hkv·D), rsqrt, applied in the
+    HF cast order (the same order as :func:`qk_norm`). Returns (q, k) normalised, act.
+    """
+    qf, kf = q.float(), k.float()
+    stats = reduce_stats(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=1))  # [T, 2] f32
+    qn = qf * torch.rsqrt(stats[:, :1] / q_width + eps)
+    kn = kf * torch.rsqrt(stats[:, 1:] / k_width + eps)
+    return q_weight * qn.to(q.dtype), k_weight * kn.to(k.dtype)
+
+
 class RMSNorm(nn.Module):
     """Holder of an RMSNorm γ [W] (hub ``*.weight``); forward is :func:`rms_norm`."""
 
