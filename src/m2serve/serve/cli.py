@@ -4,6 +4,11 @@ Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...).
 also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
 and from a recipe (``--config-file``, recipe.py). Precedence: CLI > environment > recipe >
 defaults. With no model, ``serve`` and ``generate`` use the embedded default checkpoint.
+
+Multi-node: start ``m2serve serve`` on every rank with torchrun (env:// rendezvous), e.g.
+``torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m m2serve.serve.cli serve
+--devices gpu --ep-size 8 ...``; rank 0 hosts the HTTP server and the scheduler, the other ranks
+run the model's steps until rank 0 stops.
 """
 
 from __future__ import annotations
@@ -185,15 +190,52 @@ def engine_args_from(opts: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- serve
 
 
+def torchrun_world_size(environ: dict[str, str] | None = None) -> int:
+    """WORLD_SIZE when started by torchrun / env:// rendezvous (RANK set), else 1."""
+    env = os.environ if environ is None else environ
+    return int(env.get("WORLD_SIZE", "1")) if "RANK" in env else 1
+
+
+def _join_torchrun(opts: dict[str, Any]) -> Any:
+    """Join a torchrun deployment: rank 0 gets an engine around its DistributedModel; every other
+    rank serves the model's steps until rank 0 stops, then gets None (spec/serving.md: rank 0
+    hosts the HTTP server and the scheduler)."""
+    from m2serve.config.model_config import MiniMaxM2Config
+    from m2serve.engine.core import LLMEngine
+    from m2serve.parallel.deploy import join_torchrun
+    from m2serve.serve.resolve import resolve_model
+
+    path = resolve_model(opts.get("model"))
+    args = EngineArgs(model=str(path), **engine_args_from(opts))
+    if os.environ.get("RANK") != "0":
+        # torchrun signals every rank at once; a worker keeps serving steps so that rank 0 can
+        # drain its in-flight requests, then stops the workers itself (a dead rank 0 ends the
+        # workers through the collective timeout).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    model = join_torchrun(args)
+    if model is None:
+        return None
+    device = "cpu" if args.devices.startswith("cpu") else f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return LLMEngine.from_model(model, MiniMaxM2Config.from_pretrained(path), args, device=device)
+
+
 def _make_llm(opts: dict[str, Any]) -> Any:
+    """The LLM for serve/generate; None on a torchrun rank > 0 once rank 0 has stopped it."""
     from m2serve.serve.llm import LLM
 
+    engine = None
+    if torchrun_world_size() > 1:
+        engine = _join_torchrun(opts)
+        if engine is None:
+            return None
     return LLM(
         opts.get("model"),
         chat_template=opts.get("chat_template"),
         tool_parser=opts["tool_parser"],
         reasoning_parser=opts["reasoning_parser"],
         thinking_temperature=opts.get("thinking_temperature"),
+        engine=engine,
         **engine_args_from(opts),
     )
 
@@ -204,9 +246,8 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     from m2serve.engine.planner import checkpoint_encoding, num_devices
 
     enc = checkpoint_encoding(llm.config).value
-    mode = select_parallelism_mode(
-        num_devices(llm.args.devices), llm.args.data_parallel_degree, llm.args.ep_size
-    )
+    world = max(num_devices(llm.args.devices), torchrun_world_size())
+    mode = select_parallelism_mode(world, llm.args.data_parallel_degree, llm.args.ep_size)
     stats = llm.engine.stats
     url = f"http://{opts['host']}:{opts['port']}/v1"
     return (
@@ -230,6 +271,8 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     from m2serve.serve.metrics import ServerMetrics
 
     llm = llm or _make_llm(opts)
+    if llm is None:  # a torchrun worker rank: it served steps until rank 0 shut down
+        return 0
     engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
     aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
     settings = ServerSettings(
@@ -270,6 +313,8 @@ def run_generate(opts: dict[str, Any]) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     prompts = prompts or _DEFAULT_PROMPTS
     llm = _make_llm(opts)
+    if llm is None:  # a torchrun worker rank
+        return 0
     params = SamplingParams(
         temperature=opts["temperature"],
         top_p=opts.get("top_p"),

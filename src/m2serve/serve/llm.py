@@ -142,7 +142,9 @@ class LLM:
     ``none`` (tool calls stay text); reasoning_parser: ``minimax_m2`` (split reasoning_content),
     ``minimax_m2_append_think`` (passthrough: ``<think>`` + raw text in content) or ``none`` (raw
     text in content, no reasoning parsing); thinking_temperature: default for chat requests that
-    do not set it; engine_args: any :class:`EngineArgs` field (``max_batch_size=8`` ...).
+    do not set it; engine: an already built engine (e.g. rank 0 of a torchrun deployment),
+    None = ``LLMEngine.from_args``; engine_args: any :class:`EngineArgs` field
+    (``max_batch_size=8`` ...).
 
     Raises ModelNotFoundError, ValueError (bad arguments, bad config) and what the engine and
     the text layer raise while loading.
@@ -156,6 +158,7 @@ class LLM:
         tool_parser: str = "minimax_m2",
         reasoning_parser: str = "minimax_m2",
         thinking_temperature: float | None = None,
+        engine: LLMEngine | None = None,
         **engine_args: Any,
     ) -> None:
         if tool_parser not in TOOL_PARSERS:
@@ -185,7 +188,7 @@ class LLM:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
-        self.engine = LLMEngine.from_args(self.args)
+        self.engine = engine if engine is not None else LLMEngine.from_args(self.args)
         self.max_length = int(
             getattr(self.engine, "max_length", None)
             or self.args.max_length
