@@ -287,8 +287,6 @@ class LLM:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, processor: OutputProcessor
     ) -> None:
         """Queue one engine request (n = 1). Raises ValueError (prompt too long, bad params)."""
-        if params.n != 1:
-            raise ValueError("add_request takes n = 1; fan out with SamplingParams.child(i)")
         self.engine.add_request(request_id, list(prompt_token_ids), params)
         self._procs[request_id] = processor
 
