@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.parallel import ParallelismMode, ParallelState
+from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
 from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.collectives import (
@@ -63,14 +63,13 @@ def local_dims(cfg: MiniMaxM2Config, parallel: ParallelState) -> LocalDims:
                         ("num_local_experts", cfg.num_local_experts, ep)):
         if n % by:
             raise ValueError(f"{name}={n} is not divisible by {by} ranks")
-    split_i = parallel.mode is ParallelismMode.TP_TP and tp > 1
-    if split_i and cfg.intermediate_size % tp:
+    if parallel.mode is ParallelismMode.TP_TP and cfg.intermediate_size % tp:
         raise ValueError(f"intermediate_size={cfg.intermediate_size} is not divisible by tp={tp}")
-    e_loc = cfg.num_local_experts // ep
+    r = shard_ranges(cfg, parallel)  # the one home of the split rule (parallel/shard.py reads the same)
     return LocalDims(
-        num_heads=cfg.num_attention_heads // tp, num_kv_heads=cfg.num_key_value_heads // tp,
-        expert_start=parallel.ep_rank * e_loc, num_local_experts=e_loc,
-        intermediate_size=cfg.intermediate_size // tp if split_i else cfg.intermediate_size)
+        num_heads=r.q_heads[1] - r.q_heads[0], num_kv_heads=r.kv_heads[1] - r.kv_heads[0],
+        expert_start=r.experts[0], num_local_experts=r.experts[1] - r.experts[0],
+        intermediate_size=r.intermediate[1] - r.intermediate[0])
 
 
 class MiniMaxM2SparseMoeBlock(nn.Module):

@@ -85,6 +85,19 @@ def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
         return_n_logits=n[idx] if isinstance(n, torch.Tensor) and n.dim() > 0 else n)
 
 
+def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
+    """The batch with its tensors on ``device`` (steps travel between ranks on the CPU: a pickled
+    CUDA tensor would come back on rank 0's GPU)."""
+    n = batch.return_n_logits
+    splits = batch.data_parallel_splits
+    return ForwardBatch(
+        tokens=batch.tokens.to(device), positions=batch.positions.to(device),
+        input_row_offsets=batch.input_row_offsets.to(device), slot_mapping=batch.slot_mapping.to(device),
+        block_tables=batch.block_tables.to(device), context_lens=batch.context_lens.to(device),
+        return_n_logits=n.to(device) if isinstance(n, torch.Tensor) else n,
+        data_parallel_splits=splits.to(device) if splits is not None else None)
+
+
 def logit_counts(batch: ForwardBatch) -> list[int]:
     """Logit rows each request returns: min(return_n_logits, new tokens) (serving.md §6)."""
     offs = batch.input_row_offsets.tolist()
@@ -133,7 +146,7 @@ def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "
             return
         if msg["kv"] is not None:
             kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
-        run_rank_step(model, state, msg["batch"], kv)
+        run_rank_step(model, state, batch_to(msg["batch"], device), kv)
 
 
 def _receive(state: ParallelState) -> dict[str, Any]:
@@ -197,7 +210,8 @@ class DistributedModel:
         if dp_attention(self.state.mode, self.state.world_size):
             batch, order = self._split(batch)
         try:
-            _send(self.state, {"kind": "step", "batch": batch, "kv": KVSpec.of(kv) if first else None})
+            _send(self.state, {"kind": "step", "batch": batch_to(batch, "cpu"),
+                               "kv": KVSpec.of(kv) if first else None})
             logits = run_rank_step(self.model, self.state, batch, kv)
         except RuntimeError:
             if self.workers is not None:
