@@ -153,13 +153,22 @@ def _all_configs(rank: int, world: int, ckpts: dict[str, str]) -> dict:
     pair = dist.new_group([0, 1])  # collective over the world: every rank creates it
     cfgs = {v: MiniMaxM2Config.from_pretrained(c) for v, c in ckpts.items()}
     refs = {}
-    if rank == 0:  # the single-process references (fp32)
-        for v, c in ckpts.items():
-            full = load_model(c)
-            refs[v] = {"logits": _steps(full, SimpleKVCache.create(cfgs[v], 32, 16)),
-                       "greedy": _greedy(full, cfgs[v], c)}
-            assert all(len(t) == 32 for t in refs[v]["greedy"].values())
-    out = {}
+    out: dict = {"threads": torch.get_num_threads(), "backend": dist.get_backend()}
+    if rank == 0:  # the single-process references (fp32), counting collectives: there must be none
+        calls: Counter = Counter()
+        patches = _counting(calls)
+        for p in patches:
+            p.start()
+        try:
+            for v, c in ckpts.items():
+                full = load_model(c)
+                refs[v] = {"logits": _steps(full, SimpleKVCache.create(cfgs[v], 32, 16)),
+                           "greedy": _greedy(full, cfgs[v], c)}
+                assert all(len(t) == 32 for t in refs[v]["greedy"].values())
+        finally:
+            for p in patches:
+                p.stop()
+        out["one_device_calls"] = dict(calls)
     for name, P, v in CONFIGS:
         if rank < P:
             out[f"{name}-{P}-{v}"] = _one(rank, P, None if P == world else pair, ckpts[v], name, cfgs[v],
@@ -171,6 +180,11 @@ def _all_configs(rank: int, world: int, ckpts: dict[str, str]) -> dict:
 def results(tiny_random_dir, tiny_random_fp8_dir):
     ckpts = {"bf16": str(tiny_random_dir), "fp8": str(tiny_random_fp8_dir)}
     return run_ranks(_all_configs, 4, ckpts, timeout_s=60)
+
+
+def test_ranks_are_gloo_with_one_thread_and_one_device_runs_no_collective(results):
+    assert [(r["threads"], r["backend"]) for r in results] == [(1, "gloo")] * 4
+    assert results[0]["one_device_calls"] == {}  # serving.md §3: one device, no collective
 
 
 @pytest.mark.parametrize("name,P,variant", CONFIGS)
