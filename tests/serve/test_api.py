@@ -212,3 +212,25 @@ def test_stop_string_over_http_and_n_streams(served):
         if c["choices"][0].get("finish_reason")
     }
     assert finishes == {0: "length", 1: "length"}
+
+
+def test_completions_stream_matches_nonstream(served):
+    # issue 5 item 1: /v1/completions streaming (with echo and logprobs) == the non-streamed result
+    client, _, _ = served
+    base = {
+        "prompt": "Hello world",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": 1,
+    }
+    whole = client.post("/v1/completions", json=base).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**base, "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert text == whole["text"] and text.startswith("Hello world")
+    assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
