@@ -83,7 +83,7 @@ def start_distributed_model(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT
     config, dep = plan_deployment(args, len(devices))
     dtype = _dtype(args)
     workers = spawn_workers(len(devices), _serve_rank, (args.model, dep, dtype, devices),
-                            device=devices[0], timeout_s=timeout_s)
+                            devices=devices, timeout_s=timeout_s)
     state = dep.state(0)
     model = DistributedModel(load_rank_model(args.model, state, dtype, devices[0]), state, workers)
     atexit.register(model.shutdown)

@@ -21,7 +21,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,14 +47,14 @@ def init_process_group(rank: int, world_size: int, *, device: str = "cpu", init_
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Join the default process group; returns this rank's torch device.
 
-    device "cpu": gloo, one intra-op thread. device "cuda": NCCL, device ``cuda:LOCAL_RANK``
-    (LOCAL_RANK from the environment, torchrun sets it; else ``rank``). ``init_method`` is
+    device "cpu": gloo, one intra-op thread. device "cuda:N": NCCL on GPU N; plain "cuda": GPU
+    ``LOCAL_RANK`` (torchrun sets it; else ``rank``). ``init_method`` is
     "env://" (MASTER_ADDR / MASTER_PORT) or "tcp://host:port". Every collective of the group fails
     after ``timeout_s`` seconds instead of waiting for a dead peer.
     """
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", rank))
-        dev = torch.device("cuda", local)
+        dev = torch.device(device) if ":" in device else torch.device("cuda", local)
         torch.cuda.set_device(dev)
         backend = "nccl"
     else:
@@ -192,10 +192,12 @@ class WorkerGroup:
                 p.join()
 
 
-def spawn_workers(world_size: int, target: Callable[..., Any], args: tuple[Any, ...], *, device: str = "cpu",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
+def spawn_workers(world_size: int, target: Callable[..., Any], args: tuple[Any, ...], *,
+                  devices: Sequence[str] = ("cpu",), timeout_s: float = DEFAULT_TIMEOUT_S) -> WorkerGroup:
     """Spawn ranks 1…P−1 running ``target(rank, world_size, *args)`` inside the process group and
     join it as rank 0 from the calling process. Returns the :class:`WorkerGroup`.
+
+    ``devices[r]`` is rank r's device ("cpu" or "cuda:N"; a single entry serves every rank).
 
     Raises WorkerError if a worker dies before the group forms (instead of waiting for the
     rendezvous timeout).
@@ -204,12 +206,13 @@ def spawn_workers(world_size: int, target: Callable[..., Any], args: tuple[Any, 
     init = f"tcp://127.0.0.1:{free_port()}"
     group = WorkerGroup(world_size)
     for r in range(1, world_size):
-        p = ctx.Process(target=_worker_main, args=(r, world_size, init, device, timeout_s, target, args),
+        dev = devices[r] if len(devices) > 1 else devices[0]
+        p = ctx.Process(target=_worker_main, args=(r, world_size, init, dev, timeout_s, target, args),
                         daemon=True)
         p.start()
         group.procs.append(p)
     try:
-        init_process_group(0, world_size, device=device, init_method=init, timeout_s=timeout_s)
+        init_process_group(0, world_size, device=devices[0], init_method=init, timeout_s=timeout_s)
     except BaseException:
         group.shutdown(grace_s=0.0)
         group.check()
