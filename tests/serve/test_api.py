@@ -164,6 +164,7 @@ def test_bad_requests_are_400_and_do_not_reach_engine(served):
         {"messages": [{"role": "tool", "content": "orphan result"}]},
         {"messages": MESSAGES, "logit_bias": {"abc": 1}},
         {"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2},
+        {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}},  # reserved template variable
     ):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, (body, r.text)

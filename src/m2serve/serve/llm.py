@@ -33,7 +33,7 @@ from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
-from m2serve.text.template import ChatTemplate
+from m2serve.text.template import ChatTemplate, TemplateError
 from m2serve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -221,13 +221,20 @@ class LLM:
     ) -> str:
         """Render a conversation with the checkpoint's template (chat-and-parsers.md §2).
 
-        Raises the text layer's TemplateError (the server answers 400) for invalid messages.
+        Raises the text layer's TemplateError (the server answers 400) for invalid messages and
+        for chat_template_kwargs that would replace render's own arguments.
         """
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+        if clash:
+            raise TemplateError(
+                f"chat_template_kwargs may not set {', '.join(clash)} (reserved template variables)"
+            )
         return self.template.render(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}),
+            **kwargs,
         )
 
     def reasoning_mode(self, reasoning_split: bool | None) -> str | None:
