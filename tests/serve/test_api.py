@@ -235,3 +235,46 @@ def test_completions_stream_matches_nonstream(served):
     assert text == whole["text"] and text.startswith("Hello world")
     assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_malformed_requests_never_500(served):
+    # issue 5 item 2: a bad request gets a 4xx and never affects the server
+    client, _, _ = served
+    chat = [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                    ],
+                }
+            ]
+        },
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"parameters": {}}}]},
+        {"messages": MESSAGES, "stop": [""] * 3, "max_tokens": 1},
+        {"messages": MESSAGES, "seed": 2**70},
+        {"messages": MESSAGES, "stop_token_ids": [-1]},
+        {"messages": MESSAGES, "logit_bias": {"1": 1000}},
+        {"messages": "hello"},
+        [1, 2, 3],
+    ]
+    for body in chat:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code < 500, (body, r.text)
+    for body in (
+        {"prompt": []},
+        {"prompt": [[]]},
+        {"prompt": [-3]},
+        {"prompt": "x", "best_of": 3},
+        {"prompt": "x", "suffix": "y"},
+        {"prompt": "x", "logprobs": 50},
+    ):
+        r = client.post("/v1/completions", json=body)
+        assert 400 <= r.status_code < 500, (body, r.text)
+    assert client.get("/health").status_code == 200
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
