@@ -2,8 +2,8 @@
 
 For each config (``tiny-random`` and the bench config: vocab 32,000, hidden 3072, 48 heads, 8 KV
 heads, head_dim 128, rotary_dim 64, intermediate 1536, 2 layers, 32 experts top-8, bf16 weights,
-built in a temp dir) and each concurrency c (default 1, 8, 32), c requests of --input-len random
-tokens each generate --output-len tokens (greedy, EOS ignored), all submitted at once:
+built in a temp dir) and each concurrency c, c requests of --input-len random tokens each generate
+--output-len tokens (greedy, EOS ignored), all submitted at once:
 
 * m2serve: ``LLMEngine`` (continuous batching, paged KV cache, chunked prefill);
 * transformers: ``MiniMaxM2ForCausalLM.generate`` on the c prompts as one left-padded batch;
@@ -17,7 +17,12 @@ the top-k experts of every layer, lm_head, in the compute dtype, plus the KV cac
 bandwidth measured here (a large tensor sum).
 
     python benchmarks/throughput.py [--configs tiny,bench] [--concurrency 1,8,32]
-        [--input-len 512] [--output-len 128] [--dtype float32] [--threads 2]
+        [--bench-concurrency 1] [--input-len 512] [--output-len 128] [--dtype float32] [--threads 1]
+
+Concurrency: --concurrency for tiny-random (default 1, 8, 32), --bench-concurrency for the bench
+config (default 1 only, to keep the default run near 10 minutes on a 2-core CPU box, where c = 8
+takes about 9 minutes more and c = 32 over half an hour: pass --bench-concurrency 1,8,32).
+Threads default to 1: on a shared 2-core box, 2 OpenMP threads stall on barriers (both peers alike).
 """
 
 from __future__ import annotations
@@ -163,7 +168,6 @@ def build(name: str, root: Path) -> Path:
 
 
 def main(a: argparse.Namespace) -> None:
-    conc = [int(x) for x in a.concurrency.split(",")]
     import importlib.util
 
     bw = stream_bandwidth(a.threads)
@@ -178,7 +182,8 @@ def main(a: argparse.Namespace) -> None:
             model_dir = build(name, Path(tmp))
             print(f"\n## {name} (checkpoint built in {time.perf_counter() - t:.0f} s)")
             print(f"{'c':>3} {'peer':<13} {'tok/s':>9} {'wall s':>8} {'m2serve x':>10}")
-            for c in conc:
+            conc = a.bench_concurrency if name == "bench" else a.concurrency
+            for c in (int(x) for x in conc.split(",")):
                 res = {peer: spawn(peer, model_dir, c, a) for peer in PEERS}
                 ours = res["m2serve"].get("tok_s")
                 for peer, r in res.items():
@@ -200,11 +205,12 @@ def main(a: argparse.Namespace) -> None:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="tiny,bench")
-    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--concurrency", default="1,8,32", help="for tiny-random")
+    p.add_argument("--bench-concurrency", default="1", help="for the bench config")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
