@@ -73,7 +73,7 @@ def start_server(
     tmp_dir: Path,
     env: dict[str, str] | None = None,
     entry: list[str] | None = None,
-    timeout: float = 180.0,
+    timeout: float = 300.0,
 ) -> ServerProcess:
     """Start ``m2serve serve ARGS --port P`` (or a test-only ``entry`` script) and wait for /health."""
     port = free_port()

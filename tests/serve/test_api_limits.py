@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
-GRACE_S = 8
+GRACE_S = 15
 MESSAGES = [{"role": "user", "content": "Write a long story."}]
 
 
@@ -98,6 +98,7 @@ def _consume(url: str, body: dict, out: dict) -> None:
     out["lines"] = []
     try:
         with httpx.Client(timeout=120) as h, h.stream("POST", url, json=body) as resp:
+            out["accepted"].set()
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     out["lines"].append(line)
@@ -113,19 +114,20 @@ def test_sigterm_finishes_inflight_aborts_after_grace_exits_0(server):
     url = server.url + "/v1/chat/completions"
     short = {
         "messages": MESSAGES,
-        "max_tokens": 20,
+        "max_tokens": 30,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
     long = {"messages": MESSAGES, "max_tokens": 3000, "stream": True, "ignore_eos": True}
-    a, b = {"first": threading.Event()}, {"first": threading.Event()}
+    a = {"first": threading.Event(), "accepted": threading.Event()}
+    b = {"first": threading.Event(), "accepted": threading.Event()}
     ta = threading.Thread(target=_consume, args=(url, short, a))
     tb = threading.Thread(target=_consume, args=(url, long, b))
     ta.start()
     assert a["first"].wait(60)
     tb.start()  # waits behind A (one running slot), runs after A, cannot finish within the grace period
-    assert _wait_for(lambda: metric(server.metrics(), "m2serve_num_requests_waiting") == 1)
+    assert b["accepted"].wait(60)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(1.0)
@@ -140,7 +142,7 @@ def test_sigterm_finishes_inflight_aborts_after_grace_exits_0(server):
         for c in chunks
         if c["choices"] and c["choices"][0].get("finish_reason")
     ]
-    assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 20  # A ran to its end
+    assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 30  # A ran to its end
     assert "data: [DONE]" not in b["lines"]  # B was cut off after the grace period
     try:
         rc = server.proc.wait(GRACE_S + 30)
