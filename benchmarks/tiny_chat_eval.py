@@ -1,6 +1,6 @@
 """Greedy evaluation of the `tiny-chat` checkpoint on its held-out split (issue 6 "must show").
 
-    python benchmarks/tiny_chat_eval.py                         # m2serve engine + parser, 100 per kind
+    python benchmarks/tiny_chat_eval.py                         # m2serve engine + parser (fp32), 100 per kind
     python benchmarks/tiny_chat_eval.py --backend transformers  # transformers fp32 + m2serve's parser
     python benchmarks/tiny_chat_eval.py --model DIR --per-kind 20
 
@@ -30,12 +30,15 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=100)
     ap.add_argument("--show-failures", type=int, default=3, help="print this many failures per kind")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--dtype", default="float32", help="m2serve compute dtype (float32 or bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     examples = ev.held_out(args.per_kind)
     t0 = time.time()
-    gen = ev.generate_m2serve if args.backend == "m2serve" else ev.generate_transformers
-    gens = gen(args.model, examples)
+    if args.backend == "m2serve":
+        gens = ev.generate_m2serve(args.model, examples, dtype=args.dtype)
+    else:
+        gens = ev.generate_transformers(args.model, examples)
     dt = time.time() - t0
     targets = {"tool_call": 0.95, "tool_result": 0.90, "no_tool": 0.90, "reasoning_closed": 1.0,
                "plain": None}
@@ -44,7 +47,8 @@ def main() -> None:
               "no_tool": "no-tool requests (tools offered): no call",
               "reasoning_closed": "reasoning closed before content or a call",
               "plain": "plain turns: no call (+ exact copy for repeat-after-me)"}
-    print(f"tiny-chat held-out eval, backend {args.backend}, model {args.model}, greedy, "
+    backend = f"m2serve ({args.dtype})" if args.backend == "m2serve" else "transformers (float32)"
+    print(f"tiny-chat held-out eval, backend {backend}, model {args.model}, greedy, "
           f"{len(examples)} prompts in {dt:.0f} s")
     for k, (a, b) in ev.rates(examples, gens).items():
         tgt = targets[k]

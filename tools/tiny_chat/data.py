@@ -18,7 +18,8 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
 value) belongs to exactly one split by a stable hash: ``crc32(str(value)) % 5 == 0`` is "eval",
 anything else "train". The train split draws only train values and the eval split only eval values,
 so no argument or result value of the eval split ever occurs as a value in training. Enums and
-booleans are finite and shared by both splits.
+booleans are finite and shared by both splits; values derived from a held-out value (the hour and
+minute of a held-out time) are held out as a pair, not one by one.
 
 Usage: ``make_examples(split="train", n=1000, seed=0)`` -> list[Example]; the same (split, n, seed)
 always gives the same list.

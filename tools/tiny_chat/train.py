@@ -2,7 +2,7 @@
 
 Command (documented in the report / README; ~70 min on one CPU core shared with other jobs)::
 
-    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 2400
+    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 2000
 
 Re-running the same command continues from ``OUT/ckpt.pt`` (saved every ``--save-every`` seconds and
 at the end): the model, optimiser, load-balancing bias, step and data order all resume, so an
@@ -260,12 +260,12 @@ def collate(items: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, to
 # Training loop
 # ---------------------------------------------------------------------------------------------
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Warmup, constant, then linear decay to 10% over the last 25% of steps (so --steps can grow on
-    resume without disturbing the schedule until the decay starts)."""
+def lr_at(step: int, total: int, peak: float, warmup: int, decay_frac: float) -> float:
+    """Warmup, constant, then linear decay to 10% over the last ``decay_frac`` of the steps (so --steps
+    can change on resume without disturbing the schedule until the decay starts)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    decay_start = int(0.75 * total)
+    decay_start = int((1.0 - decay_frac) * total)
     if step < decay_start:
         return peak
     p = (step - decay_start) / max(1, total - decay_start)
@@ -282,13 +282,14 @@ def save_ckpt(path: Path, model, opt, step: int, args_dict: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="run dir: tokenizer/, ckpt.pt, train.log")
-    ap.add_argument("--steps", type=int, default=2400)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--examples", type=int, default=12000, help="training corpus size")
     ap.add_argument("--max-tokens", type=int, default=1200, help="padded tokens per batch")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--decay-frac", type=float, default=0.4, help="final fraction of steps with linear decay")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-every", type=float, default=240.0, help="seconds between checkpoints")
+    ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: on a shared machine OpenMP threads spin-wait)")
@@ -342,7 +343,7 @@ def main(argv=None) -> None:
     while step < args.steps:
         ids, valid, labels = collate([corpus[i] for i in batch_at(step)])
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
         hidden, loads = model(ids, valid)
         sel = labels != -100
         logits = F.linear(hidden[sel], model.lm_head)  # [M, V] target positions only
