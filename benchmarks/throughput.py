@@ -5,7 +5,8 @@ heads, head_dim 128, rotary_dim 64, intermediate 1536, 2 layers, 32 experts top-
 built in a temp dir) and each concurrency c, c requests of --input-len random tokens each generate
 --output-len tokens (greedy, EOS ignored), all submitted at once:
 
-* m2serve: ``LLMEngine`` (continuous batching, paged KV cache, chunked prefill);
+* m2serve: ``LLMEngine`` (continuous batching, paged KV cache, chunked prefill within
+  --max-batch-input-tokens, default 2048 tokens per step);
 * transformers: ``MiniMaxM2ForCausalLM.generate`` on the c prompts as one left-padded batch;
 * llama.cpp through llama-cpp-python: skipped with a message (not importable here; when it is, a
   GGUF of the random checkpoint would still be needed, which this script does not build).
@@ -60,7 +61,8 @@ def run_m2serve(path: str, args: argparse.Namespace) -> dict:
     page = 128
     eng = LLMEngine.from_args(EngineArgs(
         model=path, dtype=args.dtype, kv_cache_format=args.dtype, kv_cache_page_size=page,
-        num_kv_pages=c * -(-(n_in + n_out) // page) + 1, max_batch_size=max(c, 1)))
+        num_kv_pages=c * -(-(n_in + n_out) // page) + 1, max_batch_size=max(c, 1),
+        max_batch_input_tokens=args.max_batch_input_tokens))
     V = eng.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -149,12 +151,14 @@ def decode_bytes_per_token(model_dir: Path, dtype: str, context: int) -> int:
 def spawn(peer: str, model_dir: Path, c: int, a: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", peer, "--model", str(model_dir), "--c", str(c),
            "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--dtype", a.dtype,
-           "--threads", str(a.threads)]
+           "--threads", str(a.threads), "--max-batch-input-tokens", str(a.max_batch_input_tokens)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
+    why = "killed (SIGKILL: out of memory?)" if p.returncode == -9 else f"exit code {p.returncode}"
+    tail = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if "Error" in ln][-1:]
+    return {"error": f"{why} {tail[0] if tail else ''}".strip()}
 
 
 def build(name: str, root: Path) -> Path:
@@ -211,6 +215,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-batch-input-tokens", type=int, default=2048,
+                   help="m2serve's per-step token budget (prefill chunks + decodes)")
     p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--c", type=int, default=1, help=argparse.SUPPRESS)
