@@ -10,6 +10,8 @@ by the reference library, |Δlogit| <= 1e-4 * max(1, |logit|)).
 - compressed-tensors NVFP4: the ModelOpt export converted by compressed-tensors' own
   ``convert_checkpoint`` + ``ModelOptNvfp4Converter`` (weight_packed, weight_global_scale =
   1 / weight_scale_2). Dense copy: ``unpack_fp4_from_uint8`` + its ``dequantize``.
+- compressed-tensors MXFP4: written with compressed-tensors' own ``calculate_qparams`` (MX
+  scales) and ``MXFP4PackedCompressor.compress``; dense copy: ``MXFP4PackedCompressor.decompress``.
 - Quark MXFP4: written with Quark's own ``PerBlockMXObserver`` (OCP MXFP4, even rounding),
   ``real_quantize_fp4_fp6_per_group``, ``Pack_fp4`` and ``to_e8m0_uint8`` in Quark's export
   names and config (Quark's quantiser skips transformers' fused expert tensors, so its end-to-end
@@ -31,7 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.formats.detect import Encoding, LinearKind
+from m2serve.formats.detect import Encoding, LinearKind, checkpoint_quant_config, detect_quant
+from m2serve.formats.fp4 import PackedFP4
 from m2serve.formats.loader import open_checkpoint, read_input_scales
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
@@ -122,6 +125,34 @@ def ct_dir(modelopt_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def ct_mxfp4_dir(tiny_random_dir, tmp_path_factory) -> Path:
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP4
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    fmt = CompressionFormat.mxfp4_pack_quantized.value
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4, format=fmt)
+    tensors = {}
+    for name, t in _weights(tiny_random_dir).items():
+        if ".experts." in name:
+            w = t.float()
+            groups = w.view(w.shape[0], -1, 32)
+            scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            sd = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+                                                scheme)
+            tensors.update({name + "_packed": sd["weight_packed"], name + "_scale": sd["weight_scale"]})
+        else:
+            tensors[name] = t
+    config = json.loads((tiny_random_dir / "config.json").read_text())
+    config["quantization_config"] = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+        ignore=["lm_head", r"re:.*self_attn.*", r"re:.*block_sparse_moe\.gate$"]).model_dump(mode="json")
+    return _write(tmp_path_factory.mktemp("mxfp4") / "compressed-tensors", tensors, config, tiny_random_dir)
+
+
 QUARK_CONFIG = {  # the amd/MiniMax-M2.7-MXFP4 quantization_config (checkpoints.md §4), trimmed
     "quant_method": "quark", "quant_mode": "eager_mode",
     "global_quant_config": {
@@ -178,6 +209,16 @@ def _ref_ct(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
     return ct_dequantize(unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32),
                          scale=t[p + "weight_scale"].float(), args=args,
                          global_scale=t[p + "weight_global_scale"], dtype=torch.float32)
+
+
+def _ref_ct_mxfp4(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP4
+
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4)
+    sd = {"weight_packed": t[p + "weight_packed"], "weight_scale": t[p + "weight_scale"]}
+    return MXFP4PackedCompressor.decompress(sd, scheme)["weight"].float()  # exact: 2-bit codes x 2^e
 
 
 def _ref_quark(t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
@@ -261,6 +302,14 @@ def test_compressed_tensors_nvfp4_matches_oracle(ct_dir, tmp_path):  # checkpoin
     assert_logits_match_oracle(ct_dir, dense_copy(ct_dir, tmp_path / "dense", _ref_ct))
 
 
+def test_compressed_tensors_mxfp4_matches_oracle(ct_mxfp4_dir, tmp_path):  # checkpoints.md §4, §6 MXFP4
+    plan = open_checkpoint(ct_mxfp4_dir, MiniMaxM2Config.from_pretrained(ct_mxfp4_dir))
+    assert plan.quant.encoding is Encoding.MXFP4 and plan.quant.ct_patterns
+    assert {v for k, v in plan.kinds.items() if ".experts." in k} == {LinearKind.MXFP4}
+    plan.reader.close()
+    assert_logits_match_oracle(ct_mxfp4_dir, dense_copy(ct_mxfp4_dir, tmp_path / "dense", _ref_ct_mxfp4))
+
+
 def test_quark_mxfp4_matches_oracle(quark_dir, tmp_path):  # checkpoints.md §6 MXFP4 (Quark)
     plan = open_checkpoint(quark_dir, MiniMaxM2Config.from_pretrained(quark_dir))
     assert plan.quant.encoding is Encoding.MXFP4
@@ -278,6 +327,35 @@ def test_hf_quant_config_alone_is_detected(modelopt_dir, tmp_path):  # checkpoin
     assert plan.quant.encoding is Encoding.NVFP4 and plan.quant.source.endswith("hf_quant_config.json")
     assert plan.quant.excluded_by("model.layers.1.self_attn.o_proj") == "model.layers.1.self_attn*"
     plan.reader.close()
+
+
+HUB_CONFIGS = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/hub_configs"
+
+
+@pytest.mark.parametrize("repo,encoding,source", [
+    ("lukealonso/MiniMax-M2.7-NVFP4", Encoding.NVFP4, "config.json"),
+    ("lukealonso/MiniMax-M2.7-NVFP4", Encoding.NVFP4, "hf_quant_config.json"),
+    ("amd/MiniMax-M2.7-MXFP4", Encoding.MXFP4, "config.json"),
+])
+def test_release_configs_detected(repo, encoding, source):  # checkpoints.md §4, §7 (the shipped configs)
+    d = HUB_CONFIGS / repo
+    config = json.loads((d / "config.json").read_text())
+    quant = config["quantization_config"] if source == "config.json" else None
+    spec = detect_quant(*checkpoint_quant_config(d, quant))
+    assert spec.encoding is encoding and spec.source.endswith(source)
+    assert spec.excluded_by("lm_head") == "lm_head"
+    assert spec.excluded_by("model.layers.61.self_attn.o_proj") is not None
+    assert spec.excluded_by("model.layers.61.block_sparse_moe.gate") is not None
+    assert spec.excluded_by("model.layers.61.block_sparse_moe.experts.255.w2") is None
+
+
+def test_bad_hf_quant_config_names_file(tmp_path):  # checkpoints.md §1
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "hf_quant_config.json").write_text('{"producer": {"name": "modelopt"}}')
+    with pytest.raises(ValueError, match=r"ckpt/hf_quant_config\.json: not a ModelOpt hf_quant_config\.json "
+                       r"\(needs a 'quantization' object"):
+        checkpoint_quant_config(d, None)
 
 
 def test_missing_input_scale_recorded_as_one(modelopt_dir, tmp_path):  # checkpoints.md §3.3
@@ -298,6 +376,69 @@ def test_missing_input_scale_recorded_as_one(modelopt_dir, tmp_path):  # checkpo
     plan = open_checkpoint(d2, MiniMaxM2Config.from_pretrained(d2))
     assert read_input_scales(plan) == {}
     plan.reader.close()
+
+
+# ---- --weight-dequant runtime: same logits, less resident memory (issue 7 must show) ----------
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct torch storages behind the model's parameters and buffers."""
+    storages = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("fixture", ["modelopt_dir", "ct_dir", "quark_dir", "ct_mxfp4_dir"])
+def test_runtime_dequant_same_logits_less_memory(fixture, request, monkeypatch):  # checkpoints.md §6
+    d = request.getfixturevalue(fixture)
+    models = {mode: load_model(d, dtype=torch.float32, weight_dequant=mode) for mode in ("load", "runtime")}
+    cfg = models["load"].config
+    L, E, H, I = cfg.num_hidden_layers, cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    group, scale_bytes, scalar_bytes = (16, 1, 4) if "mxfp4" not in fixture and fixture != "quark_dir" \
+        else (32, 1, 0)
+    packed = L * E * 3 * (I * H // 2 + I * H // group * scale_bytes + scalar_bytes)
+    dense = L * E * 3 * I * H * 4  # fp32 w13 + w2
+    assert resident_bytes(models["runtime"]) == resident_bytes(models["load"]) - dense + packed
+    assert resident_bytes(models["runtime"]) < 0.75 * resident_bytes(models["load"])
+
+    calls = []
+    real = PackedFP4.dequantize
+    monkeypatch.setattr(PackedFP4, "dequantize",
+                        lambda self, dtype: calls.append(self.name) or real(self, dtype))
+    out = {}
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for mode, model in models.items():
+        cache = SimpleKVCache.create(cfg, num_pages=8, page_size=4)
+        prefill = model(cache.batch([(0, prompt)], return_n_logits=10**6), cache.storage)
+        calls.clear()
+        decode = model(cache.batch([(0, [7])]), cache.storage)
+        if mode == "runtime":  # one decode token: top-k experts per layer, 3 matrices each
+            assert len(calls) == L * cfg.num_experts_per_tok * 3
+        out[mode] = torch.cat([prefill, decode])
+    assert torch.equal(out["runtime"], out["load"])
+
+
+def test_engine_args_weight_dequant_runtime(quark_dir):  # EngineArgs.weight_dequant -> load_model
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.engine.core import LLMEngine
+    from m2serve.engine.sampling import SamplingParams
+
+    tokens = {}
+    for mode in ("load", "runtime"):
+        engine = LLMEngine.from_args(EngineArgs(model=str(quark_dir), dtype="float32", weight_dequant=mode,
+                                                num_kv_pages=16, kv_cache_page_size=16))
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("r", [5, 7, 11, 13], params)
+        out = []
+        while engine.has_unfinished_requests():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        tokens[mode] = out
+    assert len(tokens["load"]) == 6 and tokens["runtime"] == tokens["load"]
+
+
+def test_weight_dequant_value_checked(modelopt_dir):  # EngineArgs.weight_dequant
+    with pytest.raises(ValueError, match=r"weight_dequant='lazy' is not supported; use 'load' or 'runtime'"):
+        load_model(modelopt_dir, weight_dequant="lazy")
 
 
 # ---- errors: each raised with its message asserted (issue 7 "Errors") ---------------------------

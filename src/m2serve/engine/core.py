@@ -102,7 +102,8 @@ class LLMEngine:
         if len(devices) > 1:
             model = start_distributed_model(args)
         else:
-            model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=devices[0])
+            model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=devices[0],
+                               weight_dequant=args.weight_dequant)
         return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod

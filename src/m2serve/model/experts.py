@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
+
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU: ``w2 · (silu(w1·x) ⊙ (w3·x))``.
@@ -28,6 +30,13 @@ class MiniMaxM2Experts(nn.Module):
 
     Parameters: ``w13`` [E_loc, 2·I_loc, H] (hub w1 rows then w3 rows), ``w2`` [E_loc, H, I_loc].
     Hub tensors are placed with :meth:`load_expert`.
+
+    Runtime dequantisation (``--weight-dequant runtime``, checkpoints.md §6 execution choices):
+    when :meth:`load_expert` receives :class:`PackedFP4` weights, the (never filled) dense
+    parameters are dropped and the packed codes and scales become buffers ``{w1,w3,w2}_q``
+    uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes), ``_s2`` f32 [E_loc]
+    (NVFP4 only); :meth:`expert_weights` dequantises only the experts a step activates, with the
+    same formula (and so the same values) as dequantising at load.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -38,17 +47,23 @@ class MiniMaxM2Experts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
                                requires_grad=False)
+        self.scheme: FP4Scheme | None = None  # set when the experts are held packed
 
-    def load_expert(self, expert: int, which: str, w: torch.Tensor) -> None:
+    def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
 
-        Raises ValueError naming the expert and shapes if it is not held here or does not fit.
+        ``w`` is dense, or :class:`PackedFP4` for runtime dequantisation (class docstring).
+        Raises ValueError naming the expert and shapes if it is not held here or does not fit,
+        or when dense and packed experts (or two FP4 schemes) are mixed in one layer.
         """
         e = expert - self.start
         I = self.intermediate_size
         if not 0 <= e < self.num_local:
             raise ValueError(f"expert {expert} is not in this rank's range "
                              f"[{self.start}, {self.start + self.num_local})")
+        if isinstance(w, PackedFP4) or self.scheme is not None:
+            self._load_packed(expert, which, w)
+            return
         dst = {"w1": self.w13.data[e, :I], "w3": self.w13.data[e, I:], "w2": self.w2.data[e]}[which]
         if dst.shape != w.shape:
             raise ValueError(f"expert {expert} {which}: got shape {list(w.shape)}, "
@@ -78,6 +93,54 @@ class MiniMaxM2Experts(nn.Module):
         s = 0
         for e, c in zip(experts.tolist(), counts.tolist()):
             sel = order[s: s + c]
-            out[sel] = expert_ffn(x[sel], self.w13[e], self.w2[e])
+            w13, w2 = self.expert_weights(e, x.dtype)
+            out[sel] = expert_ffn(x[sel], w13, w2)
             s += c
         return out
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``e``'s (w13 [2·I_loc, H], w2 [H, I_loc]) in ``dtype``: the parameters'
+        views, or a fresh dequantisation of the packed buffers (runtime mode)."""
+        if self.scheme is None:
+            return self.w13[e], self.w2[e]
+        w1, w3, w2 = (self._packed(which, e).dequantize(dtype) for which in ("w1", "w3", "w2"))
+        return torch.cat([w1, w3]), w2
+
+    def _packed(self, which: str, e: int) -> PackedFP4:
+        s2 = getattr(self, f"{which}_s2")[e] if self.scheme is not FP4Scheme.MXFP4 else None
+        return PackedFP4(self.scheme, getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], s2,
+                         f"experts.{self.start + e}.{which}.weight")
+
+    def _load_packed(self, expert: int, which: str, w: torch.Tensor | PackedFP4) -> None:
+        if not isinstance(w, PackedFP4):
+            raise ValueError(f"expert {expert} {which}: dense weight for experts held packed "
+                             f"({self.scheme.value}); mixed storage in one layer is not supported")
+        if self.scheme is None:
+            self._to_packed(w.scheme)
+        elif w.scheme is not self.scheme:
+            raise ValueError(f"expert {expert} {which}: {w.scheme.value} weight for experts held as "
+                             f"{self.scheme.value}")
+        H, I = self.w1_q.shape[2] * 2, self.intermediate_size
+        want = (H, I) if which == "w2" else (I, H)
+        if w.shape != want:
+            raise ValueError(f"expert {expert} {which}: got shape {list(w.shape)}, expected {list(want)}")
+        if self.scheme is FP4Scheme.MXFP4:
+            decode_e8m0(w.scale, f"{w.name}_scale")  # reject NaN codes now, not mid-request
+        e = expert - self.start
+        getattr(self, f"{which}_q")[e].copy_(w.packed)
+        getattr(self, f"{which}_s")[e].copy_(w.scale)
+        if w.scale_2 is not None:
+            getattr(self, f"{which}_s2")[e] = w.scale_2.reshape(())
+
+    def _to_packed(self, scheme: FP4Scheme) -> None:
+        """Replace the dense parameters (allocated, never filled) by packed buffers."""
+        E, H, I, device = self.num_local, self.w2.shape[1], self.intermediate_size, self.w2.device
+        del self.w13, self.w2
+        g = scheme.group
+        scale_dtype = torch.uint8 if scheme is FP4Scheme.MXFP4 else torch.float8_e4m3fn
+        for which, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            self.register_buffer(f"{which}_q", torch.empty(E, n, k // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{which}_s", torch.empty(E, n, k // g, dtype=scale_dtype, device=device))
+            if scheme is not FP4Scheme.MXFP4:
+                self.register_buffer(f"{which}_s2", torch.empty(E, dtype=torch.float32, device=device))
+        self.scheme = scheme

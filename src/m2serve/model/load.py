@@ -14,7 +14,7 @@ from m2serve.model.decoder import MiniMaxM2ForCausalLM
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
-               progress: bool | None = None) -> MiniMaxM2ForCausalLM:
+               progress: bool | None = None, weight_dequant: str = "load") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -23,7 +23,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     (CheckpointMismatchError / CheckpointFormatError, both ValueError). Parameters are allocated
     uninitialised and filled tensor by tensor, so peak memory stays near the final size.
     ``model.kv_scales`` holds per-layer (k_scale, v_scale) if the checkpoint ships them, else None.
+    ``weight_dequant`` (EngineArgs.weight_dequant): ``"load"`` dequantises every quantised weight
+    now; ``"runtime"`` keeps FP4 (NVFP4 / MXFP4) expert weights packed and dequantises only the
+    experts a step activates (same values, less memory; other weights as with ``"load"``).
+    Raises ValueError for another value.
     """
+    if weight_dequant not in ("load", "runtime"):
+        raise ValueError(f"weight_dequant={weight_dequant!r} is not supported; use 'load' or 'runtime'")
     cfg = MiniMaxM2Config.from_pretrained(path)
     plan = open_checkpoint(path, cfg)
     parallel = parallel or ParallelState()
@@ -32,7 +38,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     for layer in model.model.layers:  # bias = 0 unless the file has one (model.md §1 use_routing_bias)
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:
-        for name, tensor in iter_weights(plan, dtype, shard, progress):
+        for name, tensor in iter_weights(plan, dtype, shard, progress,
+                                         packed_experts=weight_dequant == "runtime"):
             model.load_weight(name, tensor)
         model.kv_scales = read_kv_scales(plan)
     finally:

@@ -1,0 +1,225 @@
+"""Load time, resident memory and decode tokens/s of BF16 / FP8 / NVFP4 / MXFP4 checkpoints.
+
+The bench config (vocab 32,000, hidden 3072, 48 heads, 8 KV heads, head_dim 128, rotary_dim 64,
+intermediate 1536, 2 layers, 32 experts top-8) is built once in a temp dir in four encodings of
+the same random weights: BF16 and FP8 (128x128 blocks) by ``checkpoints/tiny_random.py``; NVFP4
+(ModelOpt names and config) and MXFP4 (Quark names and config) by quantising the BF16 experts
+here with the checkpoints.md §6 conventions (NVFP4: weight_scale_2 = amax / (6 * 448), e4m3
+block scales per 16; MXFP4: E8M0 scale 2^(floor(log2 amax) - 2) per 32; nearest E2M1 code).
+Attention, router, embeddings and lm_head stay BF16, as in the releases (checkpoints.md §7).
+
+Each (encoding, --weight-dequant mode) is loaded in its own subprocess, one after the other, so
+memory figures do not mix: load seconds, resident weight memory (distinct torch storages of the
+parameters and buffers), the worker's peak RSS (VmHWM), and decode tokens/s (``--batch`` sequences of
+32 prompt tokens, ``--decode`` greedy steps, after one warm-up step). Ratios are against BF16 /
+load measured in the same run. ``runtime`` (FP4 experts kept packed, dequantised per active
+expert) applies to the FP4 encodings only.
+
+    python benchmarks/formats.py [--dtype bfloat16] [--threads 2] [--batch 1] [--decode 8] [--cache DIR]
+
+The four checkpoints take 5.5 GB; they are built in a temp dir and removed at the end, unless
+``--cache DIR`` names a directory where they are kept and reused by the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+                  rotary_dim=64, intermediate_size=1536, num_local_experts=32, num_experts_per_tok=8,
+                  num_hidden_layers=2, vocab_size=32000)
+RUNS = (("bf16", "load"), ("fp8", "load"), ("nvfp4", "load"), ("nvfp4", "runtime"), ("mxfp4", "load"),
+        ("mxfp4", "runtime"))
+PROMPT = 32
+
+MODELOPT_QUANT = {
+    "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": {"name": "modelopt"},
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}}},
+    "ignore": ["lm_head", "model.layers.*.block_sparse_moe.gate", "model.layers.*.self_attn*"],
+}
+QUARK_QUANT = {
+    "quant_method": "quark",
+    "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32,
+                                       "scale_format": "e8m0", "is_dynamic": False}},
+    "exclude": ["lm_head", "*block_sparse_moe.gate*", "*self_attn*"],
+}
+
+
+# ---- building the four encodings ----------------------------------------------------------------
+
+def _e2m1_codes(x):
+    """fp32 values already divided by their block scale -> nearest E2M1 code (uint8, sign in bit 3)."""
+    import torch
+
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints of 0, .5, 1, 1.5, 2, 3, 4, 6
+    mag = torch.bucketize(x.abs(), mids).to(torch.uint8)
+    return mag | ((x < 0).to(torch.uint8) << 3)
+
+
+def _pack(codes):
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)  # column 2j in the low nibble (checkpoints.md §5)
+
+
+def quantize_nvfp4(w) -> dict:
+    import torch
+
+    n, k = w.shape
+    ws2 = w.abs().max() / (6 * 448)
+    blocks = w.view(n, k // 16, 16)
+    ws = (blocks.abs().amax(-1) / (6 * ws2)).clamp(2**-9, 448).to(torch.float8_e4m3fn)
+    codes = _e2m1_codes(blocks / (ws.float() * ws2)[..., None]).view(n, k)
+    return {"weight": _pack(codes), "weight_scale": ws, "weight_scale_2": ws2.reshape(()),
+            "input_scale": torch.tensor(1.0)}
+
+
+def quantize_mxfp4(w) -> dict:
+    import torch
+
+    n, k = w.shape
+    blocks = w.view(n, k // 32, 32)
+    e = (torch.floor(torch.log2(blocks.abs().amax(-1).clamp(min=2**-126))) - 2).clamp(-127, 127)
+    codes = _e2m1_codes(blocks / torch.exp2(e)[..., None]).view(n, k)
+    return {"weight": _pack(codes), "weight_scale": (e + 127).to(torch.uint8)}
+
+
+def build_fp4(src: Path, out: Path, encoding: str) -> Path:
+    """Copy ``src`` (BF16) to ``out`` with every expert linear quantised to ``encoding`` (kept if there)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if (out / "config.json").is_file():
+        return out
+    quant, q = (MODELOPT_QUANT, quantize_nvfp4) if encoding == "nvfp4" else (QUARK_QUANT, quantize_mxfp4)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                if ".experts." in name:
+                    prefix = name[: -len("weight")]
+                    tensors.update({prefix + part: v for part, v in q(t.to(torch.float32)).items()})
+                else:
+                    tensors[name] = t
+    save_file(tensors, tmp / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quant
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp / f)
+    tmp.rename(out)
+    return out
+
+
+def build_all(root: Path) -> dict[str, Path]:
+    from m2serve.checkpoints.tiny_random import build_tiny_random
+
+    paths = {v: build_tiny_random(root / v, variant=v, **BENCH_DIMS) for v in ("bf16", "fp8")}
+    for enc in ("nvfp4", "mxfp4"):
+        paths[enc] = build_fp4(paths["bf16"], root / enc, enc)
+    return paths
+
+
+# ---- one measurement (subprocess) ---------------------------------------------------------------
+
+def resident_bytes(model) -> int:
+    """Bytes of the distinct torch storages behind the model's parameters and buffers."""
+    storages = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's over exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from m2serve.model.load import load_model
+    from m2serve.model.simple_cache import SimpleKVCache
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    t = time.perf_counter()
+    model = load_model(args.path, dtype=dtype, progress=False, weight_dequant=args.mode)
+    load_s = time.perf_counter() - t
+    V, B = model.config.vocab_size, args.batch
+    cache = SimpleKVCache.create(model.config, num_pages=B * (PROMPT + args.decode + 2) // 16 + B + 2,
+                                 page_size=16, dtype=dtype)
+    prompts = [[(7919 * i + 13 * b) % V for i in range(PROMPT)] for b in range(B)]
+    with torch.inference_mode():
+        toks = model(cache.batch(list(enumerate(prompts))), cache.storage).argmax(-1).tolist()
+        toks = model(cache.batch([(b, [x]) for b, x in enumerate(toks)]), cache.storage).argmax(-1).tolist()
+        t = time.perf_counter()
+        for _ in range(args.decode):
+            step = cache.batch([(b, [x]) for b, x in enumerate(toks)])
+            toks = model(step, cache.storage).argmax(-1).tolist()
+        decode_s = time.perf_counter() - t
+    print(json.dumps({"load_s": load_s, "weights_gib": resident_bytes(model) / 2**30,
+                      "peak_rss_gib": peak_rss_gib(),
+                      "decode_tok_s": B * args.decode / decode_s}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--cache", type=Path, help="keep the built checkpoints here and reuse them")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="load", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    root = args.cache or Path(tempfile.mkdtemp(prefix="m2serve-formats-"))
+    try:
+        t = time.perf_counter()
+        paths = build_all(root)
+        print(f"4 encodings of the bench config ready in {time.perf_counter() - t:.0f} s (compute "
+              f"{args.dtype}, {args.threads} threads, batch {args.batch}, {args.decode} decode steps)")
+        sizes = {k: sum(f.stat().st_size for f in v.glob("*.safetensors")) / 2**30 for k, v in paths.items()}
+        rows = []
+        for enc, mode in RUNS:
+            cmd = [sys.executable, __file__, "--worker", "--path", str(paths[enc]), "--mode", mode,
+                   "--dtype", args.dtype, "--threads", str(args.threads), "--batch", str(args.batch),
+                   "--decode", str(args.decode)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            rows.append((enc, mode, json.loads(out.strip().splitlines()[-1])))
+        base = rows[0][2]
+        print(f"{'encoding':9}{'dequant':9}{'file GiB':>9}{'load s':>8}{'weights GiB':>13}"
+              f"{'peak RSS GiB':>14}{'decode tok/s':>14}{'x BF16 mem':>12}{'x BF16 tok/s':>14}")
+        for enc, mode, r in rows:
+            print(f"{enc:9}{mode:9}{sizes[enc]:9.2f}{r['load_s']:8.1f}{r['weights_gib']:13.2f}"
+                  f"{r['peak_rss_gib']:14.2f}{r['decode_tok_s']:14.2f}"
+                  f"{r['weights_gib'] / base['weights_gib']:12.2f}"
+                  f"{r['decode_tok_s'] / base['decode_tok_s']:14.2f}")
+    finally:
+        if not args.cache:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
