@@ -164,13 +164,16 @@ def spawn(peer: str, model_dir: Path, c: int, a: argparse.Namespace) -> dict:
 
 
 def build(name: str, root: Path) -> Path:
-    from m2serve.checkpoints.tiny_random import build_tiny_random
-
-    if name == "tiny":
-        return build_tiny_random(root / "tiny-random")
-    if name == "bench":
-        return build_tiny_random(root / "bench", **BENCH_DIMS)
-    raise SystemExit(f"unknown config {name!r}: use tiny or bench")
+    """Build the checkpoint in a subprocess (its random weights would otherwise stay resident in
+    the driver while the peers run)."""
+    if name not in ("tiny", "bench"):
+        raise SystemExit(f"unknown config {name!r}: use tiny or bench")
+    out = root / name
+    dims = "{}" if name == "tiny" else json.dumps(BENCH_DIMS)
+    code = ("import json, sys; from m2serve.checkpoints.tiny_random import build_tiny_random; "
+            "build_tiny_random(sys.argv[1], **json.loads(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, str(out), dims], check=True)
+    return out
 
 
 def main(a: argparse.Namespace) -> None:
