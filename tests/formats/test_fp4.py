@@ -174,16 +174,17 @@ def test_mxfp4_equals_quark_per_group_dequantize(dtype):  # checkpoints.md §6 M
     assert torch.equal(bits(ours), bits(ref))
 
 
-def test_packed_fp4_slices_commute_with_dequantise():  # checkpoints.md §6 (runtime dequant)
+def test_packed_fp4_dispatches_by_scheme():  # checkpoints.md §4: one formula per convention
     p, ws = packed_codes(11), e4m3_scales(12)
-    w = PackedFP4(FP4Scheme.NVFP4_MODELOPT, p, ws, torch.tensor(0.5))
-    full = w.dequantize(torch.float32)
-    assert torch.equal(w.rows(4, 12).dequantize(torch.float32), full[4:12])
-    assert torch.equal(w.cols(32, 96).dequantize(torch.float32), full[:, 32:96])
-    assert w.nbytes == p.numel() + ws.numel() + 4
-    with pytest.raises(ValueError, match=r"weight: FP4 column slice \[8, 96\) must be aligned to "
-                       r"the group size 16"):
-        w.cols(8, 96)
+    s2 = torch.tensor(0.37)
+    assert torch.equal(PackedFP4(FP4Scheme.NVFP4_MODELOPT, p, ws, s2).dequantize(torch.float32),
+                       dequantize_nvfp4_modelopt(p, ws, s2))
+    assert torch.equal(PackedFP4(FP4Scheme.NVFP4_CT, p, ws, s2).dequantize(torch.float32),
+                       dequantize_nvfp4_ct(p, ws, s2))
+    e = torch.full((N, K // 32), 120, dtype=torch.uint8)
+    assert torch.equal(PackedFP4(FP4Scheme.MXFP4, p, e).dequantize(torch.bfloat16),
+                       dequantize_mxfp4(p, e, torch.bfloat16))
+    assert PackedFP4(FP4Scheme.MXFP4, p, e).shape == (N, K) and FP4Scheme.MXFP4.group == 32
 
 
 # ---- errors (issue 7 "Errors"), each message asserted -------------------------------------------

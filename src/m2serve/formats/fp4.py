@@ -153,7 +153,7 @@ def _scalar(t: torch.Tensor, name: str) -> torch.Tensor:
 
 @dataclass(slots=True)
 class PackedFP4:
-    """One FP4 linear weight kept packed in memory (``--weight-dequant runtime``).
+    """One FP4 linear weight as stored (loader dispatch; kept so by ``--weight-dequant runtime``).
 
     ``packed`` uint8 [N, K/2]; ``scale`` e4m3 [N, K/16] (NVFP4) or uint8 E8M0 [N, K/32]
     (MXFP4); ``scale_2`` fp32 scalar (ModelOpt multiplier or compressed-tensors global divisor;
@@ -169,24 +169,6 @@ class PackedFP4:
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], 2 * self.packed.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        extra = self.scale_2.numel() * self.scale_2.element_size() if self.scale_2 is not None else 0
-        return self.packed.numel() + self.scale.numel() * self.scale.element_size() + extra
-
-    def rows(self, start: int, end: int) -> PackedFP4:
-        """Rows [start, end) (scales follow the rows; used to split w1/w3 or shard N)."""
-        return PackedFP4(self.scheme, self.packed[start:end], self.scale[start:end], self.scale_2, self.name)
-
-    def cols(self, start: int, end: int) -> PackedFP4:
-        """Columns [start, end) of K; both must be multiples of the group size (ValueError otherwise)."""
-        g = self.scheme.group
-        if start % g or end % g:
-            raise ValueError(f"{self.name}: FP4 column slice [{start}, {end}) must be aligned to the "
-                             f"group size {g}")
-        return PackedFP4(self.scheme, self.packed[:, start // 2: end // 2],
-                         self.scale[:, start // g: end // g], self.scale_2, self.name)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Dense [N, K] of ``dtype``, one rounding from fp32."""
