@@ -22,8 +22,9 @@ each c = 1 run).
         [--bench-concurrency 1] [--input-len 512] [--output-len 128] [--dtype float32] [--threads 1]
 
 Concurrency: --concurrency for tiny-random (default 1, 8, 32), --bench-concurrency for the bench
-config (default 1 only, to keep the default run near 10 minutes on a 2-core CPU box, where c = 8
-takes about 9 minutes more and c = 32 over half an hour: pass --bench-concurrency 1,8,32).
+config (default 1 only, to keep the default run under 10 minutes on a shared 2-core CPU box, where
+c = 8 adds about 3 minutes and c = 32 about 13, three times that under heavy load, and transformers
+at c = 32 needs ~13 GB of RAM: pass --bench-concurrency 1,8,32).
 Threads default to 1: on a shared 2-core box, 2 OpenMP threads stall on barriers (both peers alike).
 """
 
