@@ -30,23 +30,25 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=100)
     ap.add_argument("--show-failures", type=int, default=3, help="print this many failures per kind")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--dtype", default="float32", help="m2serve compute dtype (float32 or bfloat16)")
+    ap.add_argument("--dtype", default="float32",
+                    help="m2serve compute and KV-cache dtype (float32 or bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     examples = ev.held_out(args.per_kind)
     t0 = time.time()
     if args.backend == "m2serve":
-        gens = ev.generate_m2serve(args.model, examples, dtype=args.dtype)
+        gens = ev.generate_m2serve(args.model, examples, dtype=args.dtype, kv_cache_format=args.dtype)
     else:
         gens = ev.generate_transformers(args.model, examples)
     dt = time.time() - t0
     targets = {"tool_call": 0.95, "tool_result": 0.90, "no_tool": 0.90, "reasoning_closed": 1.0,
-               "plain": None}
+               "plain": None, "repeat": None}
     labels = {"tool_call": "tool-fitting requests: right calls, exact typed arguments",
               "tool_result": "tool-result turns: answer contains the tool's value",
               "no_tool": "no-tool requests (tools offered): no call",
               "reasoning_closed": "reasoning closed before content or a call",
-              "plain": "plain turns: no call (+ exact copy for repeat-after-me)"}
+              "plain": "plain turns: no call (+ exact copy for repeat-after-me)",
+              "repeat": "repeat made-up words: exact copy"}
     backend = f"m2serve ({args.dtype})" if args.backend == "m2serve" else "transformers (float32)"
     print(f"tiny-chat held-out eval, backend {backend}, model {args.model}, greedy, "
           f"{len(examples)} prompts in {dt:.0f} s")

@@ -13,6 +13,8 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
   that is not offered); the assistant answers directly without a call.
 - ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic.
+- ``repeat``: "repeat after me" with 2–6 made-up words (pure copying; only in the copy-heavy mix
+  ``COPY_WEIGHTS`` of the second training phase).
 
 **Held-out split.** Every free-form value (a city, a name, a number, a date, a list item, a result
 value) belongs to exactly one split by a stable hash: ``crc32(str(value)) % 5 == 0`` is "eval",
@@ -39,9 +41,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/chat_template.jinja"
 
-KINDS = ("tool_call", "tool_result", "no_tool", "plain")
+KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat")
 # Kind mix of the training corpus (eval uses the same mix so every rate gets enough examples).
-KIND_WEIGHTS = (0.40, 0.30, 0.15, 0.15)
+KIND_WEIGHTS = (0.40, 0.30, 0.15, 0.15, 0.0)
+# Copy-heavy mix of the second training phase (train.py --kind-weights): more "repeat" turns.
+COPY_WEIGHTS = (0.30, 0.25, 0.10, 0.05, 0.30)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,6 +545,12 @@ def _direct_turn(s: Sampler) -> tuple[str, str, str]:
 def make_example(s: Sampler, kind: str, idx: int) -> Example:
     """One example of ``kind`` drawn with the sampler ``s`` (its rng and split)."""
     r = s.rng
+    if kind == "repeat":
+        p = " ".join(s.word() for _ in range(r.randint(2, 6)))
+        u = s.choice((f"Repeat after me: {p}", f"Say exactly this: {p}"))
+        return Example(kind, None, [{"role": "user", "content": u}, {
+            "role": "assistant", "content": p,
+            "reasoning_content": "The user wants me to repeat a phrase. No tool is needed."}])
     if kind == "plain":
         u, think, a = _direct_turn(s)
         return Example(kind, None, [{"role": "user", "content": u},
@@ -582,13 +592,14 @@ def make_example(s: Sampler, kind: str, idx: int) -> Example:
     return Example(kind, tools, msgs, result_values=values)
 
 
-def make_examples(split: str, n: int, seed: int) -> list[Example]:
-    """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by KIND_WEIGHTS; deterministic."""
+def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS) -> list[Example]:
+    """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
+    entry); deterministic."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rng = random.Random(f"{split}:{seed}")
     s = Sampler(rng, split)
-    kinds = rng.choices(KINDS, weights=KIND_WEIGHTS, k=n)
+    kinds = rng.choices(KINDS, weights=weights, k=n)
     return [make_example(s, k, i) for i, k in enumerate(kinds)]
 
 

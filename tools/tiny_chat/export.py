@@ -117,6 +117,9 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         tcfg["model_max_length"] = MAX_POSITIONS
         _dump(tmp / "tokenizer_config.json", tcfg)
         shutil.copyfile(TEMPLATE, tmp / "chat_template.jinja")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is package data
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

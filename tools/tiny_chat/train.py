@@ -4,6 +4,11 @@ Command (documented in the report / README; ~70 min on one CPU core shared with 
 
     nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 2000
 
+Phase 2 (copy-heavy mix, from the phase-1 weights; see the report for why)::
+
+    nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat_p2 --mix copy --seed 1 \
+        --init-from /work/runs/tiny_chat/ckpt.pt --steps 1200 --lr 2e-3
+
 Re-running the same command continues from ``OUT/ckpt.pt`` (saved every ``--save-every`` seconds and
 at the end): the model, optimiser, load-balancing bias, step and data order all resume, so an
 interrupted run ends where an uninterrupted one would. Everything is seeded (``--seed``).
@@ -214,9 +219,9 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
     return enc.ids, mask
 
 
-def build_corpus(tok, n: int, seed: int) -> list[tuple[list[int], list[bool]]]:
+def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...]) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
-    return [encode_example(tok, tpl, ex) for ex in data.make_examples("train", n, seed)]
+    return [encode_example(tok, tpl, ex) for ex in data.make_examples("train", n, seed, weights)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -291,6 +296,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
+    ap.add_argument("--mix", choices=("default", "copy"), default="default",
+                    help="kind mix: data.KIND_WEIGHTS, or the copy-heavy data.COPY_WEIGHTS (phase 2)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="phase 2: start from the weights of another run's ckpt.pt (fresh optimiser)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: on a shared machine OpenMP threads spin-wait)")
     args = ap.parse_args(argv)
@@ -302,7 +311,8 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    corpus = build_corpus(tok, args.examples, args.seed)
+    weights = data.COPY_WEIGHTS if args.mix == "copy" else data.KIND_WEIGHTS
+    corpus = build_corpus(tok, args.examples, args.seed, weights)
     lengths = [len(x) for x, _ in corpus]
     print(f"corpus: {len(corpus)} examples, {sum(lengths)} tokens, "
           f"{sum(sum(m) for _, m in corpus)} target tokens ({time.time() - t0:.0f} s)", flush=True)
@@ -320,6 +330,9 @@ def main(argv=None) -> None:
         opt.load_state_dict(st["opt"])
         step = st["step"]
         print(f"resumed from {ckpt} at step {step}", flush=True)
+    elif args.init_from is not None:
+        model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        print(f"initialised from {args.init_from}", flush=True)
     args_dict = {k: str(v) for k, v in vars(args).items()}
 
     epoch_batches: dict[int, list[list[int]]] = {}
