@@ -42,13 +42,14 @@ def main() -> None:
         gens = ev.generate_transformers(args.model, examples)
     dt = time.time() - t0
     targets = {"tool_call": 0.95, "tool_result": 0.90, "no_tool": 0.90, "reasoning_closed": 1.0,
-               "plain": None, "repeat": None}
+               "plain": None, "repeat": None, "tool_names": None}
     labels = {"tool_call": "tool-fitting requests: right calls, exact typed arguments",
               "tool_result": "tool-result turns: answer contains the tool's value",
               "no_tool": "no-tool requests (tools offered): no call",
               "reasoning_closed": "reasoning closed before content or a call",
               "plain": "plain turns: no call (+ exact copy for repeat-after-me)",
-              "repeat": "repeat made-up words: exact copy"}
+              "repeat": "repeat made-up words: exact copy",
+              "tool_names": "tool-fitting requests: right tool names (values ignored)"}
     backend = f"m2serve ({args.dtype})" if args.backend == "m2serve" else "transformers (float32)"
     print(f"tiny-chat held-out eval, backend {backend}, model {args.model}, greedy, "
           f"{len(examples)} prompts in {dt:.0f} s")

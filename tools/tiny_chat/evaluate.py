@@ -159,11 +159,15 @@ def generate_transformers(model: Path, examples: list[data.Example], max_tokens:
 
 
 def rates(examples: list[data.Example], gens: list[Generation]) -> dict[str, tuple[int, int]]:
-    """{metric: (successes, total)}: one rate per example kind, plus reasoning_closed over all."""
-    r: dict[str, list[int]] = {k: [0, 0] for k in (*data.KINDS, "reasoning_closed")}
+    """{metric: (successes, total)}: one rate per example kind, tool_names (tool_call examples whose
+    closed calls name exactly the expected tools, values not compared) and reasoning_closed."""
+    r: dict[str, list[int]] = {k: [0, 0] for k in (*data.KINDS, "tool_names", "reasoning_closed")}
     for ex, g in zip(examples, gens):
         r[ex.kind][0] += score(ex, g)
         r[ex.kind][1] += 1
+        if ex.kind == "tool_call":  # well-formed calls to the right tools, values not compared
+            r["tool_names"][0] += [n for n, _ in g.calls] == [n for n, _ in ex.calls]
+            r["tool_names"][1] += 1
         r["reasoning_closed"][0] += reasoning_closed(g.text)
         r["reasoning_closed"][1] += 1
     return {k: (a, b) for k, (a, b) in r.items() if b}
