@@ -8,12 +8,20 @@ The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]
 after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
 causally. Mixed prefill chunks and decodes run in one call: requests are padded to [B, Tq]
 queries x [B, Lk] keys and masked (padding queries see key 0 and are dropped).
+
+Speed (CPU, measured with benchmarks/throughput.py): the step gathers every request's context
+into [B, Lk, Hkv, D] once per layer. Fresh tensors that large are mmap-ed and page-faulted on
+every allocation (several times the cost of the copy), so the gather writes into
+:class:`GatherScratch` buffers the model keeps across steps; and the G query heads of a KV head
+are folded into the query-length axis so SDPA reads each K/V row once instead of expanding
+K/V G times (``enable_gqa``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +33,27 @@ from m2serve.model.norm import RMSNorm, qk_norm_pair
 from m2serve.model.rope import apply_rope, rope_cos_sin
 
 E4M3_MAX = 448.0
+SCRATCH_GROWTH = 1.25  # over-allocation when a scratch buffer grows (contexts grow every step)
+
+
+@dataclass(slots=True)
+class GatherScratch:
+    """Flat buffers reused across layers and steps for the gathered K/V context (one model forward
+    at a time). Holds, per (name, dtype, device), the largest B·Lk·Hkv·D seen x SCRATCH_GROWTH
+    elements until the owner drops it."""
+
+    buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """An uninitialised contiguous view of ``shape`` over buffer ``name`` (grown as needed)."""
+        n = math.prod(shape)
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(int(n * SCRATCH_GROWTH), dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:n].view(shape)
 
 
 @dataclass(slots=True)
@@ -37,6 +66,7 @@ class AttentionMetadata:
     query_valid:  bool [B, Tq] False on padding rows.
     ctx_slots:    int64 [B, Lk] cache slot of request b's j-th context token (0 for padding).
     mask:         bool [B, 1, Tq, Lk] True where query i may attend key j (j <= pos_i).
+    scratch:      reusable gather buffers (None: allocate per layer).
     """
 
     cos: torch.Tensor
@@ -46,9 +76,11 @@ class AttentionMetadata:
     query_valid: torch.Tensor
     ctx_slots: torch.Tensor
     mask: torch.Tensor
+    scratch: GatherScratch | None = None
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, page_size: int, inv_freq: torch.Tensor) -> AttentionMetadata:
+    def from_batch(cls, batch: ForwardBatch, page_size: int, inv_freq: torch.Tensor,
+                   scratch: GatherScratch | None = None) -> AttentionMetadata:
         """Build the step's indices. Raises ValueError if a request's context is shorter than its
         new tokens or its block table has too few pages for its context."""
         dev = batch.tokens.device
@@ -74,7 +106,8 @@ class AttentionMetadata:
         ctx_slots = torch.where(j[None, :] < ctx[:, None], page * page_size + j % page_size, 0)  # [B, Lk]
         mask = (j[None, None, :] <= qpos[:, :, None])[:, None]  # [B, 1, Tq, Lk]
         cos, sin = rope_cos_sin(batch.positions, inv_freq)
-        return cls(cos, sin, batch.slot_mapping.to(torch.int64), query_index, query_valid, ctx_slots, mask)
+        return cls(cos, sin, batch.slot_mapping.to(torch.int64), query_index, query_valid, ctx_slots, mask,
+                   scratch)
 
 
 def write_kv(kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -89,13 +122,30 @@ def write_kv(kv: KVStorage, layer: int, k: torch.Tensor, v: torch.Tensor, slots:
         flat[slots] = x.to(pages.dtype)
 
 
-def read_kv(kv: KVStorage, layer: int, slots: torch.Tensor,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather K, V at ``slots`` [B, Lk] -> two [B, Lk, Hkv, D] tensors of ``dtype`` (fp8: x scale)."""
+def read_kv(kv: KVStorage, layer: int, slots: torch.Tensor, dtype: torch.dtype,
+            scratch: GatherScratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather K, V at ``slots`` [B, Lk] -> two [B, Lk, Hkv, D] tensors of ``dtype`` (fp8: x scale).
+
+    With ``scratch`` the results are views of its buffers, valid until the next call.
+    """
+    B, Lk = slots.shape
+    idx = slots.reshape(-1)
     out = []
-    for pages, scale in ((kv.k[layer], kv.k_scale[layer]), (kv.v[layer], kv.v_scale[layer])):
-        x = pages.view(-1, *pages.shape[2:])[slots]
-        out.append((x.float() * scale).to(dtype) if pages.dtype == torch.float8_e4m3fn else x.to(dtype))
+    for name, pages, scale in (("k", kv.k[layer], kv.k_scale[layer]), ("v", kv.v[layer], kv.v_scale[layer])):
+        flat = pages.view(-1, *pages.shape[2:])  # [P*S, Hkv, D]
+        shape = (B * Lk, *pages.shape[2:])
+        if scratch is None:
+            x = flat.index_select(0, idx)
+        else:
+            raw = scratch.take(name + "_raw", shape, pages.dtype, pages.device)
+            x = torch.index_select(flat, 0, idx, out=raw)
+        if pages.dtype == torch.float8_e4m3fn:
+            y = torch.empty(shape, dtype=dtype, device=x.device) if scratch is None else \
+                scratch.take(name, shape, dtype, x.device)
+            x = y.copy_(x).mul_(scale) if scale != 1.0 else y.copy_(x)  # e4m3 is exact in bf16 / f32
+        elif x.dtype != dtype:
+            x = x.to(dtype)
+        out.append(x.view(B, Lk, *pages.shape[2:]))
     return out[0], out[1]
 
 
@@ -143,14 +193,21 @@ def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionM
                     scale: float) -> torch.Tensor:
     """Causal GQA over each request's cached + new tokens (spec/model.md §3 step 7).
 
-    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G (``enable_gqa``);
+    q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G (heads folded, see
+    the module docstring);
     ``softmax(q·kᵀ · scale + mask) · v`` through F.scaled_dot_product_attention, whose kernels
     accumulate scores and softmax in fp32 for bf16 inputs.
     """
     T, Hq, D = q.shape
     B, Tq = meta.query_index.shape
-    K, V = read_kv(kv, layer, meta.ctx_slots, q.dtype)  # [B, Lk, Hkv, D]
-    qp = q[meta.query_index].transpose(1, 2)  # [B, Hq, Tq, D]
-    o = F.scaled_dot_product_attention(qp, K.transpose(1, 2), V.transpose(1, 2), attn_mask=meta.mask,
-                                       scale=scale, enable_gqa=True)  # [B, Hq, Tq, D]
-    return o.transpose(1, 2).reshape(B, Tq, Hq * D)[meta.query_valid]  # [T, Hq·D], request order
+    K, V = read_kv(kv, layer, meta.ctx_slots, q.dtype, meta.scratch)  # [B, Lk, Hkv, D]
+    Hkv = K.shape[2]
+    G = Hq // Hkv
+    # fold the G query heads of KV head h into the query axis: [B, Hkv, G·Tq, D], rows (g, i)
+    qp = q[meta.query_index].view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
+    Lk = K.shape[1]
+    mask = meta.mask if Tq == 1 else meta.mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(B, 1, G * Tq, Lk)
+    o = F.scaled_dot_product_attention(qp, K.transpose(1, 2), V.transpose(1, 2), attn_mask=mask,
+                                       scale=scale)  # [B, Hkv, G·Tq, D]
+    o = o.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq * D)
+    return o[meta.query_valid]  # [T, Hq·D], request order

@@ -21,7 +21,7 @@ from torch import nn
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
-from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention
+from m2serve.model.attention import AttentionMetadata, GatherScratch, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.collectives import (
     attention_residual,
@@ -149,6 +149,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.model = MiniMaxM2Model(cfg, self.dims, parallel, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.kv_scales: tuple[list[float], list[float]] | None = None  # checkpoint fp8 KV scales
+        self.kv_scratch = GatherScratch()  # K/V gather buffers reused across steps (model/attention.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,7 +164,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         """
         cfg = self.config
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device=batch.tokens.device)
-        meta = AttentionMetadata.from_batch(batch, kv.page_size, inv_freq)
+        meta = AttentionMetadata.from_batch(batch, kv.page_size, inv_freq, self.kv_scratch)
         x = F.embedding(batch.tokens, self.model.embed_tokens.weight)  # [T, H] act
         for layer, block in enumerate(self.model.layers):
             x = block(x, meta, kv, layer)
