@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m2serve.model.attention import AttentionMetadata, MiniMaxM2Attention, paged_attention, write_kv
+from m2serve.model.attention import (
+    AttentionMetadata,
+    GatherScratch,
+    MiniMaxM2Attention,
+    paged_attention,
+    write_kv,
+)
 from m2serve.model.batch import KVStorage
 from m2serve.model.load import load_model
 from m2serve.model.norm import rms_norm
@@ -58,6 +64,40 @@ def test_gqa_query_head_reads_kv_head_h_over_group():
         s = (q[:, h] @ kh.T) * 0.3
         s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
         torch.testing.assert_close(out[:, h], torch.softmax(s, -1) @ vh)
+
+
+def test_reused_gather_scratch_matches_per_head_reference_fp8_and_shrinking_batches():
+    # model.md §3 step 7 + model/batch.py fp8 contract: reads are e4m3 x scale; a scratch buffer
+    # reused by a larger step first, then a smaller mixed step, leaks nothing between steps
+    Hq, Hkv, D, S = 6, 2, 8, 4
+    kv = KVStorage.allocate(1, 8, S, Hkv, D, torch.float8_e4m3fn, k_scale=[0.25], v_scale=[3.0])
+    g = torch.Generator().manual_seed(5)
+    scratch = GatherScratch()
+    cache = SimpleKVCache(kv, [5, 2, 7, 0, 3, 1, 6, 4])
+    steps = [[("a", list(range(9))), ("b", list(range(6))), ("c", list(range(5)))],
+             [("a", [1]), ("b", [2, 3, 4])]]  # B·Lk 27, then 20
+    hist = {"a": [], "b": [], "c": []}  # per request: (k, v) rows as the cache holds them (dequantised)
+    for step in steps:
+        batch = cache.batch(step)
+        T = batch.tokens.numel()
+        k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+        q = torch.randn(T, Hq, D, generator=g)
+        meta = AttentionMetadata.from_batch(batch, S, rope_inv_freq(4, 1e4), scratch)
+        write_kv(kv, 0, k, v, meta.slot_mapping)
+        out = paged_attention(q, kv, 0, meta, 0.3).view(T, Hq, D)
+        row = 0
+        for seq, new in step:
+            n = len(new)
+            kq = (k[row:row + n] / 0.25).to(torch.float8_e4m3fn).float() * 0.25
+            vq = (v[row:row + n] / 3.0).to(torch.float8_e4m3fn).float() * 3.0
+            hist[seq].append((kq, vq))
+            K, V = (torch.cat([x[i] for x in hist[seq]]) for i in (0, 1))
+            L = K.shape[0]
+            causal = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
+            for h in range(Hq):
+                s = (q[row:row + n, h] @ K[:, h // 3].T * 0.3).masked_fill(causal, float("-inf"))
+                torch.testing.assert_close(out[row:row + n, h], torch.softmax(s, -1) @ V[:, h // 3])
+            row += n
 
 
 def test_fp8_kv_cache_stores_scaled_e4m3():
