@@ -133,3 +133,40 @@ def test_eos_falls_back_to_tokenizer(tiny_random_dir, tmp_path):
     vocab = json.loads((d / "tokenizer.json").read_text())["added_tokens"]
     eos_id = next(t["id"] for t in vocab if t["content"] == "[e~[")
     assert MiniMaxM2Config.from_pretrained(d).eos_token_ids == (eos_id,)
+
+
+# Adversarial inputs (model.md §1 "Raises ValueError naming the field, value and source file"): a
+# hand-edited config.json with a value of the wrong type is a clear ValueError, never a silent int()
+# coercion ("64" -> 64, 64.5 -> 64) nor an AttributeError / TypeError traceback.
+@pytest.mark.parametrize("field,value,want", [
+    ("hidden_size", "3072", "an integer"), ("hidden_size", 3072.5, "an integer"),
+    ("hidden_size", [3072], "an integer"), ("num_hidden_layers", True, "an integer"),
+    ("head_dim", "x", "an integer"), ("head_dim", -8, "a positive integer"),
+    ("num_local_experts", "x", "an integer"), ("rotary_dim", "x", "an integer"),
+    ("max_position_embeddings", -5, "a positive integer"), ("rms_norm_eps", "x", "a number"),
+    ("rope_theta", "x", "a number"), ("rope_parameters", [1], "a JSON object or null"),
+    ("quantization_config", [1], "a JSON object or null"), ("attn_type_list", 5, "all 1"),
+])
+def test_wrong_value_types_name_field_value_and_file(field, value, want):
+    with pytest.raises(ValueError, match=re.escape(f"cfg.json: unsupported {field}={value!r} "
+                                                   f"(m2serve supports {want}")):
+        MiniMaxM2Config.from_dict({**RELEASE, field: value}, source="cfg.json")
+
+
+def test_integral_float_sizes_accepted():
+    assert MiniMaxM2Config.from_dict({**RELEASE, "hidden_size": 3072.0}).hidden_size == 3072
+
+
+@pytest.mark.parametrize("eos", ["x", [2, "x"], -1, True])
+def test_bad_generation_eos_names_field(eos):
+    with pytest.raises(ValueError, match=r"cfg\.json: eos_token_id=.* \(generation_config\.json\) must be"):
+        MiniMaxM2Config.from_dict(RELEASE, {"eos_token_id": eos}, source="cfg.json")
+
+
+@pytest.mark.parametrize("name,text", [("config.json", "[1, 2]"), ("config.json", '"hi"'),
+                                       ("generation_config.json", "[1]")])
+def test_json_file_not_an_object(tmp_path, name, text):
+    (tmp_path / "config.json").write_text(json.dumps(RELEASE))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(name) + r": expected a JSON object at the top level, got"):
+        MiniMaxM2Config.from_pretrained(tmp_path)

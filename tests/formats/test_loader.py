@@ -213,3 +213,37 @@ def test_use_routing_bias_false_without_bias_tensor(ckpt):
     model = load_model(ckpt)
     for layer in model.model.layers:
         assert torch.equal(layer.block_sparse_moe.e_score_correction_bias, torch.zeros(8))
+
+
+def _edit_header(d, shard, fn):
+    """Rewrite the JSON header of ``shard`` with fn(header) (data section untouched)."""
+    import struct
+    raw = (d / shard).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.dumps(fn(json.loads(raw[8:8 + n]))).encode()
+    head += b" " * (-len(head) % 8)
+    (d / shard).write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+
+
+def _first_tensor(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: [1, 2],  # header a JSON list
+    lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "data_offsets": ["0", "8"]}},
+    lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": [-1, -8]}},
+    lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": ["a"]}},
+])
+def test_lying_header_is_a_format_error(ckpt, edit):
+    # checkpoints.md §1: a corrupt header names the file, never an AttributeError / TypeError
+    _edit_header(ckpt, SHARD2, edit)
+    with pytest.raises(CheckpointFormatError, match=rf"{SHARD2}: corrupt"):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("weight_map", [[1], {"lm_head.weight": 5}])
+def test_index_weight_map_wrong_type(ckpt, weight_map):
+    (ckpt / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointFormatError, match=rf"{INDEX_FILE}: not a valid safetensors index"):
+        load_model(ckpt)

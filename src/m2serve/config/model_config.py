@@ -109,27 +109,49 @@ class MiniMaxM2Config:
         def bad(name: str, value: Any, want: str) -> ValueError:
             return ValueError(f"{source}: unsupported {name}={value!r} (m2serve supports {want})")
 
-        H = int(req("hidden_size"))
-        L = int(req("num_hidden_layers"))
-        Hq = int(req("num_attention_heads"))
-        Hkv = int(cfg.get("num_key_value_heads") or Hq)
-        V = int(req("vocab_size"))
-        I = int(req("intermediate_size"))
+        def integer(name: str, value: Any) -> int:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(name, value, "an integer")
+            return value
+
+        def number(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise bad(name, value, "a number")
+            return float(value)
+
+        def mapping(name: str) -> dict[str, Any] | None:
+            value = cfg.get(name)
+            if value is not None and not isinstance(value, dict):
+                raise bad(name, value, "a JSON object or null")
+            return value
+
+        H = integer("hidden_size", req("hidden_size"))
+        L = integer("num_hidden_layers", req("num_hidden_layers"))
+        Hq = integer("num_attention_heads", req("num_attention_heads"))
+        Hkv = integer("num_key_value_heads", cfg.get("num_key_value_heads") or Hq)
+        V = integer("vocab_size", req("vocab_size"))
+        I = integer("intermediate_size", req("intermediate_size"))
+        max_pos = integer("max_position_embeddings", cfg.get("max_position_embeddings") or 196608)
         for name, val in (("hidden_size", H), ("num_hidden_layers", L), ("num_attention_heads", Hq),
-                          ("num_key_value_heads", Hkv), ("vocab_size", V), ("intermediate_size", I)):
+                          ("num_key_value_heads", Hkv), ("vocab_size", V), ("intermediate_size", I),
+                          ("max_position_embeddings", max_pos)):
             if val <= 0:
                 raise bad(name, val, "a positive integer")
         if Hq % Hkv:
             raise ValueError(f"{source}: num_attention_heads={Hq} is not a multiple of "
                              f"num_key_value_heads={Hkv}")
         if cfg.get("head_dim") is not None:
-            D = int(cfg["head_dim"])
+            D = integer("head_dim", cfg["head_dim"])
+            if D <= 0:
+                raise bad("head_dim", D, "a positive integer")
         else:
             D = H // Hq
             log.warning("%s: head_dim absent; using hidden_size // num_attention_heads = %d "
                         "(wrong for released MiniMax-M2 configs, which set head_dim=128)", source, D)
-        E = int(cfg.get("num_local_experts") or 256)
-        k = int(cfg.get("num_experts_per_tok") or 8)
+        E = integer("num_local_experts", cfg.get("num_local_experts") or 256)
+        k = integer("num_experts_per_tok", cfg.get("num_experts_per_tok") or 8)
         if not 0 < k <= E:
             raise ValueError(f"{source}: num_experts_per_tok={k} must be in [1, num_local_experts={E}]")
 
@@ -139,10 +161,10 @@ class MiniMaxM2Config:
             ("qk_norm_type", lambda v: v in (None, "per_layer"),
              "'per_layer' (per-head QK norm is not implemented)"),
             ("use_qk_norm", lambda v: v in (None, True), "true"),
-            ("routed_scaling_factor", lambda v: v is None or float(v) == 1.0, "1.0"),
+            ("routed_scaling_factor", lambda v: v is None or v == 1.0, "1.0"),
             ("norm_topk_prob", lambda v: v in (None, True), "true"),
             ("shared_intermediate_size", lambda v: v in (None, 0), "0 (no shared expert)"),
-            ("attn_type_list", lambda v: v is None or all(int(a) == 1 for a in v),
+            ("attn_type_list", lambda v: v is None or (isinstance(v, list) and all(a == 1 for a in v)),
              "all 1 (full attention; 0 is MiniMax-01 linear attention)"),
             ("sliding_window", lambda v: v is None, "null (no sliding window)"),
         ]
@@ -150,9 +172,9 @@ class MiniMaxM2Config:
             if not ok(cfg.get(name)):
                 raise bad(name, cfg.get(name), want)
 
-        rope_params = cfg.get("rope_parameters") or {}
+        rope_params = mapping("rope_parameters") or {}
         rope_type = rope_params.get("rope_type") or rope_params.get("type")
-        scaling = cfg.get("rope_scaling")
+        scaling = mapping("rope_scaling")
         scaling_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") if scaling else None
         for name, t in (("rope_parameters.rope_type", rope_type), ("rope_scaling.rope_type", scaling_type)):
             if t not in (None, "default"):
@@ -161,21 +183,29 @@ class MiniMaxM2Config:
         # partial_rotary_factor precedence: top-level > rope_parameters > rotary_dim / D > 1.0
         f_sources = [("partial_rotary_factor", cfg.get("partial_rotary_factor")),
                      ("rope_parameters.partial_rotary_factor", rope_params.get("partial_rotary_factor")),
-                     ("rotary_dim / head_dim", cfg["rotary_dim"] / D if cfg.get("rotary_dim") else None)]
-        f = _first(f_sources, 1.0, source)
+                     ("rotary_dim / head_dim",
+                      integer("rotary_dim", cfg["rotary_dim"]) / D if cfg.get("rotary_dim") else None)]
+        f = _first([(n, None if v is None else number(n, v)) for n, v in f_sources], 1.0, source)
         R = int(D * f)
         if R <= 0 or R > D or R % 2:
             raise ValueError(f"{source}: rotary_dim={R} (head_dim {D} x partial_rotary_factor {f}) "
                              f"must be even and in (0, {D}]")
-        theta = _first([("rope_theta", cfg.get("rope_theta")),
-                        ("rope_parameters.rope_theta", rope_params.get("rope_theta"))], 5e6, source)
+        theta = _first([(n, None if v is None else number(n, v))
+                        for n, v in (("rope_theta", cfg.get("rope_theta")),
+                                     ("rope_parameters.rope_theta", rope_params.get("rope_theta")))],
+                       5e6, source)
         scale = cfg.get("attention_multiplier")
-        scale = float(scale) if scale is not None else D ** -0.5
+        scale = number("attention_multiplier", scale) if scale is not None else D ** -0.5
+        eps = number("rms_norm_eps", cfg.get("rms_norm_eps") or 1e-6)
 
         eos = gen.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        for t in eos_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"{source}: eos_token_id={eos!r} (generation_config.json) must be a "
+                                 "token id (int >= 0) or a list of them")
 
-        quant = cfg.get("quantization_config")
+        quant = mapping("quantization_config")
         if quant is not None:
             method = str(quant.get("quant_method", "")).lower()
             if method in _UNSUPPORTED_QUANT:
@@ -187,11 +217,11 @@ class MiniMaxM2Config:
         return cls(
             hidden_size=H, num_hidden_layers=L, num_attention_heads=Hq, num_key_value_heads=Hkv,
             head_dim=D, intermediate_size=I, vocab_size=V, num_local_experts=E, num_experts_per_tok=k,
-            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rms_norm_eps=eps,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_multiplier=scale, partial_rotary_factor=float(f), rotary_dim=R,
             rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 196608),
+            max_position_embeddings=max_pos,
             use_routing_bias=use_bias is None or bool(use_bias),
             bos_token_id=gen.get("bos_token_id"), eos_token_ids=eos_ids,
             generation=GenerationDefaults(
@@ -228,9 +258,12 @@ def load_config(path: str | Path) -> MiniMaxM2Config:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
 
 
 def _tokenizer_eos_id(d: Path) -> int | None:

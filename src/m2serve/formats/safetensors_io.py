@@ -64,6 +64,9 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointFormatError(f"{file}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(
+            f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
@@ -71,8 +74,10 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+            if not all(_index_int(v) for v in (*shape, start, end)) or start > end:
+                raise ValueError("shape and data_offsets must be non-negative integers, start <= end")
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointFormatError(f"{file}: corrupt header entry for tensor {name!r}") from e
+            raise CheckpointFormatError(f"{file}: corrupt header entry for tensor {name!r} ({e})") from e
         if dtype not in HEADER_DTYPES:
             raise CheckpointFormatError(
                 f"{file}: tensor {name!r} has unsupported dtype {dtype} "
@@ -93,6 +98,10 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def _index_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint directory, in index order (checkpoints.md §1).
 
@@ -103,7 +112,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to shard file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise CheckpointFormatError(f"{index}: not a valid safetensors index ({e})") from e
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for f in files:
