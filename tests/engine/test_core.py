@@ -198,3 +198,11 @@ def test_multi_rank_model_sets_kv_heads_and_dp_turns_prefix_caching_off(toy_mode
     eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=4)
     assert eng.runner.kv_storage.k[0].shape == (4, 4, 1, toy_config.head_dim)
     assert not eng.scheduler.kv.enable_prefix_caching
+
+
+@pytest.mark.parametrize("max_length", [0, -3])
+def test_non_positive_max_length_is_refused(toy_model, toy_config, max_length):
+    # adversarial: `--max-length -3 --num-kv-pages N` skips the planner; the engine itself must refuse
+    # it rather than serve with a negative context (serving.md §7, bad input names the field)
+    with pytest.raises(ValueError, match=f"max_length={max_length} must be a positive integer"):
+        make_engine(toy_model, toy_config, num_kv_pages=8, kv_cache_page_size=4, max_length=max_length)

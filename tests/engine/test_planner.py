@@ -303,6 +303,8 @@ def test_num_devices():
                                        (dict(dtype="float64"), "dtype"),
                                        (dict(weight_dequant="never"), "weight_dequant"),
                                        (dict(kv_cache_page_size=0), "kv_cache_page_size"),
+                                       (dict(max_length=0), "max_length=0 must be a positive"),
+                                       (dict(max_length=-3), "max_length=-3 must be a positive"),
                                        (dict(device_memory_utilization=1.5), "device_memory_utilization")])
 def test_bad_arguments_named(m27, kw, field):
     with pytest.raises(ValueError, match=field):

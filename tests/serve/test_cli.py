@@ -104,3 +104,17 @@ def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
         resolve_model(str(tmp_path / "missing" / "dir"))
     with pytest.raises(ModelNotFoundError, match="MiniMaxAI/MiniMax-M2.7"):  # names the shipped ids
         resolve_config("nobody/nothing-" + tmp_path.name)
+
+
+@pytest.mark.parametrize("port", ["-5", "99999"])
+def test_port_out_of_range_is_a_usage_error(port, capsys, monkeypatch):
+    # adversarial: a bad --port (or M2SERVE_PORT) is a one-line usage error (exit 2) before any model
+    # is loaded, not an OverflowError traceback from the socket bind
+    from m2serve.serve.cli import main
+
+    monkeypatch.delenv("M2SERVE_PORT", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", port])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: must be in [0, 65535]" in err and "Traceback" not in err

@@ -136,3 +136,14 @@ def test_thinking_temperature_flag_reaches_options():
     assert _opts(["serve", "--thinking-temperature", "0.6"])["thinking_temperature"] == 0.6
     assert _opts(["serve"], {"M2SERVE_THINKING_TEMPERATURE": "0.4"})["thinking_temperature"] == 0.4
     assert _opts(["serve"])["thinking_temperature"] is None
+
+
+def test_unreadable_recipe_names_the_file(tmp_path):
+    # adversarial: --config-file pointing at a directory or a binary file is a RecipeError naming it,
+    # not an IsADirectoryError / UnicodeDecodeError traceback
+    with pytest.raises(RecipeError, match=rf"--config-file {tmp_path}: cannot read it as a YAML text file"):
+        load_recipe(tmp_path)
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(RecipeError, match=rf"--config-file {p}: cannot read it as a YAML text file"):
+        load_recipe(p)

@@ -120,11 +120,15 @@ class LLMEngine:
         free now (the model already loaded, so this under-counts; :meth:`from_args` plans before
         loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
         capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
-        ValueError, as is an unknown kv_cache_format or a non-positive page size."""
+        ValueError, as is a non-positive max_length, an unknown kv_cache_format or a non-positive
+        page size."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         S = args.kv_cache_page_size
         if S <= 0:
             raise ValueError(f"kv_cache_page_size={S} must be positive")
+        if args.max_length is not None and args.max_length <= 0:
+            raise ValueError(f"max_length={args.max_length} must be a positive integer (or unset: the "
+                             "config's max_position_embeddings, capped to the KV cache)")
         num_pages = args.num_kv_pages
         if num_pages is None:
             num_pages = plan_memory(config, args).num_pages

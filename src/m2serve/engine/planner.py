@@ -100,7 +100,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
 
     Raises ValueError for a deployment refused by validate_deployment (V1–V8, e.g. V7: FP8 experts
     under TP_TP with (I/tp) % 128 != 0), an unknown dtype / kv_cache_format / weight_dequant, or
-    an explicit max_length longer than the KV pool (stating the largest that fits);
+    an explicit max_length longer than the KV pool (stating the largest that fits) or not positive;
     RuntimeError "model does not fit: ..." when weights + activations + scratch exceed the free
     memory, and "no room for KV cache: ..." when less than one page is left after
     device_memory_utilization.
@@ -119,6 +119,9 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     S = args.kv_cache_page_size
     if S <= 0:
         raise ValueError(f"kv_cache_page_size={S} must be positive")
+    if args.max_length is not None and args.max_length <= 0:
+        raise ValueError(f"max_length={args.max_length} must be a positive integer (or unset: the "
+                         "config's max_position_embeddings, capped to the KV cache)")
 
     state = dep.state(0)
     stored = _weight_bytes(config, state, encoding, act, packed=True)

@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve_options(ns, parser)
     except ValueError as e:
         parser.error(str(e))
+    if ns.command == "serve" and not 0 <= int(opts["port"]) <= 65535:
+        parser.error(f"--port {opts['port']}: must be in [0, 65535] (0 = any free port)")
     logging.basicConfig(
         level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

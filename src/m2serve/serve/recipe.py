@@ -115,6 +115,8 @@ def load_recipe(path: str | Path) -> Recipe:
         raise RecipeError(f"--config-file {p}: no such file") from e
     except yaml.YAMLError as e:
         raise RecipeError(f"--config-file {p}: invalid YAML ({e})") from e
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8 text
+        raise RecipeError(f"--config-file {p}: cannot read it as a YAML text file ({e})") from e
     if data is None:
         data = {}
     if not isinstance(data, dict):
