@@ -101,6 +101,14 @@ def test_text_parts_joined_and_other_parts_rejected(template):  # §2: text-only
         template.render(bad)
 
 
+@pytest.mark.parametrize("text", [5, None, ["x"]])
+def test_text_part_with_non_string_text_says_so(template, text):  # §2; adversarial request
+    # a text part whose "text" is not a string is named as such, not as an unsupported part type
+    bad = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    with pytest.raises(TemplateError, match=r"messages\[0\]\.content\[0\]\.text must be a string, got"):
+        template.render(bad)
+
+
 def test_raise_exception_names_message_index(template):  # §2: tool message without a tool call
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "tool", "content": "r"}]

@@ -200,6 +200,9 @@ def _join_text(content: Any, i: int) -> str | None:
             texts.append(part)
         elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            raise TemplateError(f"messages[{i}].content[{j}].text must be a string, got "
+                                f"{type(part.get('text')).__name__}", i)
         else:
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
             raise TemplateError(f"messages[{i}].content[{j}]: part type {kind!r} is not supported; "
