@@ -4,7 +4,10 @@ Command (documented in the report / README; ~70 min on one CPU core shared with 
 
     nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat --steps 2000
 
-Phase 2 (copy-heavy mix, from the phase-1 weights; see the report for why)::
+The committed checkpoint is that run (2000 steps, ~2.2M tokens, <1 epoch of 12000 conversations).
+It learned the format, tool choice and typing but not to copy values. Options for a further phase
+(tried for a few hundred steps each without copying emerging): ``--mix copy`` (copy-heavy kind mix),
+``--loss-on all`` (LM loss on every token), both from ``--init-from RUN/ckpt.pt``::
 
     nice -n 10 python tools/tiny_chat/train.py --out /work/runs/tiny_chat_p2 --mix copy --seed 1 \
         --init-from /work/runs/tiny_chat/ckpt.pt --steps 1200 --lr 2e-3
@@ -300,6 +303,8 @@ def main(argv=None) -> None:
                     help="kind mix: data.KIND_WEIGHTS, or the copy-heavy data.COPY_WEIGHTS (phase 2)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="phase 2: start from the weights of another run's ckpt.pt (fresh optimiser)")
+    ap.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
+                    help="target tokens: assistant turns (issue 6), or every token (an LM pretraining phase)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: on a shared machine OpenMP threads spin-wait)")
     args = ap.parse_args(argv)
@@ -313,6 +318,8 @@ def main(argv=None) -> None:
     t0 = time.time()
     weights = data.COPY_WEIGHTS if args.mix == "copy" else data.KIND_WEIGHTS
     corpus = build_corpus(tok, args.examples, args.seed, weights)
+    if args.loss_on == "all":
+        corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
     print(f"corpus: {len(corpus)} examples, {sum(lengths)} tokens, "
           f"{sum(sum(m) for _, m in corpus)} target tokens ({time.time() - t0:.0f} s)", flush=True)
