@@ -278,3 +278,26 @@ def test_malformed_requests_never_500(served):
     assert client.get("/health").status_code == 200
     ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_error_bodies_name_the_problem(served):
+    # issue 5 item 2 / project rule: a 400 names the field. Invalid JSON says so (not "1: JSON decode
+    # error" with param "1", the character offset); sampling-parameter errors carry the field as param.
+    client, _, _ = served
+    r = client.post(
+        "/v1/chat/completions", content=b'{"messages": [}', headers={"content-type": "application/json"}
+    )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None
+    assert err["message"].startswith("invalid request: the body is not valid JSON (")
+    assert "at character" in err["message"]
+    for body, field in (
+        ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": MESSAGES, "logit_bias": {"1": 1000}}, "logit_bias"),
+        ({"messages": MESSAGES, "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"messages": MESSAGES, "seed": 2**70}, "seed"),
+        ({"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+        assert field in r.json()["error"]["message"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -143,6 +144,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
+        bad_json = next((err for err in errs if err.get("type") == "json_invalid"), None)
+        if bad_json is not None:  # loc is ("body", character offset): not a field
+            where = bad_json.get("loc", ())[-1:]
+            at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+            msg = (bad_json.get("ctx") or {}).get("error") or bad_json.get("msg")
+            return _error_response(APIError(400, f"invalid request: the body is not valid JSON ({msg}{at})"))
         parts, param = [], None
         for err in errs[:5]:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
@@ -265,8 +272,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 thinking_temperature=thinking_temperature,
             )
             p.check_token_ids(llm.config.vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
+        except ValueError as e:  # "invalid sampling parameter <field>...": the field is the param
+            field = re.match(r"invalid sampling parameter (\w+)", str(e))
+            raise APIError(400, str(e), param=field.group(1) if field else None) from e
         return p
 
     def _submit(
