@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tests run tiny tensors: one intra-op thread avoids OpenMP barrier stalls, which made tiny
+    forwards 5-20x slower on the shared 2-core machine. Subprocesses (servers, ranks) set their own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

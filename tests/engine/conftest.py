@@ -71,12 +71,3 @@ def toy_config() -> MiniMaxM2Config:
 def toy_model(toy_config) -> ToyModel:
     return ToyModel(toy_config)
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Engine tests run tiny tensors: one intra-op thread avoids OpenMP barrier stalls on a
-    shared 2-core box (5x faster here); restored afterwards for the other test folders."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)

@@ -59,13 +59,6 @@ PROMPT_LENS = (5, 9)
 DECODE_STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny forwards on the shared 2-core machine (see tests/model/conftest.py)
-    yield
-    torch.set_num_threads(before)
-
 
 # ---- producing the checkpoints with the reference libraries --------------------------------------
 

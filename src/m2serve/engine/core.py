@@ -21,7 +21,7 @@ import torch
 from m2serve.config.engine_args import EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.kv_cache import KVCacheManager
-from m2serve.engine.planner import plan_memory
+from m2serve.engine.planner import fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput
 from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
 from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logprobs, sample
@@ -132,15 +132,7 @@ class LLMEngine:
         num_pages = args.num_kv_pages
         if num_pages is None:
             num_pages = plan_memory(config, args).num_pages
-        capacity = num_pages * S
-        max_length = args.max_length or config.max_position_embeddings
-        if max_length > capacity:
-            if args.max_length is not None:
-                raise ValueError(f"max_length={args.max_length} does not fit in the KV cache: {num_pages} "
-                                 f"pages x {S} tokens = {capacity} tokens; set max_length <= {capacity}")
-            log.warning("max_length lowered from %d to %d tokens: the KV cache holds %d pages of %d",
-                        max_length, capacity, num_pages, S)
-            max_length = capacity
+        max_length = fit_max_length(args.max_length, config.max_position_embeddings, num_pages, S)
         if kv_scales is None:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)

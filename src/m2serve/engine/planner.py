@@ -88,6 +88,25 @@ class MemoryPlan:
         return self.num_pages * self.page_size
 
 
+def fit_max_length(requested: int | None, default: int, num_pages: int, page_size: int) -> int:
+    """The longest context one sequence may have, in tokens (spec/serving.md §7).
+
+    ``requested`` (the user's max_length, or None) defaults to ``default`` (max_position_embeddings).
+    If one such sequence does not fit in ``num_pages`` pages of ``page_size`` tokens, an unset value
+    is lowered with a warning; an explicit one raises ValueError stating the largest length that fits.
+    """
+    capacity = num_pages * page_size
+    max_length = requested or default
+    if max_length > capacity:
+        if requested is not None:
+            raise ValueError(f"max_length={requested} does not fit in the KV cache: {num_pages} pages x "
+                             f"{page_size} tokens = {capacity} tokens; set max_length <= {capacity}")
+        log.warning("max_length lowered from %d to %d tokens: the KV cache holds %d pages of %d",
+                    max_length, capacity, num_pages, page_size)
+        max_length = capacity
+    return max_length
+
+
 def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
                 device_memory_gib: float | None = None) -> MemoryPlan:
     """Plan weights, activations and KV pages for ``args``'s deployment (serving.md §7).
@@ -167,15 +186,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
             f"device_memory_utilization={util}; raise device_memory_utilization, use more devices or "
             f"kv_cache_format=float8_e4m3fn")
     pages = budget // page
-    capacity = pages * S
-    max_length = args.max_length or config.max_position_embeddings
-    if max_length > capacity:
-        if args.max_length is not None:
-            raise ValueError(f"max_length={args.max_length} does not fit in the KV cache: {pages} pages x "
-                             f"{S} tokens = {capacity} tokens; set max_length <= {capacity}")
-        log.warning("max_length lowered from %d to %d tokens: the KV cache holds %d pages of %d",
-                    max_length, capacity, pages, S)
-        max_length = capacity
+    max_length = fit_max_length(args.max_length, config.max_position_embeddings, pages, S)
     return MemoryPlan(
         mode=dep.mode, num_devices=P, tp_size=dep.tp_size, ep_size=dep.ep_size,
         data_parallel_degree=dep.data_parallel_degree, encoding=encoding.value, dtype=args.dtype,
