@@ -301,3 +301,44 @@ def test_error_bodies_name_the_problem(served):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
         assert field in r.json()["error"]["message"]
+
+
+def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):
+    # adversarial (issue 5 item 2: never a 500): JSON allows a lone "\ud800" escape, which is not
+    # Unicode (the tokenizer raised TypeError -> 500); a tool schema nested 800 deep overflowed the
+    # recursion limit while rendering (RecursionError -> 500). Both are the request's fault.
+    client, _, seen = served
+    seen.clear()
+    hdr = {"content-type": "application/json"}
+    for path, raw, param in (
+        (
+            "/v1/chat/completions",
+            b'{"messages":[{"role":"user","content":"a\\ud800b"}],"max_tokens":2}',
+            "messages",
+        ),
+        ("/v1/completions", b'{"prompt":"a\\udfffb","max_tokens":2}', "prompt"),
+        ("/tokenize", b'{"prompt":"a\\ud800"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages":[{"role":"user","content":"a"}],"max_tokens":2,'
+            b'"tools":[{"type":"function","function":{"name":"\\ud800"}}]}',
+            "messages",
+        ),
+    ):
+        r = client.post(path, content=raw, headers=hdr)
+        assert r.status_code == 400, (raw, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "lone UTF-16 surrogate" in err["message"]
+    deep = b'{"type":"object","properties":' * 800 + b"{}" + b"}" * 800
+    r = client.post(
+        "/v1/chat/completions",
+        content=b'{"messages":[{"role":"user","content":"a"}],"max_tokens":2,'
+        b'"tools":[{"type":"function","function":{"name":"f","parameters":' + deep + b"}}]}",
+        headers=hdr,
+    )
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "tools"
+    assert seen == []
+    assert client.get("/health").status_code == 200
+    ok = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert ok.status_code == 200

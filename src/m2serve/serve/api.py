@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -202,7 +203,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             text = _render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
         else:
             text = req.prompt or ""
-        ids = llm.encode(text)
+        ids = _encode(text, "messages" if req.messages is not None else "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_length}
 
     @app.post("/detokenize")
@@ -231,6 +232,26 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             return llm.render_chat(msgs, tool_dicts, kwargs, add_generation_prompt)
         except TemplateError as e:  # raise_exception, bad history: the request's fault
             raise APIError(400, f"chat template error: {e}", param="messages") from e
+        except RecursionError as e:  # e.g. a tool schema nested thousands of levels deep
+            raise APIError(
+                400,
+                "messages, tools or chat_template_kwargs are nested too deeply to render "
+                f"(Python's recursion limit {sys.getrecursionlimit()}); flatten them",
+                param="tools" if tools else "messages",
+            ) from e
+
+    def _encode(text: str, param: str) -> list[int]:
+        """Token ids of ``text``; a lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400,
+                f"{param}: contains a lone UTF-16 surrogate {text[e.start:e.end]!r} (not valid "
+                "Unicode; a JSON \\uD800-\\uDFFF escape must be part of a surrogate pair)",
+                param=param,
+            ) from e
+        return llm.encode(text)
 
     def _check_length(ids: list[int]) -> None:
         if len(ids) >= llm.max_length:
@@ -356,7 +377,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 param="response_format",
             )
         prompt = _render(req.messages, req.tools, req.chat_template_kwargs)
-        ids = llm.encode(prompt)
+        ids = _encode(prompt, "messages")
         _check_length(ids)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = llm.chat_params(
@@ -501,7 +522,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         prompts: list[tuple[str, list[int]]] = []
         for p in _completion_prompts(req.prompt):
             if isinstance(p, str):
-                prompts.append((p, llm.encode(p)))
+                prompts.append((p, _encode(p, "prompt")))
             else:
                 bad = [t for t in p if not 0 <= t < llm.config.vocab_size]
                 if bad:
