@@ -338,6 +338,12 @@ def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):
     )
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "tools"
+    # an error message that echoes a surrogate from the request (unknown model) must still be
+    # encodable: UTF-8 encoding of the error body raised UnicodeEncodeError -> 500
+    for path, body in (("/v1/chat/completions", b'"messages":[{"role":"user","content":"a"}]'),
+                       ("/detokenize", b'"tokens":[1]')):
+        r = client.post(path, content=b"{" + body + b',"model":"\\ud800"}', headers=hdr)
+        assert r.status_code == 404 and "model '\\ud800'" in r.json()["error"]["message"], r.text
     assert seen == []
     assert client.get("/health").status_code == 200
     ok = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})

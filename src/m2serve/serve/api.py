@@ -70,8 +70,11 @@ class APIError(Exception):
 
 
 def _error_response(e: APIError) -> JSONResponse:
+    def utf8(s: str | None) -> str | None:  # a lone surrogate echoed from the request cannot be sent
+        return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
     return JSONResponse(
-        P.error_body(e.message, e.type, e.param, e.code if e.code is not None else e.status),
+        P.error_body(utf8(e.message), e.type, utf8(e.param), e.code if e.code is not None else e.status),
         status_code=e.status,
         headers=e.headers,
     )
