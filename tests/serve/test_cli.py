@@ -118,3 +118,17 @@ def test_port_out_of_range_is_a_usage_error(port, capsys, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--port {port}: must be in [0, 65535]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
+def test_unreadable_prompts_file_is_a_one_line_error(kind, tmp_path, capsys, monkeypatch):
+    # adversarial: --prompts-file that is missing, a directory or not UTF-8 is exit 2 with a line naming
+    # the flag and the file (a directory was an IsADirectoryError traceback); checked before any load
+    from m2serve.serve.cli import main
+
+    path = {"missing": tmp_path / "nope.txt", "directory": tmp_path, "binary": tmp_path / "b.txt"}[kind]
+    (tmp_path / "b.txt").write_bytes(b"\xff\xfe\x00")
+    monkeypatch.setattr("m2serve.serve.cli._make_llm", lambda opts: pytest.fail("model loaded first"))
+    assert main(["generate", "--prompts-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts-file {path}: cannot read it as a UTF-8 text file" in err and "Traceback" not in err

@@ -309,8 +309,12 @@ def run_generate(opts: dict[str, Any]) -> int:
 
     prompts = list(opts.get("prompts") or [])
     if opts.get("prompts_file"):
-        with open(opts["prompts_file"], encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(opts["prompts_file"], encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:  # missing, a directory, not UTF-8 text
+            raise ValueError(f"--prompts-file {opts['prompts_file']}: cannot read it as a UTF-8 text file "
+                             f"({e})") from e
     prompts = prompts or _DEFAULT_PROMPTS
     llm = _make_llm(opts)
     if llm is None:  # a torchrun worker rank
@@ -380,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             return run_generate(opts)
         return run_plan(opts)
-    except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
         print(f"m2serve {ns.command}: error: {e}", file=sys.stderr)
         return 2
 
