@@ -106,18 +106,27 @@ def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
         resolve_config("nobody/nothing-" + tmp_path.name)
 
 
-@pytest.mark.parametrize("port", ["-5", "99999"])
-def test_port_out_of_range_is_a_usage_error(port, capsys, monkeypatch):
-    # adversarial: a bad --port (or M2SERVE_PORT) is a one-line usage error (exit 2) before any model
-    # is loaded, not an OverflowError traceback from the socket bind
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "-5"], "--port -5: must be in [0, 65535]"),  # was an OverflowError traceback at bind
+    (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
+    (["--api-key", ""], "--api-key is empty"),  # "" silently let every client in
+    (["--max-queue-size", "0"], "--max-queue-size 0: must be >= 1"),  # every request was a 503
+    (["--grace-period", "-1"], "--grace-period -1.0: must be >= 0"),
+    (["--thinking-temperature", "-1"], "--thinking-temperature -1.0: must be >= 0"),  # every chat was a 500
+])
+def test_unusable_server_options_are_usage_errors(argv, message, capsys, monkeypatch):
+    # adversarial: option values no server can use are a one-line usage error (exit 2) before any model
+    # is loaded, not a traceback, a server without auth or a server failing every request
     from m2serve.serve.cli import main
 
-    monkeypatch.delenv("M2SERVE_PORT", raising=False)
+    for var in ("PORT", "API_KEY", "MAX_QUEUE_SIZE", "GRACE_PERIOD", "THINKING_TEMPERATURE"):
+        monkeypatch.delenv(f"M2SERVE_{var}", raising=False)
+    monkeypatch.setattr("m2serve.serve.cli._make_llm", lambda opts: pytest.fail("model loaded first"))
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--port", port])
+        main(["serve", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"--port {port}: must be in [0, 65535]" in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "binary"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -365,6 +366,24 @@ def run_plan(opts: dict[str, Any]) -> int:
     return 0
 
 
+def check_options(command: str, opts: dict[str, Any]) -> str | None:
+    """The usage error for a server/sampling option no run can use (checked before the model loads),
+    else None. Engine options are checked by EngineArgs' consumers (planner, engine)."""
+    if command == "serve":
+        if not 0 <= int(opts["port"]) <= 65535:
+            return f"--port {opts['port']}: must be in [0, 65535] (0 = any free port)"
+        if opts.get("api_key") is not None and not str(opts["api_key"]).strip():
+            return "--api-key is empty, which would let every client in; give a key or leave it unset"
+        if opts.get("max_queue_size") is not None and int(opts["max_queue_size"]) < 1:
+            return f"--max-queue-size {opts['max_queue_size']}: must be >= 1 (or unset: unbounded)"
+        if not float(opts["grace_period"]) >= 0:
+            return f"--grace-period {opts['grace_period']}: must be >= 0 seconds"
+    t = opts.get("thinking_temperature")
+    if t is not None and not (math.isfinite(float(t)) and float(t) >= 0):
+        return f"--thinking-temperature {t}: must be >= 0 (0 = greedy)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``m2serve`` console script; returns the exit status."""
     parser = build_parser()
@@ -373,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         opts = resolve_options(ns, parser)
     except ValueError as e:
         parser.error(str(e))
-    if ns.command == "serve" and not 0 <= int(opts["port"]) <= 65535:
-        parser.error(f"--port {opts['port']}: must be in [0, 65535] (0 = any free port)")
+    problem = check_options(ns.command, opts)
+    if problem:
+        parser.error(problem)
     logging.basicConfig(
         level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
