@@ -170,3 +170,12 @@ def test_json_file_not_an_object(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=re.escape(name) + r": expected a JSON object at the top level, got"):
         MiniMaxM2Config.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "hot"), ("top_p", [1]), ("top_k", "x"),
+                                         ("top_k", 2.5)])
+def test_bad_generation_defaults_name_field_and_file(field, value):
+    # model.md §1 generation defaults; adversarial: was float('hot') -> "could not convert string to float"
+    want = f"cfg.json: unsupported {field} (generation_config.json)="
+    with pytest.raises(ValueError, match=re.escape(want)):
+        MiniMaxM2Config.from_dict(RELEASE, {field: value}, source="cfg.json")

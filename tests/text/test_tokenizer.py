@@ -76,6 +76,14 @@ def test_missing_special_token_is_named(tiny_random_dir, tmp_path):  # §1: a mi
         Tokenizer.from_pretrained(d)
 
 
+@pytest.mark.parametrize("text", ["{broken", "[1]", '{"model": 5}'])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, text):  # §1; adversarial checkpoint
+    # the tokenizers library raises a bare Exception (a traceback from the CLI); ours names the file
+    (tmp_path / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a valid tokenizers JSON file"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
 def _stream(tok, ids, per=1, **kw):
     det = IncrementalDetokenizer(tok, **kw)
     pieces = [det.push(ids[i:i + per]) for i in range(0, len(ids), per)]

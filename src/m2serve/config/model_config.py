@@ -225,8 +225,8 @@ class MiniMaxM2Config:
             use_routing_bias=use_bias is None or bool(use_bias),
             bos_token_id=gen.get("bos_token_id"), eos_token_ids=eos_ids,
             generation=GenerationDefaults(
-                temperature=_opt(gen.get("temperature"), float), top_p=_opt(gen.get("top_p"), float),
-                top_k=_opt(gen.get("top_k"), int)),
+                temperature=_opt(gen, "temperature", number), top_p=_opt(gen, "top_p", number),
+                top_k=_opt(gen, "top_k", integer)),
             quantization_config=quant, source=source,
         )
 
@@ -280,8 +280,9 @@ def _tokenizer_eos_id(d: Path) -> int | None:
     return None
 
 
-def _opt(v: Any, typ: type) -> Any:
-    return None if v is None else typ(v)
+def _opt(gen: dict[str, Any], name: str, conv: Any) -> Any:
+    """generation_config.json's ``name`` through ``conv(name, value)`` (which names a bad value), or None."""
+    return None if gen.get(name) is None else conv(f"{name} (generation_config.json)", gen[name])
 
 
 def _first(sources: list[tuple[str, Any]], default: float, source: str) -> float:

@@ -62,14 +62,17 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json`` if present).
 
-        Raises FileNotFoundError naming the missing ``tokenizer.json``, ValueError for a missing
-        special token or an unreadable config file.
+        Raises FileNotFoundError naming the missing ``tokenizer.json``, ValueError for a corrupt
+        tokenizer.json, a missing special token or an unreadable config file.
         """
         d = Path(path)
         file = d / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: the checkpoint needs its tokenizer.json")
-        backend = _HFTokenizer.from_file(str(file))
+        try:
+            backend = _HFTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            raise ValueError(f"{file}: not a valid tokenizers JSON file ({e})") from e
         config = _read_json(d / "tokenizer_config.json")
         gen = _read_json(d / "generation_config.json")
         eos = gen.get("eos_token_id")
