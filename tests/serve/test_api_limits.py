@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
-GRACE_S = 15
+GRACE_S = 6  # short enough that B (4000 tokens) cannot finish on a fast, quiet machine
 MESSAGES = [{"role": "user", "content": "Write a long story."}]
 
 
@@ -66,7 +66,7 @@ def _first_token(resp: httpx.Response):
 
 def test_full_queue_503_retry_after(server):
     # issue 5 item 2: 503 with Retry-After when the waiting queue (--max-queue-size) is full
-    long = {"messages": MESSAGES, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    long = {"messages": MESSAGES, "max_tokens": 4000, "stream": True, "ignore_eos": True}
     url = server.url + "/v1/chat/completions"
     with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
         with a.stream("POST", url, json=long) as ra:
@@ -114,12 +114,12 @@ def test_sigterm_finishes_inflight_aborts_after_grace_exits_0(server):
     url = server.url + "/v1/chat/completions"
     short = {
         "messages": MESSAGES,
-        "max_tokens": 30,
+        "max_tokens": 10,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    long = {"messages": MESSAGES, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    long = {"messages": MESSAGES, "max_tokens": 4000, "stream": True, "ignore_eos": True}
     a = {"first": threading.Event(), "accepted": threading.Event()}
     b = {"first": threading.Event(), "accepted": threading.Event()}
     ta = threading.Thread(target=_consume, args=(url, short, a))
@@ -142,7 +142,7 @@ def test_sigterm_finishes_inflight_aborts_after_grace_exits_0(server):
         for c in chunks
         if c["choices"] and c["choices"][0].get("finish_reason")
     ]
-    assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 30  # A ran to its end
+    assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 10  # A ran to its end
     assert "data: [DONE]" not in b["lines"]  # B was cut off after the grace period
     try:
         rc = server.proc.wait(GRACE_S + 30)
