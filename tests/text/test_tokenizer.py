@@ -99,6 +99,14 @@ def test_detokenizer_cjk_emoji_token_by_token(tok, hf):  # §1: no broken UTF-8,
         assert "".join(pieces) == hf.decode(ids) == MIXED * 3
 
 
+def test_token_bytes_rebuild_split_characters(tok, hf):  # OpenAI logprob bytes: raw token bytes
+    ids = tok.encode(MIXED * 3)
+    assert any("\ufffd" in hf.decode([i]) for i in ids)  # some tokens hold part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == (MIXED * 3).encode("utf-8")
+    assert tok.token_bytes(tok.think_id) == b"<think>"
+    assert tok.token_bytes(tok.vocab_size + 5) == b""  # embedding padding past the tokenizer
+
+
 def test_detokenizer_parser_tags_and_specials(tok):  # §1: tags stay text, other specials are skipped
     text = "<think>\n思考 🙂\n</think>\n\n答<minimax:tool_call>x</minimax:tool_call>[e~[]~b]ai"
     ids = tok.encode(text)

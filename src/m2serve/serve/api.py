@@ -499,14 +499,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def _chat_logprobs(lps: list[TokenLogprobs] | None) -> list[P.TokenLogprob]:
         out = []
         for lp in lps or []:
-            text = llm.token_text(lp.token_id)
+            raw = llm.tokenizer.token_bytes
             out.append(
                 P.TokenLogprob(
-                    token=text,
+                    token=llm.token_text(lp.token_id),
                     logprob=lp.logprob,
-                    bytes=list(text.encode()),
+                    bytes=list(raw(lp.token_id)),
                     top_logprobs=[
-                        P.TopLogprob(token=(t := llm.token_text(tid)), logprob=v, bytes=list(t.encode()))
+                        P.TopLogprob(token=llm.token_text(tid), logprob=v, bytes=list(raw(tid)))
                         for tid, v in lp.top
                     ],
                 )

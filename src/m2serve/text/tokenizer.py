@@ -14,6 +14,20 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+
+def _byte_alphabet() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (GPT-2 ``bytes_to_unicode``): the printable bytes
+    ``!``-``~``, ``¡``-``¬``, ``®``-``ÿ`` stand for themselves; the other 68 bytes, in order, for
+    U+0100, U+0101, ..."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_DECODER = _byte_alphabet()
+
 BOS = "]~!b["  # start of document, written by the template
 ROLE = "]~b]"  # role header prefix (generation_config.bos_token_id)
 EOS = "[e~["  # end of message: eos / stop
@@ -55,8 +69,9 @@ class Tokenizer:
         self.tool_call_end_id = self.special_ids[TOOL_CALL_END]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*generation_eos, self.eos_token_id]))
         keep = {self.special_ids[t] for t in PARSER_TAGS}
-        self._skipped_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items()
-                                      if tok.special and i not in keep)
+        added = backend.get_added_tokens_decoder()
+        self._skipped_ids = frozenset(i for i, tok in added.items() if tok.special and i not in keep)
+        self._added_ids = frozenset(added)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -93,6 +108,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """Vocabulary string of an id (byte-level form for base tokens), or None."""
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw UTF-8 bytes of one token, also when it holds only part of a character.
+
+        Base tokens of a byte-level BPE are stored in the GPT-2 byte alphabet (each byte 0-255 as one
+        printable character); they are mapped back to their bytes. Added tokens, and vocabularies that
+        are not byte-level, give their text encoded as UTF-8. Used for OpenAI logprob ``bytes``.
+        An id with no token (the embedding is padded past the tokenizer, model.md §1) gives b"".
+        """
+        tok = self._tok.id_to_token(token_id)
+        if tok is None:
+            return b""
+        if token_id not in self._added_ids and all(ch in _BYTE_DECODER for ch in tok):
+            return bytes(_BYTE_DECODER[ch] for ch in tok)
+        return tok.encode("utf-8")
 
     def is_skipped(self, token_id: int) -> bool:
         """True for special tokens that are not output text (all but the four parser tags)."""
