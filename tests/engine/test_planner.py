@@ -295,7 +295,7 @@ def test_gpu_without_cuda_suggests_device_memory_gib(monkeypatch):
 def test_num_devices():
     assert [num_devices(d) for d in ("cpu", "cpu:4", "gpu", "gpu:0,1,2")] == [1, 4, 1, 3]
     for bad in ("tpu", "cpu:x", "cpu:0", "gpu:a"):
-        with pytest.raises(ValueError, match="use cpu, cpu:N, gpu or gpu:0,1"):
+        with pytest.raises(ValueError, match=r"use cpu, cpu:N \(N CPU ranks\), gpu or gpu:0,1"):
             num_devices(bad)
 
 

@@ -38,3 +38,17 @@ class EngineArgs:
     num_kv_pages: int | None = None
     weight_dequant: str = "load"
     seed: int = 0
+
+
+def rank_devices(devices: str) -> list[str]:
+    """torch device of every rank for an ``EngineArgs.devices`` string: "cpu" / "gpu" -> one rank,
+    "cpu:N" -> N x "cpu", "gpu:0,2" -> ["cuda:0", "cuda:2"]. Its length is the local world size.
+
+    Raises ValueError naming the accepted forms.
+    """
+    kind, _, rest = devices.partition(":")
+    if kind == "cpu" and (not rest or (rest.isdigit() and int(rest) > 0)):
+        return ["cpu"] * (int(rest) if rest else 1)
+    if kind == "gpu" and (not rest or all(d.strip().isdigit() for d in rest.split(","))):
+        return [f"cuda:{d.strip()}" for d in rest.split(",")] if rest else ["cuda:0"]
+    raise ValueError(f"devices={devices!r}: use cpu, cpu:N (N CPU ranks), gpu or gpu:0,1,...")

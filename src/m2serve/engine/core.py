@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import fit_max_length, plan_memory
@@ -28,7 +28,7 @@ from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logpr
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.load import load_model
-from m2serve.parallel.deploy import rank_devices, start_distributed_model
+from m2serve.parallel.deploy import start_distributed_model
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, shard_ranges, validate_deployment
 from m2serve.formats.detect import Encoding, detect_encoding
@@ -265,15 +265,8 @@ def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, 
 
 def num_devices(devices: str) -> int:
     """World size of an EngineArgs.devices string: cpu / gpu -> 1, cpu:N -> N, gpu:0,1,2 -> 3.
-    Raises ValueError naming the accepted forms."""
-    kind, _, rest = devices.partition(":")
-    ok = kind in ("cpu", "gpu") and (not rest or (rest.isdigit() and int(rest) > 0 if kind == "cpu" else
-                                                  all(d.strip().isdigit() for d in rest.split(","))))
-    if not ok:
-        raise ValueError(f"devices={devices!r}: use cpu, cpu:N, gpu or gpu:0,1,...")
-    if not rest:
-        return 1
-    return int(rest) if kind == "cpu" else len(rest.split(","))
+    Raises ValueError naming the accepted forms (config.engine_args.rank_devices)."""
+    return len(rank_devices(devices))
 
 
 def measure_free_bytes(devices: str, num: int) -> tuple[int, str]:

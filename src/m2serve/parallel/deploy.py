@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, validate_deployment
 from m2serve.formats.detect import detect_encoding
@@ -31,16 +31,6 @@ from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_lo
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-
-def rank_devices(devices: str) -> list[str]:
-    """torch device of every rank for an EngineArgs.devices string: "cpu:N" -> N × "cpu",
-    "gpu:0,2" -> ["cuda:0", "cuda:2"], "cpu" / "gpu" -> one rank. ValueError naming the forms."""
-    kind, _, rest = devices.partition(":")
-    if kind == "cpu" and (not rest or (rest.isdigit() and int(rest) > 0)):
-        return ["cpu"] * (int(rest) if rest else 1)
-    if kind == "gpu" and (not rest or all(d.strip().isdigit() for d in rest.split(","))):
-        return [f"cuda:{d.strip()}" for d in rest.split(",")] if rest else ["cuda:0"]
-    raise ValueError(f"devices={devices!r}: use cpu, cpu:N (N CPU ranks), gpu or gpu:0,1,...")
 
 
 def plan_deployment(args: EngineArgs, world_size: int,
