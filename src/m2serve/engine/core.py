@@ -21,7 +21,7 @@ import torch
 from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.kv_cache import KVCacheManager
-from m2serve.engine.planner import fit_max_length, plan_memory
+from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput
 from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
 from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logprobs, sample
@@ -123,12 +123,7 @@ class LLMEngine:
         ValueError, as is a non-positive max_length, an unknown kv_cache_format or a non-positive
         page size."""
         dtype = kv_cache_dtype(args.kv_cache_format)
-        S = args.kv_cache_page_size
-        if S <= 0:
-            raise ValueError(f"kv_cache_page_size={S} must be positive")
-        if args.max_length is not None and args.max_length <= 0:
-            raise ValueError(f"max_length={args.max_length} must be a positive integer (or unset: the "
-                             "config's max_position_embeddings, capped to the KV cache)")
+        S = check_page_and_length(args)
         num_pages = args.num_kv_pages
         if num_pages is None:
             num_pages = plan_memory(config, args).num_pages

@@ -88,6 +88,18 @@ class MemoryPlan:
         return self.num_pages * self.page_size
 
 
+def check_page_and_length(args: EngineArgs) -> int:
+    """Validate ``kv_cache_page_size`` (> 0) and ``max_length`` (unset or > 0); return the page size.
+    Raises ValueError naming the field and value."""
+    S = args.kv_cache_page_size
+    if S <= 0:
+        raise ValueError(f"kv_cache_page_size={S} must be positive")
+    if args.max_length is not None and args.max_length <= 0:
+        raise ValueError(f"max_length={args.max_length} must be a positive integer (or unset: the "
+                         "config's max_position_embeddings, capped to the KV cache)")
+    return S
+
+
 def fit_max_length(requested: int | None, default: int, num_pages: int, page_size: int) -> int:
     """The longest context one sequence may have, in tokens (spec/serving.md §7).
 
@@ -135,12 +147,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     if args.weight_dequant not in _WEIGHT_DEQUANT:
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
                          f"use one of {_WEIGHT_DEQUANT}")
-    S = args.kv_cache_page_size
-    if S <= 0:
-        raise ValueError(f"kv_cache_page_size={S} must be positive")
-    if args.max_length is not None and args.max_length <= 0:
-        raise ValueError(f"max_length={args.max_length} must be a positive integer (or unset: the "
-                         "config's max_position_embeddings, capped to the KV cache)")
+    S = check_page_and_length(args)
 
     state = dep.state(0)
     stored = _weight_bytes(config, state, encoding, act, packed=True)
