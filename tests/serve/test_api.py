@@ -348,3 +348,11 @@ def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):
     assert client.get("/health").status_code == 200
     ok = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_rejected_tool_calls_counter_exported_before_first_rejection():
+    # chat-and-parsers.md P13 / issue 5: the counter is scrapeable (at 0) from the start, so rates work
+    from m2serve.serve.metrics import ServerMetrics
+
+    text = ServerMetrics().render().decode()
+    assert 'm2serve_tool_calls_rejected_total{reason="undeclared"} 0.0' in text

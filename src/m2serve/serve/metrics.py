@@ -76,6 +76,7 @@ class ServerMetrics:
         self.tool_calls_rejected = Counter(
             "m2serve_tool_calls_rejected", "Tool calls not returned", ["reason"], registry=r
         )
+        self.tool_calls_rejected.labels(reason="undeclared")  # exported as 0 before the first rejection (P13)
         self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
 
     def set_engine(self, g: EngineGauges) -> None:
