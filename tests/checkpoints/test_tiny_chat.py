@@ -30,10 +30,6 @@ RELEASE_FP8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme
                "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 # The fixed 50-example subset of the floors test: the first N held-out examples of each kind.
 FLOOR_SUBSET = {"tool_call": 20, "tool_result": 15, "no_tool": 15}
-# The committed checkpoint learned the format, tool choice and typing but not yet to copy values
-# (measured rates in the issue-6 report); strict, so a better checkpoint turns this into a failure
-# that asks for the marker's removal.
-FLOORS_NOT_MET = "tiny-chat does not copy argument/result values yet (tool_call and tool_result rates low)"
 
 
 def _subset() -> list[data.Example]:
@@ -140,7 +136,6 @@ def m2serve_outputs():
     return ev.generate_m2serve(CKPT, _subset(), dtype="float32", kv_cache_format="float32")
 
 
-@pytest.mark.xfail(strict=True, reason=FLOORS_NOT_MET)
 def test_accuracy_floors_on_fixed_subset(m2serve_outputs):
     # issue 6 "must show": floors 80% / 80% / 80% on a fixed 50-example held-out subset,
     # greedy through the m2serve engine and parser
@@ -156,8 +151,6 @@ def test_no_call_when_no_offered_tool_fits(m2serve_outputs):
     assert ok >= 0.8 * n, f"no_tool: {ok}/{n} below the 80% floor"
 
 
-@pytest.mark.xfail(strict=True, reason="1 of the 50 outputs (a create_event call) loops in its reasoning "
-                   "until max_tokens (issue-6 report)")
 def test_reasoning_always_closed(m2serve_outputs):
     # issue 6 "must show": reasoning always closed before content or a call (the generation prompt
     # opens <think>, chat-and-parsers.md §2)
@@ -175,3 +168,35 @@ def test_transformers_and_m2serve_same_greedy_tokens():
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert a.token_ids == b.token_ids, f"prompt {i}: {a.text!r} != {b.text!r}"
     assert torch.tensor([len(a.token_ids) for a in ours]).min() > 4
+
+
+def test_is_the_embedded_default():
+    # issue 6: tiny-chat is the embedded default of `m2serve serve` / `m2serve generate` (no --model)
+    from m2serve.serve.resolve import resolve_config, resolve_model
+
+    assert resolve_model(None) == CKPT.resolve()
+    assert resolve_config(None) == CKPT.resolve() / "config.json"
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i: i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_values_tokenise_the_same_in_request_and_call():
+    # tools/tiny_chat/tokenizer.py "Split rule": every string argument value has the same token ids in
+    # the user's request and inside <parameter ...>value</parameter> (copying = token-identity copying)
+    tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
+    tpl = data.load_template(CKPT / "chat_template.jinja")
+    checked = 0
+    for ex in data.eval_subset("tool_call", 40):
+        user = tok.encode(ex.messages[0]["content"], add_special_tokens=False).ids
+        full = data.render(tpl, ex.messages, ex.tools, add_generation_prompt=False)
+        call = tok.encode(full[full.rindex("<minimax:tool_call>"):], add_special_tokens=False).ids
+        for _, args in ex.calls:
+            for v in _strings(args):
+                if v not in ex.messages[0]["content"]:
+                    continue  # an enum value the request names differently
+                ids = tok.encode(v, add_special_tokens=False).ids
+                assert _contains(user, ids) and _contains(call, ids), v
+                checked += 1
+    assert checked >= 40

@@ -55,8 +55,6 @@ def _stream(client, messages):
     return "".join(reasoning), "".join(content), [calls[i] for i in sorted(calls)], finish
 
 
-@pytest.mark.xfail(strict=True, reason="tiny-chat does not copy argument/result values yet: it calls "
-                   "get_weather with a made-up city (issue-6 report)")
 def test_weather_tool_call_streamed_and_answered(client):
     # issue 6: streams reasoning_content and get_weather({"city": "Paris"}), finish_reason tool_calls
     reasoning, content, calls, finish = _stream(client, QUESTION)

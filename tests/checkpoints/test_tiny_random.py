@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from m2serve.checkpoints import tiny_random
-from m2serve.checkpoints.tiny_random import build_tiny_random, default_model_path
+from m2serve.checkpoints.tiny_random import build_tiny_random, cached_tiny_random
 from m2serve.checkpoints.tokenizer_train import SPECIAL_TOKENS
 from m2serve.formats.safetensors_io import CheckpointReader
 
@@ -106,9 +106,9 @@ def test_bad_arguments(tmp_path):
         build_tiny_random(tmp_path / "x", hiddensize=3)
 
 
-def test_default_model_path_builds_into_cache(tmp_path, monkeypatch):
+def test_cached_tiny_random_builds_into_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("M2SERVE_CACHE", str(tmp_path))
-    p = default_model_path()
+    p = cached_tiny_random()
     assert p == tmp_path / "tiny-random" and (p / "config.json").is_file()
 
 

@@ -24,6 +24,7 @@ import copy
 import json
 import random
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -83,12 +84,12 @@ def _write(d: Path, tensors: dict[str, torch.Tensor], config: dict, src: Path,
     return d
 
 
-@pytest.fixture(scope="module")
-def modelopt_dir(tiny_random_dir, tmp_path_factory) -> Path:
+def modelopt_export(src: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """ModelOpt's own NVFP4 quantisation + HF export of the dense checkpoint ``src`` into ``out``."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
-    model = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_dir, dtype=torch.bfloat16)
+    model = transformers.MiniMaxM2ForCausalLM.from_pretrained(src, dtype=dtype)
     cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)  # W4A4 NVFP4, as the release recipe
     cfg["quant_cfg"] += [{"quantizer_name": pat, "enable": False}
                          for pat in ("*self_attn*", "*lm_head*", "*mlp.gate.*")]
@@ -101,9 +102,13 @@ def modelopt_dir(tiny_random_dir, tmp_path_factory) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mtq.quantize(model, cfg, calibrate)
-        out = tmp_path_factory.mktemp("nvfp4") / "modelopt"
         export_hf_checkpoint(model, export_dir=out)
     return out
+
+
+@pytest.fixture(scope="module")
+def modelopt_dir(tiny_random_dir, tmp_path_factory) -> Path:
+    return modelopt_export(tiny_random_dir, tmp_path_factory.mktemp("nvfp4") / "modelopt")
 
 
 @pytest.fixture(scope="module")
@@ -171,18 +176,23 @@ def _quark_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return Pack_fp4("per_group", "fp4").pack(q, reorder=False), to_e8m0_uint8(scale)
 
 
-@pytest.fixture(scope="module")
-def quark_dir(tiny_random_dir, tmp_path_factory) -> Path:
+def quark_export(src: Path, out: Path) -> Path:
+    """The dense checkpoint ``src`` with every expert weight in Quark's MXFP4 export layout."""
     tensors = {}
-    for name, t in _weights(tiny_random_dir).items():
+    for name, t in _weights(src).items():
         if ".experts." in name:
             packed, scale = _quark_mxfp4(t.float())
             tensors[name], tensors[name[: -len("weight")] + "weight_scale"] = packed, scale
         else:
             tensors[name] = t
-    config = json.loads((tiny_random_dir / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = QUARK_CONFIG
-    return _write(tmp_path_factory.mktemp("mxfp4") / "quark", tensors, config, tiny_random_dir)
+    return _write(out, tensors, config, src)
+
+
+@pytest.fixture(scope="module")
+def quark_dir(tiny_random_dir, tmp_path_factory) -> Path:
+    return quark_export(tiny_random_dir, tmp_path_factory.mktemp("mxfp4") / "quark")
 
 
 # ---- the oracle: a dense copy dequantised by the reference library -------------------------------
@@ -537,3 +547,64 @@ def test_conventions_are_never_mixed(ct_dir, modelopt_dir, tmp_path):  # checkpo
     d = _mutated(modelopt_dir, tmp_path / "b", quant=lambda q: q.update(quant_algo="FP8"))
     with pytest.raises(ValueError, match=r"quant_algo='FP8' is not supported"):
         _plan_error(d)
+
+
+# ---- the trained tiny-chat re-quantised: same greedy tokens (issue 7) ----------------------------
+
+TINY_CHAT = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/tiny-chat"
+TEXT_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+sys.path.insert(0, str(TINY_CHAT.parents[3]))  # the repository root: tools.tiny_chat (held-out prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dense(tmp_path_factory) -> Path:
+    """tiny-chat with its FP8 block weights dequantised to fp32 (checkpoints.md §6 FP8), no quant config."""
+    from m2serve.formats.fp8 import dequantize_fp8_block
+
+    t = _weights(TINY_CHAT)
+    dense = {}
+    for name, v in t.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        scale = t.get(name + "_scale_inv")
+        dense[name] = dequantize_fp8_block(v, scale, torch.float32) if scale is not None else v.float()
+    config = json.loads((TINY_CHAT / "config.json").read_text())
+    config.pop("quantization_config")
+    config["torch_dtype"] = "float32"
+    return _write(tmp_path_factory.mktemp("tiny-chat") / "dense", dense, config, TINY_CHAT, TEXT_FILES)
+
+
+def _greedy(path: Path, examples) -> list[list[int]]:
+    """Greedy token ids (eos removed) of each example's prompt through m2serve's LLM, fp32."""
+    from tools.tiny_chat import evaluate as ev
+
+    gens = ev.generate_m2serve(path, examples, max_tokens=32, dtype="float32", kv_cache_format="float32")
+    return [g.token_ids for g in gens]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "mxfp4-quark"])
+def test_tiny_chat_requantised_keeps_greedy_tokens(fmt, tiny_chat_dense, tmp_path):
+    # issue 7 "must show": tiny-chat's NVFP4 and MXFP4 re-quantisations (experts; attention, router
+    # and lm_head excluded like the releases) give the same greedy tokens as its dequantised weights on
+    # at least 19 of 20 held-out prompts over 32 steps
+    from tools.tiny_chat import data
+
+    if fmt == "nvfp4-modelopt":
+        q = modelopt_export(tiny_chat_dense, tmp_path / "nvfp4", dtype=torch.float32)
+        for f in TEXT_FILES:
+            shutil.copy(tiny_chat_dense / f, q / f)
+        want_kind = LinearKind.NVFP4
+    else:
+        q = quark_export(tiny_chat_dense, tmp_path / "mxfp4")
+        for f in TEXT_FILES[1:]:
+            shutil.copy(tiny_chat_dense / f, q / f)
+        want_kind = LinearKind.MXFP4
+    plan = open_checkpoint(q, MiniMaxM2Config.from_pretrained(q))
+    assert {v for k, v in plan.kinds.items() if ".experts." in k} == {want_kind}
+    plan.reader.close()
+    examples = [ex for kind in ("tool_call", "tool_result", "no_tool", "plain")
+                for ex in data.eval_subset(kind, 5, seed=7)]
+    base, got = _greedy(tiny_chat_dense, examples), _greedy(q, examples)
+    assert min(map(len, base)) >= 8  # real continuations, not an immediate stop
+    same = sum(a == b for a, b in zip(base, got))
+    assert same >= 19, f"{fmt}: greedy tokens equal on {same}/20 prompts"

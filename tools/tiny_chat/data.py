@@ -13,8 +13,8 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
   that is not offered); the assistant answers directly without a call.
 - ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic.
-- ``repeat``: "repeat after me" with 2–6 made-up words (pure copying; only in the copy-heavy mix
-  ``COPY_WEIGHTS`` of the second training phase).
+- ``repeat``: "repeat after me" with made-up words, digit strings and codes (pure copying drills: they
+  teach the induction/copy mechanism that every argument and result value needs).
 
 **Held-out split.** Every free-form value (a city, a name, a number, a date, a list item, a result
 value) belongs to exactly one split by a stable hash: ``crc32(str(value)) % 5 == 0`` is "eval",
@@ -42,9 +42,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/chat_template.jinja"
 
 KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat")
-# Kind mix of the training corpus (eval uses the same mix so every rate gets enough examples).
-KIND_WEIGHTS = (0.40, 0.30, 0.15, 0.15, 0.0)
-# Copy-heavy mix of the second training phase (train.py --kind-weights): more "repeat" turns.
+# Kind mix of the training corpus.
+KIND_WEIGHTS = (0.36, 0.28, 0.12, 0.08, 0.16)
+# Copy-heavy mix (train.py --mix copy): more "repeat" turns.
 COPY_WEIGHTS = (0.30, 0.25, 0.10, 0.05, 0.30)
 
 
@@ -159,7 +159,7 @@ class Sampler:
 
     def city(self) -> str:
         r = self.rng
-        return self.pick(lambda: r.choice(CITIES) if r.random() < 0.6 else self.word(cap=True))
+        return self.pick(lambda: r.choice(CITIES) if r.random() < 0.4 else self.word(cap=True))
 
     def word(self, cap: bool = False) -> str:
         r = self.rng
@@ -546,7 +546,12 @@ def make_example(s: Sampler, kind: str, idx: int) -> Example:
     """One example of ``kind`` drawn with the sampler ``s`` (its rng and split)."""
     r = s.rng
     if kind == "repeat":
-        p = " ".join(s.word() for _ in range(r.randint(2, 6)))
+        makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
+                  lambda: " ".join(str(r.randint(0, 99999)) for _ in range(r.randint(1, 3))),
+                  lambda: " ".join(s.word(cap=True) + " " + str(r.randint(1, 999))
+                                   for _ in range(r.randint(1, 2))),
+                  lambda: "-".join(s.code(r.randint(1, 3), r.randint(1, 4)) for _ in range(r.randint(1, 2))))
+        p = s.pick(r.choice(makers))
         u = s.choice((f"Repeat after me: {p}", f"Say exactly this: {p}"))
         return Example(kind, None, [{"role": "user", "content": u}, {
             "role": "assistant", "content": p,
@@ -608,3 +613,15 @@ def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:
     rng = random.Random(f"eval-{kind}:{seed}")
     s = Sampler(rng, "eval")
     return [make_example(s, kind, i) for i in range(n)]
+
+
+def drill_text(rng: random.Random) -> str:
+    """A copy drill (train split only): 3–8 random values of the kinds the tools take (made-up and real
+    words, names, numbers, codes, dates, times), space-separated. train.py --drill-rows feeds
+    ``text + "\n" + text`` with the loss on the second copy: dense practice for the induction/copy
+    mechanism that argument and result values need."""
+    s = Sampler(rng, "train")
+    makers = (lambda: s.word(cap=rng.random() < 0.5), s.city, s.person, lambda: str(s.integer(0, 9999)),
+              lambda: s.code(rng.randint(1, 3), rng.randint(1, 4)), s.date, s.clock, lambda: str(s.amount()),
+              lambda: s.choice(FOODS_TODO), s.phrase)
+    return " ".join(rng.choice(makers)() for _ in range(rng.randint(3, 8)))

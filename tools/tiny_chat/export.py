@@ -64,7 +64,8 @@ def hub_tensors(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, to
             for e in range(stacked.shape[0]):
                 fp8(f"{moe}experts.{e}.{w}", stacked[e])
     out["model.norm.weight"] = state["norm"].to(bf16)
-    out["lm_head.weight"] = state["lm_head"].to(bf16)
+    if "lm_head" in state:  # absent when tie_word_embeddings (the embedding is the output projection)
+        out["lm_head.weight"] = state["lm_head"].to(bf16)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -83,7 +84,8 @@ def config_json(dims: dict, bos_doc: int, eos: int) -> dict:
         "qk_norm_type": "per_layer", "rms_norm_eps": dims["rms_norm_eps"], "rope_theta": dims["rope_theta"],
         "rotary_dim": dims["rotary_dim"], "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
         "scoring_func": "sigmoid", "shared_intermediate_size": 0, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_mtp": False,
+        "tie_word_embeddings": bool(dims.get("tie_word_embeddings", False)),
+        "torch_dtype": "bfloat16", "use_cache": True, "use_mtp": False,
         "use_qk_norm": True, "use_routing_bias": True, "vocab_size": dims["vocab_size"],
         # informational only: m2serve reads bos/eos from generation_config.json (model.md §1)
         "bos_token_id": bos_doc, "eos_token_id": eos,

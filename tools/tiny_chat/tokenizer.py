@@ -1,11 +1,20 @@
 """Train the `tiny-chat` byte-level BPE tokenizer on the synthetic training corpus (issue 6).
 
-Layout (spec chat-and-parsers.md §1, scaled down): a byte-level BPE with the GPT-4o/o200k split regex
-learns ``BPE_VOCAB`` ids from the rendered training conversations; the MiniMax special tokens follow
+Layout (spec chat-and-parsers.md §1, scaled down): a byte-level BPE learns ``BPE_VOCAB`` ids from the
+rendered training conversations; the MiniMax special tokens follow
 (ids ``BPE_VOCAB`` …), each a single token; the embedding is padded to ``VOCAB_PADDED`` (a multiple of
 128 for the FP8 block format). ``]~!b[``, ``]~b]``, ``[e~[``, pad and unk are special; the four parser
 tags (``<think>``, ``</think>``, ``<minimax:tool_call>``, ``</minimax:tool_call>``) are added
 non-special tokens so that decoding with ``skip_special_tokens`` still yields them as text.
+
+**Split rule (``SPLIT``), chosen for copying.** The o200k regex of the real tokenizer glues a leading
+space to a word (`` Paris``), so a value tokenises differently in the user's request (after a space) and
+inside ``<parameter name="city">Paris</parameter>`` (after ``">``): the model would have to learn a
+per-token map between the two spellings, which cannot generalise to held-out values. Here a word is
+letters only (the space before it is its own token), every digit is one token, and a punctuation run
+keeps at most one trailing space (JSON's ``": "``). A value therefore has the same token ids wherever
+it appears, and copying it is pure token-identity copying (an induction head). The smaller vocabulary
+keeps the pieces of unseen words frequent in training. Cost: ~1.35x the tokens of the o200k split.
 
 Usage: ``python tools/tiny_chat/tokenizer.py OUT_DIR`` writes OUT_DIR/tokenizer.json and
 OUT_DIR/tokenizer_config.json.
@@ -25,21 +34,14 @@ if __package__ in (None, ""):
 else:
     from . import data
 
-BPE_VOCAB = 3000
-VOCAB_PADDED = 3072
+BPE_VOCAB = 1500
+VOCAB_PADDED = 1536
 CORPUS_EXAMPLES = 6000
 CORPUS_SEED = 100
 
-# o200k pre-tokenisation regex (as in GPT-4o's tokenizer; spec chat-and-parsers.md §1).
-O200K_SPLIT = "|".join([
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+# Pre-tokenisation (see "Split rule" above): letter runs, single digits, punctuation runs with at
+# most one trailing space, whitespace runs.
+SPLIT = r"[\p{L}\p{M}]+|\p{N}|[^\s\p{L}\p{N}]+ ?|\s+"
 
 SPECIAL = ["]!p~[", "]~b]", "[e~[", "]!d~[", "]~!b["]  # pad, role header, eos, unk, bos
 PARSER_TAGS = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
@@ -56,7 +58,7 @@ def train_tokenizer() -> Tokenizer:
     """BPE over the corpus, then the special tokens; deterministic for a fixed corpus."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()

@@ -1,0 +1,24 @@
+"""Checkpoints shipped with m2serve.
+
+- ``tiny-chat/``: a small trained MiniMax-M2 (FP8 block format, issue 6), the embedded default model of
+  ``m2serve serve`` / ``m2serve generate``; made by tools/tiny_chat (train.py, export.py).
+- ``tiny_random.py``: the builder of ``tiny-random`` (random weights, other dimensions; tests).
+- ``chat_template.jinja``, ``tokenizer_train.py``, ``hub_configs/`` (public configs for planning).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_CHAT = Path(__file__).resolve().with_name("tiny-chat")
+
+
+def default_model_path() -> Path:
+    """The embedded default model: the committed ``tiny-chat`` directory (no download, no build).
+
+    Raises FileNotFoundError naming the directory if the installed package lacks it.
+    """
+    if not (TINY_CHAT / "config.json").is_file():
+        raise FileNotFoundError(f"the embedded default model is missing: {TINY_CHAT}/config.json "
+                                "(reinstall m2serve, or pass --model)")
+    return TINY_CHAT

@@ -75,9 +75,8 @@ def build_tiny_random(out_dir: str | Path, seed: int = 0, variant: str = "bf16",
     return out
 
 
-def default_model_path() -> Path:
-    """The default model: tiny-random (bf16) in ``$M2SERVE_CACHE`` or ``~/.cache/m2serve``, built on
-    first use."""
+def cached_tiny_random() -> Path:
+    """tiny-random (bf16) in ``$M2SERVE_CACHE`` or ``~/.cache/m2serve``, built on first use."""
     root = Path(os.environ.get("M2SERVE_CACHE") or Path.home() / ".cache" / "m2serve")
     return build_tiny_random(root / "tiny-random")
 

@@ -1,7 +1,7 @@
 """Model resolution: ``--model`` (local directory, hub id or nothing) -> a local path.
 
-- None -> the embedded default checkpoint (``m2serve.checkpoints.tiny_random.default_model_path``),
-  built locally on first use; no download.
+- None -> the embedded default checkpoint, ``tiny-chat`` (``m2serve.checkpoints.default_model_path``),
+  shipped in the package; no download.
 - An existing local directory -> itself.
 - A hub id ``org/name`` -> a snapshot in the huggingface_hub cache (its layout, ``HF_HOME`` /
   ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``): no network when the snapshot is cached; downloaded
@@ -27,10 +27,10 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def default_model_path() -> Path:
-    """The embedded default checkpoint (built on first use, no download)."""
-    from m2serve.checkpoints.tiny_random import default_model_path as _default
+    """The embedded default checkpoint, ``tiny-chat`` (shipped in the package, no download)."""
+    from m2serve.checkpoints import default_model_path as _default
 
-    return Path(_default())
+    return _default()
 
 
 def looks_like_hub_id(model: str) -> bool:
