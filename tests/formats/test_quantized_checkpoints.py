@@ -591,14 +591,12 @@ def test_tiny_chat_requantised_keeps_greedy_tokens(fmt, tiny_chat_dense, tmp_pat
 
     if fmt == "nvfp4-modelopt":
         q = modelopt_export(tiny_chat_dense, tmp_path / "nvfp4", dtype=torch.float32)
-        for f in TEXT_FILES:
-            shutil.copy(tiny_chat_dense / f, q / f)
         want_kind = LinearKind.NVFP4
     else:
         q = quark_export(tiny_chat_dense, tmp_path / "mxfp4")
-        for f in TEXT_FILES[1:]:
-            shutil.copy(tiny_chat_dense / f, q / f)
         want_kind = LinearKind.MXFP4
+    for f in TEXT_FILES:  # tokenizer, template and generation config for the engine
+        shutil.copy(tiny_chat_dense / f, q / f)
     plan = open_checkpoint(q, MiniMaxM2Config.from_pretrained(q))
     assert {v for k, v in plan.kinds.items() if ".experts." in k} == {want_kind}
     plan.reader.close()

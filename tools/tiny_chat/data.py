@@ -44,8 +44,6 @@ TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/c
 KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat")
 # Kind mix of the training corpus.
 KIND_WEIGHTS = (0.36, 0.28, 0.12, 0.08, 0.16)
-# Copy-heavy mix (train.py --mix copy): more "repeat" turns.
-COPY_WEIGHTS = (0.30, 0.25, 0.10, 0.05, 0.30)
 
 
 # ---------------------------------------------------------------------------------------------

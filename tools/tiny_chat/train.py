@@ -332,8 +332,6 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
-    ap.add_argument("--mix", choices=("default", "copy"), default="default",
-                    help="kind mix: data.KIND_WEIGHTS, or the copy-heavy data.COPY_WEIGHTS (phase 2)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="phase 2: start from the weights of another run's ckpt.pt (fresh optimiser)")
     ap.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
@@ -357,8 +355,7 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    weights = data.COPY_WEIGHTS if args.mix == "copy" else data.KIND_WEIGHTS
-    corpus = build_corpus(tok, args.examples, args.seed, weights)
+    corpus = build_corpus(tok, args.examples, args.seed, data.KIND_WEIGHTS)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]

@@ -17,6 +17,8 @@ import logging
 import os
 from pathlib import Path
 
+from m2serve.checkpoints import default_model_path
+
 log = logging.getLogger(__name__)
 
 HUB_CONFIGS = Path(__file__).resolve().parent.parent / "checkpoints" / "hub_configs"
@@ -24,13 +26,6 @@ HUB_CONFIGS = Path(__file__).resolve().parent.parent / "checkpoints" / "hub_conf
 
 class ModelNotFoundError(FileNotFoundError):
     """``--model`` names neither a local directory nor a resolvable hub id."""
-
-
-def default_model_path() -> Path:
-    """The embedded default checkpoint, ``tiny-chat`` (shipped in the package, no download)."""
-    from m2serve.checkpoints import default_model_path as _default
-
-    return _default()
 
 
 def looks_like_hub_id(model: str) -> bool:
