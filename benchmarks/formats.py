@@ -12,8 +12,9 @@ Each (encoding, --weight-dequant mode) is loaded in its own subprocess, one afte
 memory figures do not mix: load seconds, resident weight memory (distinct torch storages of the
 parameters and buffers), the worker's peak RSS (VmHWM), and decode tokens/s (``--batch`` sequences of
 32 prompt tokens, ``--decode`` greedy steps, after one warm-up step). Ratios are against BF16 /
-load measured in the same run. ``runtime`` (FP4 experts kept packed, dequantised per active
-expert) applies to the FP4 encodings only.
+load measured in the same run. ``runtime`` keeps the quantised weights as stored (FP8: every FP8
+linear, dequantised per forward, experts per activation; FP4: the experts, dequantised per active
+expert).
 
     python benchmarks/formats.py [--dtype bfloat16] [--threads 2] [--batch 1] [--decode 8] [--cache DIR]
 
@@ -36,8 +37,8 @@ from pathlib import Path
 BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
                   rotary_dim=64, intermediate_size=1536, num_local_experts=32, num_experts_per_tok=8,
                   num_hidden_layers=2, vocab_size=32000)
-RUNS = (("bf16", "load"), ("fp8", "load"), ("nvfp4", "load"), ("nvfp4", "runtime"), ("mxfp4", "load"),
-        ("mxfp4", "runtime"))
+RUNS = (("bf16", "load"), ("fp8", "load"), ("fp8", "runtime"), ("nvfp4", "load"), ("nvfp4", "runtime"),
+        ("mxfp4", "load"), ("mxfp4", "runtime"))
 PROMPT = 32
 
 MODELOPT_QUANT = {

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.formats.detect import Encoding, LinearKind, checkpoint_quant_config, detect_quant
 from m2serve.formats.fp4 import PackedFP4
+from m2serve.formats.fp8 import PackedFP8
 from m2serve.formats.loader import open_checkpoint, read_input_scales
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
@@ -417,6 +418,42 @@ def test_runtime_dequant_same_logits_less_memory(fixture, request, monkeypatch):
         decode = model(cache.batch([(0, [7])]), cache.storage)
         if mode == "runtime":  # one decode token: top-k experts per layer, 3 matrices each
             assert len(calls) == L * cfg.num_experts_per_tok * 3
+        out[mode] = torch.cat([prefill, decode])
+    assert torch.equal(out["runtime"], out["load"])
+
+
+def test_fp8_runtime_dequant_same_logits_less_memory(tiny_random_fp8_dir, monkeypatch):
+    # checkpoints.md §6 execution choices, serving.md §7 (the planner's runtime weights = as stored):
+    # every FP8 block linear stays e4m3 + fp32 block scales; attention linears dequantise per forward,
+    # experts only when activated; logits identical to dequantising at load
+    d = tiny_random_fp8_dir
+    plan = open_checkpoint(d, MiniMaxM2Config.from_pretrained(d))
+    shapes = [plan.reader.tensors[plan.files[c]].shape
+              for c, k in plan.kinds.items() if k is LinearKind.FP8_BLOCK]
+    plan.reader.close()
+    models = {mode: load_model(d, dtype=torch.float32, weight_dequant=mode) for mode in ("load", "runtime")}
+    cfg = models["load"].config
+    dense = sum(n * k * 4 for n, k in shapes)
+    stored = sum(n * k + -(-n // 128) * -(-k // 128) * 4 for n, k in shapes)
+    assert len(shapes) == cfg.num_hidden_layers * (4 + 3 * cfg.num_local_experts)
+    assert resident_bytes(models["runtime"]) == resident_bytes(models["load"]) - dense + stored
+    held = [b for b in models["runtime"].buffers() if b.dtype == torch.float8_e4m3fn]
+    assert sum(b.numel() for b in held) == sum(n * k for n, k in shapes)
+
+    calls = []
+    real = PackedFP8.dequantize
+    monkeypatch.setattr(PackedFP8, "dequantize", lambda self, dtype: calls.append(dtype) or real(self, dtype))
+    out = {}
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for mode, model in models.items():
+        cache = SimpleKVCache.create(cfg, num_pages=8, page_size=4)
+        prefill = model(cache.batch([(0, prompt)], return_n_logits=10**6), cache.storage)
+        calls.clear()
+        decode = model(cache.batch([(0, [7])]), cache.storage)
+        if mode == "runtime":  # one decode token: q/k/v/o + top-k experts x 3 per layer, in fp32
+            assert calls == [torch.float32] * cfg.num_hidden_layers * (4 + cfg.num_experts_per_tok * 3)
+        else:
+            assert calls == []
         out[mode] = torch.cat([prefill, decode])
     assert torch.equal(out["runtime"], out["load"])
 

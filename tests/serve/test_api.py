@@ -356,3 +356,44 @@ def test_rejected_tool_calls_counter_exported_before_first_rejection():
 
     text = ServerMetrics().render().decode()
     assert 'm2serve_tool_calls_rejected_total{reason="undeclared"} 0.0' in text
+
+
+# --------------------------------------------------------------------------- request-size limits
+
+
+def test_request_body_limit_413_with_and_without_content_length(served):
+    # the body limit (--max-request-bytes) is enforced before parsing, for a declared Content-Length
+    # and for a chunked body alike; a body under the limit still works (the engine thread is not
+    # started: /tokenize needs only the tokenizer)
+    _, llm, _ = served
+    settings = ServerSettings(served_model_name="m", max_request_bytes=4096)
+    small = TestClient(build_app(AsyncEngine(llm), settings))
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    for kwargs in ({"content": big}, {"content": iter([big[:3000], big[3000:]])}):
+        r = small.post("/tokenize", headers={"content-type": "application/json"}, **kwargs)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert "4096 bytes" in err["message"] and "--max-request-bytes" in err["message"]
+    ok = json.dumps({"prompt": "hello"}).encode()
+    for kwargs in ({"content": ok}, {"content": iter([ok[:5], ok[5:]])}):
+        r = small.post("/tokenize", headers={"content-type": "application/json"}, **kwargs)
+        assert r.status_code == 200 and r.json()["count"] == len(llm.tokenizer.encode("hello")), r.text
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": ["a"] * 1025, "max_tokens": 1}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+    ],
+)
+def test_oversized_or_empty_lists_are_400_naming_the_field(served, route, body, param):
+    client, _, seen = served
+    seen.clear()
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].split(".")[0] == param and param in err["message"]
+    assert seen == []  # nothing reached the engine

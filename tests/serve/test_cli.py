@@ -113,6 +113,7 @@ def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
     (["--api-key", ""], "--api-key is empty"),  # "" silently let every client in
     (["--max-queue-size", "0"], "--max-queue-size 0: must be >= 1"),  # every request was a 503
     (["--grace-period", "-1"], "--grace-period -1.0: must be >= 0"),
+    (["--max-request-bytes", "0"], "--max-request-bytes 0: must be >= 1"),
     (["--thinking-temperature", "-1"], "--thinking-temperature -1.0: must be >= 0"),  # every chat was a 500
 ])
 def test_unusable_server_options_are_usage_errors(argv, message, capsys, monkeypatch):
@@ -120,7 +121,8 @@ def test_unusable_server_options_are_usage_errors(argv, message, capsys, monkeyp
     # is loaded, not a traceback, a server without auth or a server failing every request
     from m2serve.serve.cli import main
 
-    for var in ("PORT", "API_KEY", "MAX_QUEUE_SIZE", "GRACE_PERIOD", "THINKING_TEMPERATURE"):
+    for var in ("PORT", "API_KEY", "MAX_QUEUE_SIZE", "GRACE_PERIOD", "THINKING_TEMPERATURE",
+                "MAX_REQUEST_BYTES"):
         monkeypatch.delenv(f"M2SERVE_{var}", raising=False)
     monkeypatch.setattr("m2serve.serve.cli._make_llm", lambda opts: pytest.fail("model loaded first"))
     with pytest.raises(SystemExit) as e:
@@ -128,6 +130,26 @@ def test_unusable_server_options_are_usage_errors(argv, message, capsys, monkeyp
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_help_shows_the_effective_defaults(capsys):
+    # --help states the default each unset flag falls back to (EngineArgs and the command's own table),
+    # while the parsed flags stay None so environment and recipe values still apply
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.serve.cli import SERVE_DEFAULTS, build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())  # argparse wraps lines
+    engine = EngineArgs()
+    for flag, value in [("--max-batch-input-tokens", engine.max_batch_input_tokens),
+                        ("--kv-cache-format", engine.kv_cache_format),
+                        ("--port", SERVE_DEFAULTS["port"]),
+                        ("--max-request-bytes", SERVE_DEFAULTS["max_request_bytes"])]:
+        after = text.split(flag, 1)[1].split(" --", 1)[0]
+        assert f"(default: {value})" in after, (flag, after)
+    assert parser.parse_args(["serve"]).port is None
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "binary"])

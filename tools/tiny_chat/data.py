@@ -136,12 +136,31 @@ LANGUAGES = ("French", "Spanish", "German", "Italian", "Japanese")
 MONTHS = ("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec").split()
 
 
+_ONSETS = ("b c d f g h j k l m n p q r s t v w x y z ch sh th ph wh br cr dr fr gr pr tr bl cl fl gl pl "
+           "sl st sp sk sc sn sm sw tw qu kn wr str").split() + [""] * 4
+_NUCLEI = "a e i o u y a e i o u ai ea ee ie oo ou au ei oa ue".split()
+_CODAS = ("n r l s t m d g k x z ch ck ng nd nt st rt rd rs ll ss tt ff sh th mp ns").split() + [""] * 12
+
+
+def wide_word(rng: random.Random, cap: bool = False) -> str:
+    """A made-up word of any letters: 1–3 random (onset, vowel, coda) syllables over the whole alphabet
+    (training values whose BPE pieces cover the letter tokens, not just the SYLLABLES inventory)."""
+    w = "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS)
+                for _ in range(rng.randint(1, 3)))
+    return w.capitalize() if cap else w
+
+
 @dataclass(slots=True)
 class Sampler:
-    """Draws values of one split; every free-form value passes ``is_eval_value`` == (split == eval)."""
+    """Draws values of one split; every free-form value passes ``is_eval_value`` == (split == eval).
+
+    ``wide`` (training only, default 0): the probability that a made-up word or a name is a
+    ``wide_word`` (any letters) instead of a syllable word or a listed name, so that the pieces of
+    unseen real words (a held-out ``Munich`` is ``Mun`` + ``ich``) occur as values in training."""
 
     rng: random.Random
     split: str
+    wide: float = 0.0
 
     def pick(self, make: Callable[[], object], tries: int = 200):
         """Draw from ``make`` until the value belongs to this split (raises if the pool is too small)."""
@@ -161,11 +180,16 @@ class Sampler:
 
     def word(self, cap: bool = False) -> str:
         r = self.rng
+        if self.wide and r.random() < self.wide:
+            return wide_word(r, cap)
         w = "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3)))
         return w.capitalize() if cap else w
 
     def person(self) -> str:
         r = self.rng
+        if self.wide and r.random() < self.wide:
+            return self.pick(lambda: wide_word(r, True) if r.random() < 0.5 else
+                             f"{wide_word(r, True)} {wide_word(r, True)}")
         return self.pick(lambda: r.choice(FIRST_NAMES) if r.random() < 0.5 else
                          f"{r.choice(FIRST_NAMES)} {r.choice(SURNAMES)}")
 
@@ -540,8 +564,12 @@ def _direct_turn(s: Sampler) -> tuple[str, str, str]:
     return (f"What is {a} {op} {b}?", f"{a} {op} {b} is {val}. No tool is needed.", f"{a} {op} {b} is {val}.")
 
 
-def make_example(s: Sampler, kind: str, idx: int) -> Example:
-    """One example of ``kind`` drawn with the sampler ``s`` (its rng and split)."""
+TWO_CALL_RATE = 0.25  # share of tool_call / tool_result requests asking for two calls (the eval split's)
+
+
+def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE) -> Example:
+    """One example of ``kind`` drawn with the sampler ``s`` (its rng and split); a tool request asks
+    for two calls with probability ``two_call_rate``."""
     r = s.rng
     if kind == "repeat":
         makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
@@ -575,7 +603,7 @@ def make_example(s: Sampler, kind: str, idx: int) -> Example:
     # tool_call / tool_result: one call, or two (same tool twice or two offered tools)
     first = r.choice(offered)
     picks = [first]
-    if r.random() < 0.25:
+    if r.random() < two_call_rate:
         picks.append(r.choice(offered))
     sampled = [t.sample(s) for t in picks]
     if len(sampled) == 2 and sampled[0].args == sampled[1].args:
@@ -595,15 +623,20 @@ def make_example(s: Sampler, kind: str, idx: int) -> Example:
     return Example(kind, tools, msgs, result_values=values)
 
 
-def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS) -> list[Example]:
+def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
+                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
-    entry); deterministic."""
+    entry), two-call requests at ``two_call_rate``, ``wide`` as in Sampler; deterministic.
+
+    Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if len(weights) != len(KINDS):
+        raise ValueError(f"weights: need one per kind {KINDS}, got {len(weights)}")
     rng = random.Random(f"{split}:{seed}")
-    s = Sampler(rng, split)
+    s = Sampler(rng, split, wide)
     kinds = rng.choices(KINDS, weights=weights, k=n)
-    return [make_example(s, k, i) for i, k in enumerate(kinds)]
+    return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
 
 
 def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:
@@ -613,12 +646,12 @@ def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:
     return [make_example(s, kind, i) for i in range(n)]
 
 
-def drill_text(rng: random.Random) -> str:
+def drill_text(rng: random.Random, wide: float = 0.0) -> str:
     """A copy drill (train split only): 3–8 random values of the kinds the tools take (made-up and real
     words, names, numbers, codes, dates, times), space-separated. train.py --drill-rows feeds
     ``text + "\n" + text`` with the loss on the second copy: dense practice for the induction/copy
     mechanism that argument and result values need."""
-    s = Sampler(rng, "train")
+    s = Sampler(rng, "train", wide)
     makers = (lambda: s.word(cap=rng.random() < 0.5), s.city, s.person, lambda: str(s.integer(0, 9999)),
               lambda: s.code(rng.randint(1, 3), rng.randint(1, 4)), s.date, s.clock, lambda: str(s.amount()),
               lambda: s.choice(FOODS_TODO), s.phrase)

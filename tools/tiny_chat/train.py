@@ -242,9 +242,12 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
     return enc.ids, mask
 
 
-def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...]) -> list[tuple[list[int], list[bool]]]:
+def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
+                 two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0
+                 ) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
-    return [encode_example(tok, tpl, ex) for ex in data.make_examples("train", n, seed, weights)]
+    return [encode_example(tok, tpl, ex)
+            for ex in data.make_examples("train", n, seed, weights, two_call_rate, wide)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -288,14 +291,36 @@ def collate(items: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, to
 # Training loop
 # ---------------------------------------------------------------------------------------------
 
-def drill_batch(tok, rows: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rows`` copy drills (data.drill_text) for ``step``: ids of ``text \n text`` -> ids [R, T],
-    valid [R, T], labels [R, T] (targets: the second copy). Deterministic in (seed, step)."""
+def letter_token_ids(tok) -> list[int]:
+    """Ids of the BPE tokens made of ASCII letters only (the pieces of words)."""
+    return sorted(i for s, i in tok.get_vocab().items()
+                  if i < tok_mod.BPE_VOCAB and s.isascii() and s.isalpha())
+
+
+def vocab_drill_ids(rng: random.Random, letters: list[int], space: list[int]) -> list[int]:
+    """2–6 'words' of 1–3 random letter tokens each, space-separated: a drill that reaches every letter
+    token, rare ones included (the pieces of unseen real words)."""
+    out: list[int] = []
+    for w in range(rng.randint(2, 6)):
+        out += (space if w else []) + [rng.choice(letters) for _ in range(rng.randint(1, 3))]
+    return out
+
+
+def drill_batch(tok, rows: int, seed: int, step: int, wide: float = 0.0, vocab_frac: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` copy drills for ``step``: ids of ``text \n text`` -> ids [R, T], valid [R, T],
+    labels [R, T] (targets: the second copy). ``text`` is data.drill_text, or with probability
+    ``vocab_frac`` vocab_drill_ids. Deterministic in (seed, step)."""
     rng = random.Random(f"drill:{seed}:{step}")
     nl = tok.encode("\n", add_special_tokens=False).ids
+    space = tok.encode(" ", add_special_tokens=False).ids
+    letters = letter_token_ids(tok) if vocab_frac else []
     items = []
     for _ in range(rows):
-        t = tok.encode(data.drill_text(rng), add_special_tokens=False).ids
+        if vocab_frac and rng.random() < vocab_frac:
+            t = vocab_drill_ids(rng, letters, space)
+        else:
+            t = tok.encode(data.drill_text(rng, wide), add_special_tokens=False).ids
         x = t + nl + t
         items.append((x, [False] * (len(t) + len(nl)) + [True] * len(t)))
     return collate(items)
@@ -330,6 +355,16 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--decay-frac", type=float, default=0.4, help="final fraction of steps with linear decay")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-seed", type=int, default=None,
+                    help="seed of the training corpus (default: --seed); a new one on resume: fresh examples")
+    ap.add_argument("--two-call-rate", type=float, default=data.TWO_CALL_RATE,
+                    help="share of tool requests asking for two calls in the training corpus")
+    ap.add_argument("--wide-words", type=float, default=0.0,
+                    help="probability that a made-up word or name in the corpus/drills is data.wide_word")
+    ap.add_argument("--drill-vocab-frac", type=float, default=0.0,
+                    help="share of drill rows made of random letter tokens (vocab_drill_ids)")
+    ap.add_argument("--kind-weights", type=lambda v: tuple(float(x) for x in v.split(",")),
+                    default=data.KIND_WEIGHTS, help=f"corpus mix of {','.join(data.KINDS)} (comma-separated)")
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
     ap.add_argument("--init-from", type=Path, default=None,
@@ -355,7 +390,9 @@ def main(argv=None) -> None:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
-    corpus = build_corpus(tok, args.examples, args.seed, data.KIND_WEIGHTS)
+    data_seed = args.seed if args.data_seed is None else args.data_seed
+    corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
+                          args.wide_words)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
@@ -409,7 +446,8 @@ def main(argv=None) -> None:
         tgt = labels[sel]
         loss = F.cross_entropy(logits, tgt)
         if args.drill_rows:  # a separate forward: drills are short, padding them to the chat rows wastes
-            d_ids, d_valid, d_labels = drill_batch(tok, args.drill_rows, args.seed, step)
+            d_ids, d_valid, d_labels = drill_batch(tok, args.drill_rows, args.seed, step, args.wide_words,
+                                                   args.drill_vocab_frac)
             d_hidden, d_loads = model(d_ids, d_valid)
             d_sel = d_labels != -100
             d_logits = F.linear(d_hidden[d_sel], model.unembed)

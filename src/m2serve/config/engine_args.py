@@ -18,7 +18,8 @@ class EngineArgs:
     devices: "cpu", "cpu:N" (N CPU ranks), "gpu", "gpu:0,1,...".
     kv_cache_format: "bfloat16" | "float32" | "float8_e4m3fn".
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption).
-    weight_dequant: "load" (dequantise at load) or "runtime" (keep FP4 experts packed).
+    weight_dequant: "load" (dequantise at load) or "runtime" (keep quantised weights as stored — FP8
+        linears, FP4 experts — and dequantise them when used; model/load.py).
     """
 
     model: str | None = None

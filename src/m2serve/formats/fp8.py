@@ -6,6 +6,8 @@ s[i // 128, j // 128]``, one fp32 product, then one rounding to the target dtype
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 128
@@ -51,3 +53,24 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
                          f"in {block}x{block} blocks (expected {list(grid)})")
     s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return (q.float() * s).to(dtype)
+
+
+@dataclass(slots=True)
+class PackedFP8:
+    """One FP8 block linear weight as stored (loader dispatch; kept so by ``--weight-dequant runtime``).
+
+    ``q`` float8_e4m3fn [N, K]; ``scale`` float32 [ceil(N/128), ceil(K/128)] (``weight_scale_inv``,
+    multiplied). :meth:`dequantize` is :func:`dequantize_fp8_block` (checkpoints.md §6).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    name: str = "weight"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dense [N, K] of ``dtype``, one rounding from fp32. ValueError if the grid does not cover q."""
+        return dequantize_fp8_block(self.q, self.scale, dtype)

@@ -33,7 +33,7 @@ from m2serve.formats.detect import (
     linear_kind,
 )
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4
-from m2serve.formats.fp8 import dequantize_fp8_block
+from m2serve.formats.fp8 import PackedFP8
 from m2serve.formats.safetensors_io import CheckpointReader, TensorInfo
 
 log = logging.getLogger(__name__)
@@ -137,13 +137,7 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     if kind is LinearKind.DENSE:
         return plan.reader.read(fname, rows, cols).to(dtype)
     if kind is LinearKind.FP8_BLOCK:
-        scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
-        srows, scols = (_block_range(name, r) if r else None for r in (rows, cols))
-        q = plan.reader.read(fname, rows, cols)
-        s = plan.reader.read(scale.name, srows, scols).float()
-        # a slice whose end is not block-aligned reads the block grid of the covering blocks
-        full = dequantize_fp8_block(_pad_to_blocks(q), s, dtype)
-        return full[: q.shape[0], : q.shape[1]]
+        return packed_fp8(plan, name, rows, cols).dequantize(dtype)
     return packed_linear(plan, name, rows, cols).dequantize(dtype)
 
 
@@ -179,6 +173,18 @@ def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None
     return PackedFP4(scheme, packed, scale, plan.reader.read(second.name).float() if second else None, fname)
 
 
+def packed_fp8(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None) -> PackedFP8:
+    """FP8 block linear ``name`` (canonical) as read from the file: e4m3 codes and the fp32 scale
+    grid of the blocks covering the slice (checkpoints.md §6). ``rows`` / ``cols`` must start on a
+    multiple of 128 (ValueError naming the tensor); an end off the grid keeps its covering block."""
+    fname = plan.files[name]
+    scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
+    srows, scols = (_block_range(name, r) if r else None for r in (rows, cols))
+    q = plan.reader.read(fname, rows, cols)
+    return PackedFP8(q, plan.reader.read(scale.name, srows, scols).float(), fname)
+
+
 def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
     start, end = r
     if start % FP8_BLOCK:
@@ -186,24 +192,15 @@ def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
     return start // FP8_BLOCK, -(-end // FP8_BLOCK)
 
 
-def _pad_to_blocks(q: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    pn, pk = -(-n // FP8_BLOCK) * FP8_BLOCK, -(-k // FP8_BLOCK) * FP8_BLOCK
-    if (pn, pk) == (n, k):
-        return q
-    out = torch.zeros(pn, pk, dtype=q.dtype)
-    out[:n, :k] = q
-    return out
-
-
 def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = None,
                  progress: bool | None = None,
-                 packed_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedFP4]]:
+                 packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedFP4 | PackedFP8]]:
     """Yield ``(canonical name, tensor)`` one at a time, ready for the model.
 
-    Linear weights: dense ``dtype`` via :func:`dequantize_linear`, except FP4 expert weights
-    when ``packed_experts`` (``--weight-dequant runtime``): those come as :class:`PackedFP4`
-    (:func:`packed_linear`), dequantised later per active expert. Router gate and correction
+    Linear weights: dense ``dtype`` via :func:`dequantize_linear`, except when ``packed``
+    (``--weight-dequant runtime``): FP8 block linears come as :class:`PackedFP8` (:func:`packed_fp8`)
+    and FP4 expert weights as :class:`PackedFP4` (:func:`packed_linear`), dequantised later when
+    used (per forward, per active expert). Router gate and correction
     bias: float32 whatever the file holds (model.md §5.1). Everything else: ``dtype``.
     ``shard`` is the rank's slice hook (module docstring). A tqdm bar counts bytes read; it is
     shown when ``progress`` is True, or by default when stderr is a terminal.
@@ -222,7 +219,10 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
             if sl is not None:
                 dim, start, end = sl
                 rows, cols = ((start, end), None) if dim == 0 else (None, (start, end))
-            if packed_experts and plan.kinds.get(canon) in _FP4_SCHEMES and ".experts." in canon:
+            kind = plan.kinds.get(canon)
+            if packed and kind is LinearKind.FP8_BLOCK:
+                t = packed_fp8(plan, canon, rows, cols)
+            elif packed and kind in _FP4_SCHEMES and ".experts." in canon:
                 t = packed_linear(plan, canon, rows, cols)
             elif canon in plan.kinds:
                 t = dequantize_linear(plan, canon, dtype, rows, cols)

@@ -21,6 +21,8 @@ from torch import nn
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
+from m2serve.formats.fp4 import PackedFP4
+from m2serve.formats.fp8 import PackedFP8
 from m2serve.model.attention import AttentionMetadata, GatherScratch, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.collectives import (
@@ -169,19 +171,28 @@ class MiniMaxM2ForCausalLM(nn.Module):
         for layer, block in enumerate(self.model.layers):
             x = block(x, meta, kv, layer)
         x = self.model.norm(x[batch.logit_row_indices()])  # [N, H]
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
         return F.linear(x, head).float()  # [N, V] f32
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy hub tensor ``name`` (this rank's slice) into its parameter.
+    def load_weight(self, name: str, tensor: torch.Tensor | PackedFP4 | PackedFP8) -> None:
+        """Copy hub tensor ``name`` (this rank's slice) into its parameter; quantised linears may
+        come as stored (``weight_dequant="runtime"``, model/load.py).
 
-        Raises ValueError naming the tensor and both shapes on a mismatch, KeyError if unknown.
+        Raises ValueError naming the tensor and both shapes on a mismatch (or a packed tensor for a
+        weight that cannot hold one), KeyError if unknown.
         """
         m = _EXPERT.match(name)
         if m:
             moe = self.model.layers[int(m.group(1))].block_sparse_moe
             moe.experts.load_expert(int(m.group(2)), m.group(3), tensor)
             return
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        if isinstance(module, Linear) and leaf == "weight":
+            module.load(name, tensor)
+            return
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: a quantised tensor for a weight held dense only")
         param = self.get_parameter(name)
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: got shape {list(tensor.shape)}, this rank expects {list(param.shape)}")

@@ -14,6 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
+from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
+from m2serve.formats.fp8 import PackedFP8
+
+FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes
+
+
+def _scheme_name(scheme: FP4Scheme | str) -> str:
+    return scheme.value if isinstance(scheme, FP4Scheme) else scheme
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -32,36 +40,38 @@ class MiniMaxM2Experts(nn.Module):
     Hub tensors are placed with :meth:`load_expert`.
 
     Runtime dequantisation (``--weight-dequant runtime``, checkpoints.md §6 execution choices):
-    when :meth:`load_expert` receives :class:`PackedFP4` weights, the (never filled) dense
-    parameters are dropped and the packed codes and scales become buffers ``{w1,w3,w2}_q``
-    uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes), ``_s2`` f32 [E_loc]
-    (NVFP4 only); :meth:`expert_weights` dequantises only the experts a step activates, with the
-    same formula (and so the same values) as dequantising at load.
+    when :meth:`load_expert` receives :class:`PackedFP4` or :class:`PackedFP8` weights, the (never
+    filled) dense parameters are dropped and the stored codes and scales become buffers
+    ``{w1,w3,w2}_q`` — FP4: uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes),
+    ``_s2`` f32 [E_loc] (NVFP4 only); FP8: float8_e4m3fn [E_loc, N, K], ``_s`` f32
+    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`expert_weights` dequantises only the experts a
+    step activates, with the same formula (and so the same values) as dequantising at load.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
                  dtype: torch.dtype | None = None):
         super().__init__()
         self.start, self.num_local, self.intermediate_size = start, num_local, intermediate_size
+        self.hidden_size = hidden_size
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
                                requires_grad=False)
-        self.scheme: FP4Scheme | None = None  # set when the experts are held packed
+        self.scheme: FP4Scheme | str | None = None  # set when the experts are held packed (FP8_SCHEME)
 
-    def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4) -> None:
+    def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
 
-        ``w`` is dense, or :class:`PackedFP4` for runtime dequantisation (class docstring).
-        Raises ValueError naming the expert and shapes if it is not held here or does not fit,
-        or when dense and packed experts (or two FP4 schemes) are mixed in one layer.
+        ``w`` is dense, or :class:`PackedFP4` / :class:`PackedFP8` for runtime dequantisation
+        (class docstring). Raises ValueError naming the expert and shapes if it is not held here or
+        does not fit, or when dense and packed experts (or two schemes) are mixed in one layer.
         """
         e = expert - self.start
         I = self.intermediate_size
         if not 0 <= e < self.num_local:
             raise ValueError(f"expert {expert} is not in this rank's range "
                              f"[{self.start}, {self.start + self.num_local})")
-        if isinstance(w, PackedFP4) or self.scheme is not None:
+        if isinstance(w, (PackedFP4, PackedFP8)) or self.scheme is not None:
             self._load_packed(expert, which, w)
             return
         dst = {"w1": self.w13.data[e, :I], "w3": self.w13.data[e, I:], "w2": self.w2.data[e]}[which]
@@ -106,36 +116,52 @@ class MiniMaxM2Experts(nn.Module):
         w1, w3, w2 = (self._packed(which, e).dequantize(dtype) for which in ("w1", "w3", "w2"))
         return torch.cat([w1, w3]), w2
 
-    def _packed(self, which: str, e: int) -> PackedFP4:
+    def _packed(self, which: str, e: int) -> PackedFP4 | PackedFP8:
+        name = f"experts.{self.start + e}.{which}.weight"
+        if self.scheme == FP8_SCHEME:
+            return PackedFP8(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], name)
         s2 = getattr(self, f"{which}_s2")[e] if self.scheme is not FP4Scheme.MXFP4 else None
         return PackedFP4(self.scheme, getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], s2,
                          f"experts.{self.start + e}.{which}.weight")
 
-    def _load_packed(self, expert: int, which: str, w: torch.Tensor | PackedFP4) -> None:
-        if not isinstance(w, PackedFP4):
+    def _load_packed(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
+        if not isinstance(w, (PackedFP4, PackedFP8)):
             raise ValueError(f"expert {expert} {which}: dense weight for experts held packed "
-                             f"({self.scheme.value}); mixed storage in one layer is not supported")
+                             f"({_scheme_name(self.scheme)}); mixed storage in one layer is not supported")
+        scheme = FP8_SCHEME if isinstance(w, PackedFP8) else w.scheme
         if self.scheme is None:
-            self._to_packed(w.scheme)
-        elif w.scheme is not self.scheme:
-            raise ValueError(f"expert {expert} {which}: {w.scheme.value} weight for experts held as "
-                             f"{self.scheme.value}")
-        H, I = self.w1_q.shape[2] * 2, self.intermediate_size
+            self._to_packed(scheme)
+        elif scheme != self.scheme:
+            raise ValueError(f"expert {expert} {which}: {_scheme_name(scheme)} weight for experts held as "
+                             f"{_scheme_name(self.scheme)}")
+        H, I = self.hidden_size, self.intermediate_size
         want = (H, I) if which == "w2" else (I, H)
         if w.shape != want:
             raise ValueError(f"expert {expert} {which}: got shape {list(w.shape)}, expected {list(want)}")
         if self.scheme is FP4Scheme.MXFP4:
             decode_e8m0(w.scale, f"{w.name}_scale")  # reject NaN codes now, not mid-request
         e = expert - self.start
-        getattr(self, f"{which}_q")[e].copy_(w.packed)
-        getattr(self, f"{which}_s")[e].copy_(w.scale)
-        if w.scale_2 is not None:
+        dst_s = getattr(self, f"{which}_s")[e]
+        if dst_s.shape != w.scale.shape:
+            raise ValueError(f"expert {expert} {which}: scale shape {list(w.scale.shape)}, "
+                             f"expected {list(dst_s.shape)}")
+        getattr(self, f"{which}_q")[e].copy_(w.q if isinstance(w, PackedFP8) else w.packed)
+        dst_s.copy_(w.scale)
+        if isinstance(w, PackedFP4) and w.scale_2 is not None:
             getattr(self, f"{which}_s2")[e] = w.scale_2.reshape(())
 
-    def _to_packed(self, scheme: FP4Scheme) -> None:
+    def _to_packed(self, scheme: FP4Scheme | str) -> None:
         """Replace the dense parameters (allocated, never filled) by packed buffers."""
         E, H, I, device = self.num_local, self.w2.shape[1], self.intermediate_size, self.w2.device
         del self.w13, self.w2
+        if scheme == FP8_SCHEME:
+            for which, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+                self.register_buffer(f"{which}_q",
+                                     torch.empty(E, n, k, dtype=torch.float8_e4m3fn, device=device))
+                self.register_buffer(f"{which}_s", torch.empty(E, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK),
+                                                               dtype=torch.float32, device=device))
+            self.scheme = scheme
+            return
         g = scheme.group
         scale_dtype = torch.uint8 if scheme is FP4Scheme.MXFP4 else torch.float8_e4m3fn
         for which, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):

@@ -1,4 +1,5 @@
-"""Bias-free linear layer holding its weight [out, in] (uninitialised until loaded)."""
+"""Bias-free linear layer holding its weight [out, in] (uninitialised until loaded), dense or as
+stored in FP8 block form (``--weight-dequant runtime``, checkpoints.md §6 execution choices)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.formats.fp8 import PackedFP8
+
 
 class Linear(nn.Module):
     """``y = x · Wᵀ`` through F.linear; ``weight`` [out, in] (hub ``*.weight``).
 
-    Unlike nn.Linear, construction does not initialise the (possibly huge) weight.
+    Unlike nn.Linear, construction does not initialise the (possibly huge) weight. :meth:`load`
+    with a :class:`PackedFP8` replaces the (never filled) ``weight`` by buffers ``weight_q``
+    float8_e4m3fn [out, in] and ``weight_scale_inv`` f32 [ceil(out/128), ceil(in/128)]; forward then
+    dequantises per call (the same values as dequantising at load).
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.packed = False
+
+    def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
+        """Copy hub tensor ``name`` (dense, or FP8 as stored) into place.
+
+        Raises ValueError naming the tensor and both shapes on a mismatch."""
+        want = (self.weight_q if self.packed else self.weight).shape
+        if tuple(w.shape) != tuple(want):
+            raise ValueError(f"{name}: got shape {list(w.shape)}, this rank expects {list(want)}")
+        if not isinstance(w, PackedFP8):
+            if self.packed:
+                raise ValueError(f"{name}: dense weight for a linear held in FP8")
+            self.weight.data.copy_(w)
+            return
+        if not self.packed:
+            n, k = self.weight.shape
+            self.act_dtype, device = self.weight.dtype, self.weight.device
+            del self.weight
+            self.register_buffer("weight_q", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer("weight_scale_inv", torch.empty(-(-n // 128), -(-k // 128), device=device))
+            self.packed = True
+        if tuple(w.scale.shape) != tuple(self.weight_scale_inv.shape):
+            raise ValueError(f"{name}: FP8 scale grid {list(w.scale.shape)}, expected "
+                             f"{list(self.weight_scale_inv.shape)}")
+        self.weight_q.copy_(w.q)
+        self.weight_scale_inv.copy_(w.scale)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] in the activation dtype (a fresh dequantisation when held in FP8)."""
+        if self.packed:
+            return PackedFP8(self.weight_q, self.weight_scale_inv).dequantize(self.act_dtype)
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], same dtype."""
-        return F.linear(x, self.weight)
+        return F.linear(x, self.dense_weight())

@@ -24,8 +24,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     uninitialised and filled tensor by tensor, so peak memory stays near the final size.
     ``model.kv_scales`` holds per-layer (k_scale, v_scale) if the checkpoint ships them, else None.
     ``weight_dequant`` (EngineArgs.weight_dequant): ``"load"`` dequantises every quantised weight
-    now; ``"runtime"`` keeps FP4 (NVFP4 / MXFP4) expert weights packed and dequantises only the
-    experts a step activates (same values, less memory; other weights as with ``"load"``).
+    now; ``"runtime"`` keeps quantised weights as stored — every FP8 block linear, and the FP4
+    (NVFP4 / MXFP4) expert weights — and dequantises them when used: a linear per forward, an
+    expert only when a step activates it (same values, less memory; other weights as with ``"load"``).
     Raises ValueError for another value.
     """
     if weight_dequant not in ("load", "runtime"):
@@ -39,7 +40,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:
         for name, tensor in iter_weights(plan, dtype, shard, progress,
-                                         packed_experts=weight_dequant == "runtime"):
+                                         packed=weight_dequant == "runtime"):
             model.load_weight(name, tensor)
         model.kv_scales = read_kv_scales(plan)
     finally:

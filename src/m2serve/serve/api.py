@@ -44,12 +44,14 @@ _AUTH_FREE = ("/health", "/version", "/metrics", "/docs", "/openapi.json")
 
 @dataclass(slots=True)
 class ServerSettings:
-    """HTTP-level settings. api_key None = no authentication; retry_after_s: the 503 Retry-After."""
+    """HTTP-level settings. api_key None = no authentication; retry_after_s: the 503 Retry-After;
+    max_request_bytes: the largest request body accepted (beyond: 413)."""
 
     served_model_name: str
     api_key: str | None = None
     model_aliases: tuple[str, ...] = ()
     retry_after_s: int = 1
+    max_request_bytes: int = 32 * 2**20
 
 
 class APIError(Exception):
@@ -81,12 +83,19 @@ def _error_response(e: APIError) -> JSONResponse:
 
 
 class _AuthAndCount:
-    """ASGI middleware: bearer-key check (all routes but health/version/metrics) and the
-    ``m2serve_requests_total{endpoint, status}`` counter. Pure ASGI (not BaseHTTPMiddleware), so
-    client disconnects still reach streaming responses."""
+    """ASGI middleware: bearer-key check (all routes but health/version/metrics), the request-body
+    size limit (413 beyond ``max_bytes``) and the ``m2serve_requests_total{endpoint, status}``
+    counter. Pure ASGI (not BaseHTTPMiddleware), so client disconnects still reach streaming
+    responses."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: Any) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int) -> None:
+        self.app, self.api_key, self.metrics, self.max_bytes = app, api_key, metrics, max_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return _error_response(
+            APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes "
+                          "(--max-request-bytes)", code="request_too_large")
+        )
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -114,6 +123,31 @@ class _AuthAndCount:
                 )
                 await resp(scope, receive, send)
                 return
+
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            count(413)
+            await self._too_large()(scope, receive, send)
+            return
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            # no Content-Length (chunked): read the body here, up to the limit, then replay it
+            buffered, size = [], 0
+            while True:
+                message = await receive()
+                buffered.append(message)
+                if message["type"] != "http.request":
+                    break
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    count(413)
+                    await self._too_large()(scope, receive, send)
+                    return
+                if not message.get("more_body", False):
+                    break
+            upstream = receive
+
+            async def receive() -> dict:
+                return buffered.pop(0) if buffered else await upstream()
 
         async def send_counting(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -166,7 +200,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error_response(APIError(e.status_code, str(e.detail), type_))
 
-    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(
+        _AuthAndCount, api_key=settings.api_key, metrics=metrics, max_bytes=settings.max_request_bytes
+    )
 
     def check_model(name: str | None) -> None:
         if name is None or name in (settings.served_model_name, *settings.model_aliases):
@@ -698,6 +734,9 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
         return [list(prompt)]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
+    if len(prompt) > P.MAX_PROMPTS:
+        raise APIError(400, f"prompt: {len(prompt)} prompts in one request; the limit is {P.MAX_PROMPTS}",
+                       param="prompt")
     return list(prompt)
 
 

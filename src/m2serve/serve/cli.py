@@ -35,6 +35,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "port": 8000,
     "api_key": None,
     "max_queue_size": None,
+    "max_request_bytes": 32 * 2**20,
     "tool_parser": "minimax_m2",
     "reasoning_parser": "minimax_m2",
     "thinking_temperature": None,
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also M2SERVE_API_KEY)")
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
+    s.add_argument("--max-request-bytes", type=int, help="largest request body accepted (beyond: 413)")
 
     g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
@@ -132,7 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deployment_flags(pl)
     pl.add_argument("--max-batch-size", type=int)
     pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
+    engine_defaults = {f.name: f.default for f in fields(EngineArgs)}
+    for sp, defaults in ((s, SERVE_DEFAULTS), (g, GENERATE_DEFAULTS), (pl, PLAN_DEFAULTS)):
+        _show_defaults(sp, {**engine_defaults, **defaults})
     return parser
+
+
+def _show_defaults(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
+    """Append ``(default: X)`` to the help of every flag with a non-None default. The flags' own
+    defaults stay None, so an unset flag still falls through to environment / recipe / defaults."""
+    for act in p._actions:
+        value = defaults.get(act.dest)
+        if value is None or act.help == argparse.SUPPRESS or act.dest == "help":
+            continue
+        act.help = f"{act.help or ''} (default: {value})".lstrip()
 
 
 def resolve_options(
@@ -277,7 +292,10 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
     aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
     settings = ServerSettings(
-        served_model_name=llm.served_model_name, api_key=opts.get("api_key"), model_aliases=aliases
+        served_model_name=llm.served_model_name,
+        api_key=opts.get("api_key"),
+        model_aliases=aliases,
+        max_request_bytes=int(opts["max_request_bytes"]),
     )
     app = build_app(engine, settings)
     print(banner(llm, opts), flush=True)
@@ -376,6 +394,8 @@ def check_options(command: str, opts: dict[str, Any]) -> str | None:
             return "--api-key is empty, which would let every client in; give a key or leave it unset"
         if opts.get("max_queue_size") is not None and int(opts["max_queue_size"]) < 1:
             return f"--max-queue-size {opts['max_queue_size']}: must be >= 1 (or unset: unbounded)"
+        if int(opts["max_request_bytes"]) < 1:
+            return f"--max-request-bytes {opts['max_request_bytes']}: must be >= 1"
         if not float(opts["grace_period"]) >= 0:
             return f"--grace-period {opts['grace_period']}: must be >= 0 seconds"
     t = opts.get("thinking_temperature")

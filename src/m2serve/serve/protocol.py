@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -57,6 +57,12 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+# Request-size limits (a bad request gets a 400 naming the field, not an unbounded amount of work).
+MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM is unbounded: generous, but every one is scanned per token
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
+
+
 class _SamplingFields(OpenAIModel):
     """Fields shared by chat and completions requests: the OpenAI ones and serving.md §10 extensions."""
 
@@ -65,7 +71,7 @@ class _SamplingFields(OpenAIModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
@@ -77,7 +83,7 @@ class _SamplingFields(OpenAIModel):
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
@@ -141,7 +147,7 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
