@@ -434,3 +434,18 @@ def test_sampler_matches_plain_python_reference(logits, prompt, output, temperat
     out = sample(rows, states)
     assert_dist(dict(out.logprobs[0].top), want)
     assert out.token_ids[0] in want
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("temperature", [1.0, 1e-5])  # 1e-5: the smallest sampled (non-greedy) one
+@pytest.mark.parametrize("rep", [1e-38, 1e-34])
+def test_extreme_penalty_or_temperature_cannot_overflow_the_draw(rep, temperature, top_k):
+    # adversarial (a 503 that killed the engine): a positive logit / a tiny repetition_penalty, or / a tiny
+    # temperature, overflowed to +inf; softmax then made NaN and the draw an out-of-range id. The seen
+    # token's logit becomes the largest finite float: it must be drawn, whatever the uniform
+    logits = [1.0, 2.0, 4.0, 5.0, -1.0]  # 4 / 1e-38 and 4 / 1e-34 / 1e-5 exceed the float32 range
+    for seed in range(5):
+        st = state(prompt=[2], repetition_penalty=rep, temperature=temperature, top_k=top_k, logprobs=2)
+        out = sample(torch.tensor([logits]), [st], torch.Generator().manual_seed(seed))
+        assert out.token_ids == [2]
+        assert out.logprobs[0].logprob == 0.0 and math.isfinite(out.logprobs[0].top[0][1])

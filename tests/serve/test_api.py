@@ -322,7 +322,7 @@ def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):
             "/v1/chat/completions",
             b'{"messages":[{"role":"user","content":"a"}],"max_tokens":2,'
             b'"tools":[{"type":"function","function":{"name":"\\ud800"}}]}',
-            "messages",
+            "tools",  # named where it is (was "messages": the rendered prompt holds the tools)
         ),
     ):
         r = client.post(path, content=raw, headers=hdr)
@@ -397,3 +397,56 @@ def test_oversized_or_empty_lists_are_400_naming_the_field(served, route, body, 
     err = r.json()["error"]
     assert err["param"].split(".")[0] == param and param in err["message"]
     assert seen == []  # nothing reached the engine
+
+
+def test_developer_role_renders_as_system(served):
+    # the openai SDK sends role "developer" (the system role of newer models); the MiniMax template knows
+    # only system/user/assistant/tool, so it was a 400 "unknown role"
+    client, _, _ = served
+    ids = {}
+    for role in ("developer", "system"):
+        r = client.post("/tokenize", json={"messages": [{"role": role, "content": "Be brief."}, *MESSAGES]})
+        assert r.status_code == 200, r.text
+        ids[role] = r.json()["tokens"]
+    assert ids["developer"] == ids["system"]
+
+
+def test_errors_name_the_field_at_fault(served):
+    # adversarial: reserved chat_template_kwargs and a too-long /v1/completions prompt were blamed on
+    # "messages" (not even a field of /v1/completions)
+    client, llm, _ = served
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    r = client.post("/v1/completions", json={"prompt": [5] * llm.max_length, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+
+
+@pytest.mark.parametrize("route, field", [("/v1/completions", "prompt"),
+                                          ("/v1/chat/completions", "messages")])
+def test_overlong_text_refused_before_tokenising(served, monkeypatch, route, field):
+    # adversarial: a ~30 MB prompt was tokenised on the event loop (40 s, 4 GB) only to be refused for
+    # its length; a text longer than max_length x the longest token's characters cannot fit whatever its
+    # tokenisation, so it is refused without calling the tokenizer
+    client, llm, _ = served
+    n_chars = llm.max_length * llm.tokenizer.max_token_chars + 1
+    assert llm.tokenizer.max_token_chars == max(len(t) for t in llm.tokenizer._tok.get_vocab())
+    monkeypatch.setattr(llm, "encode", lambda text: pytest.fail("tokenised"))
+    text = "a" * n_chars
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    r = client.post(route, json={**body, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert (err["param"], err["code"]) == (field, "context_length_exceeded")
+    rendered = n_chars if field == "prompt" else len(llm.render_chat(body["messages"]))  # + the template
+    assert f"{rendered} characters" in err["message"]
+
+
+def test_body_without_json_content_type_says_so(served):
+    # adversarial: valid JSON sent as text/plain got "body: Input should be a valid dictionary"
+    client, _, _ = served
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 1})
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    assert "'text/plain'" in r.json()["error"]["message"]

@@ -92,6 +92,19 @@ def test_generate_embedded_default_without_model(tmp_path):
     assert "--- 'Hi there'" in r.stdout and "1 requests in" in r.stderr
 
 
+def test_generate_without_prompts_runs_builtin_chats():
+    # with no prompts, `m2serve generate` runs built-in chat prompts as chats (the embedded default is a
+    # chat model: raw completion prompts only gave it noise): each reply is parsed into reasoning
+    from m2serve.serve.cli import _DEFAULT_CHAT_PROMPTS
+
+    r = _run(["generate", "--max-tokens", "24"], {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    for p in _DEFAULT_CHAT_PROMPTS:
+        assert f"--- {p!r}" in r.stdout
+    assert r.stdout.count("[reasoning] ") == len(_DEFAULT_CHAT_PROMPTS)
+    assert f"{len(_DEFAULT_CHAT_PROMPTS)} requests in" in r.stderr
+
+
 def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
     assert resolve_model(str(tiny_random_dir)) == Path(tiny_random_dir)
     assert resolve_config(str(tiny_random_dir)) == Path(tiny_random_dir) / "config.json"

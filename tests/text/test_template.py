@@ -159,3 +159,17 @@ def test_bad_messages_named():
         normalize_messages([{"content": "x"}])
     with pytest.raises(TemplateError, match=r"messages\[1\] must be an object"):
         normalize_messages([{"role": "user", "content": "x"}, "hi"])
+
+
+def test_failing_message_found_in_log_renders(template, monkeypatch):
+    # adversarial: the error path re-rendered every prefix (quadratic: 3,000 messages took 32 s on the
+    # event loop); a binary search over prefix lengths names the same first failing message
+    tpl = template
+    msgs = [{"role": "user", "content": f"m{i}"} for i in range(1024)]
+    msgs[700] = {"role": "narrator", "content": "x"}
+    renders = []
+    real = ChatTemplate._render
+    monkeypatch.setattr(ChatTemplate, "_render", lambda self, *a: renders.append(1) or real(self, *a))
+    with pytest.raises(TemplateError, match=r"^messages\[700\]: .*narrator"):
+        tpl.render(msgs)
+    assert len(renders) <= 2 + 11  # the failed render, the whole history, then log2(1024) + 1 prefixes

@@ -325,6 +325,9 @@ def _pack_logprobs(token_ids: torch.Tensor, chosen: torch.Tensor, rank: torch.Te
     return out
 
 
+_FMAX = torch.finfo(torch.float32).max  # +inf logits are clamped here (-inf, a masked token, stays)
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplingState],
            generator: torch.Generator | None = None) -> SamplerOutput:
     """Draw one token per request from ``logits`` [B, V] f32 and append it to ``states[b]``.
@@ -361,6 +364,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState],
         x = x.clone()
         _apply_bias_and_masks(x, states)
         _apply_penalties(x, states)
+        x.clamp_(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
 
     temps = [s.temperature for s in states]
     g_rows = [b for b, t in enumerate(temps) if t < GREEDY_EPS]
@@ -402,7 +406,7 @@ def _sample_rows(x: torch.Tensor, states: Sequence[SamplingState],
     else:
         vals, idx = x, None
     temps = torch.tensor([s.temperature for s in states], dtype=torch.float32, device=dev).unsqueeze(1)
-    vals = vals / temps
+    vals = (vals / temps).clamp_(max=_FMAX)                                  # a tiny temperature: no +inf
     if idx is None and any(ks):
         _top_k_mask(vals, ks)
     _top_p(vals, states, presorted=idx is not None)
@@ -423,6 +427,7 @@ def _sample_rows(x: torch.Tensor, states: Sequence[SamplingState],
     total = cdf[:, -1:]
     target = torch.minimum(u.to(dev).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     pos = torch.searchsorted(cdf, target, right=True)                         # [b, 1] first cdf > target
+    pos.clamp_(max=cdf.shape[1] - 1)                                          # NaN weights: stay in range
     if order is not None:
         pos = order.gather(1, pos)                                            # position in vals
         tokens = idx.gather(1, pos).squeeze(1)

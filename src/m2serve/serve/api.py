@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import m2serve
@@ -182,6 +183,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype.lower() and any(tuple(err.get("loc", ())) == ("body",) for err in errs):
+            return _error_response(APIError(
+                400, "invalid request: the body must be a JSON object sent with 'Content-Type: "
+                f"application/json' (got {ctype or 'no Content-Type'!r})"))
         bad_json = next((err for err in errs if err.get("type") == "json_invalid"), None)
         if bad_json is not None:  # loc is ("body", character offset): not a field
             where = bad_json.get("loc", ())[-1:]
@@ -238,11 +244,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
         check_model(req.model)
-        if req.messages is not None:
-            text = _render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
-        else:
-            text = req.prompt or ""
-        ids = _encode(text, "messages" if req.messages is not None else "prompt")
+
+        def work() -> list[int]:
+            if req.messages is not None:
+                text = _render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
+                return _encode(text, "messages")
+            return _encode(req.prompt or "", "prompt")
+
+        ids = await run_in_threadpool(work)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_length}
 
     @app.post("/detokenize")
@@ -266,11 +275,17 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         add_generation_prompt: bool = True,
     ) -> str:
         msgs = [m.model_dump(exclude_unset=True) for m in messages]
+        for m in msgs:  # OpenAI's "developer" role is the system role of newer models
+            if m["role"] == "developer":
+                m["role"] = "system"
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        if tool_dicts:
+            _check_unicode(json.dumps(tool_dicts, ensure_ascii=False), "tools")
         try:
             return llm.render_chat(msgs, tool_dicts, kwargs, add_generation_prompt)
         except TemplateError as e:  # raise_exception, bad history: the request's fault
-            raise APIError(400, f"chat template error: {e}", param="messages") from e
+            param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise APIError(400, f"chat template error: {e}", param=param) from e
         except RecursionError as e:  # e.g. a tool schema nested thousands of levels deep
             raise APIError(
                 400,
@@ -279,8 +294,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 param="tools" if tools else "messages",
             ) from e
 
-    def _encode(text: str, param: str) -> list[int]:
-        """Token ids of ``text``; a lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400."""
+    def _check_unicode(text: str, param: str) -> None:
+        """A lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400 naming ``param``."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -290,15 +305,30 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 "Unicode; a JSON \\uD800-\\uDFFF escape must be part of a surrogate pair)",
                 param=param,
             ) from e
+
+    def _encode(text: str, param: str, check_length: bool = False) -> list[int]:
+        """Token ids of ``text`` (lone surrogates: 400). With ``check_length``, a text too long to fit the
+        context whatever its tokenisation (more than max_length x the longest token's characters) is
+        refused before tokenising: a huge body costs neither the tokenizer's time nor its memory."""
+        _check_unicode(text, param)
+        if check_length and len(text) > llm.max_length * llm.tokenizer.max_token_chars:
+            raise APIError(
+                400,
+                f"the prompt has {len(text)} characters, more than the model's max context of "
+                f"{llm.max_length} tokens can hold (a token covers at most "
+                f"{llm.tokenizer.max_token_chars} characters); shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
         return llm.encode(text)
 
-    def _check_length(ids: list[int]) -> None:
+    def _check_length(ids: list[int], param: str) -> None:
         if len(ids) >= llm.max_length:
             raise APIError(
                 400,
                 f"the prompt has {len(ids)} tokens but the model's max context is "
                 f"{llm.max_length} tokens (at least one must be left to generate); shorten it",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         if not ids:
@@ -415,9 +445,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 "which m2serve does not support yet; use 'text'",
                 param="response_format",
             )
-        prompt = _render(req.messages, req.tools, req.chat_template_kwargs)
-        ids = _encode(prompt, "messages")
-        _check_length(ids)
+        def work() -> tuple[str, list[int]]:  # rendering and tokenising: off the event loop
+            text = _render(req.messages, req.tools, req.chat_template_kwargs)
+            return text, _encode(text, "messages", check_length=True)
+
+        prompt, ids = await run_in_threadpool(work)
+        _check_length(ids, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = llm.chat_params(
             _params(req, logprobs, thinking_temperature=req.thinking_temperature), prompt
@@ -559,9 +592,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported (use n)", param="best_of")
         prompts: list[tuple[str, list[int]]] = []
-        for p in _completion_prompts(req.prompt):
+        raw = _completion_prompts(req.prompt)
+        texts = [p for p in raw if isinstance(p, str)]
+        encoded = iter(
+            await run_in_threadpool(lambda: [_encode(p, "prompt", check_length=True) for p in texts])
+        )
+        for p in raw:
             if isinstance(p, str):
-                prompts.append((p, _encode(p, "prompt")))
+                prompts.append((p, next(encoded)))
             else:
                 bad = [t for t in p if not 0 <= t < llm.config.vocab_size]
                 if bad:
@@ -572,7 +610,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     )
                 prompts.append((llm.decode(p, skip_special_tokens=False), list(p)))
         for _, ids in prompts:
-            _check_length(ids)
+            _check_length(ids, "prompt")
         params = _params(
             req,
             req.logprobs,

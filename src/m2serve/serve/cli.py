@@ -119,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
     _add_engine_flags(g)
-    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in ones)")
+    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in chat prompts, run as chats)")
     g.add_argument("--prompts-file", help="one prompt per line")
     g.add_argument("--max-tokens", type=int)
-    g.add_argument("--temperature", type=float, help="0 = greedy (the default)")
+    g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
@@ -318,7 +318,8 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
 
 # ---------------------------------------------------------------------------------- generate
 
-_DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+# With no prompts: chat prompts the embedded default (tiny-chat) was trained on, run as chats.
+_DEFAULT_CHAT_PROMPTS = ["Hello!", "Repeat after me: the sky is blue", "What is 12 plus 30?"]
 
 
 def run_generate(opts: dict[str, Any]) -> int:
@@ -334,7 +335,9 @@ def run_generate(opts: dict[str, Any]) -> int:
         except (OSError, UnicodeDecodeError) as e:  # missing, a directory, not UTF-8 text
             raise ValueError(f"--prompts-file {opts['prompts_file']}: cannot read it as a UTF-8 text file "
                              f"({e})") from e
-    prompts = prompts or _DEFAULT_PROMPTS
+    chat = bool(opts.get("chat"))
+    if not prompts:
+        prompts, chat = list(_DEFAULT_CHAT_PROMPTS), True
     llm = _make_llm(opts)
     if llm is None:  # a torchrun worker rank
         return 0
@@ -346,7 +349,7 @@ def run_generate(opts: dict[str, Any]) -> int:
         max_tokens=opts["max_tokens"],
     )
     t0 = time.perf_counter()
-    if opts.get("chat"):
+    if chat:
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
     else:
         results = llm.generate(prompts, params, use_tqdm=True)
@@ -356,7 +359,7 @@ def run_generate(opts: dict[str, Any]) -> int:
         print(f"--- {prompt!r} [{o.finish_reason}, {len(o.token_ids)} tokens]")
         if o.reasoning:
             print(f"[reasoning] {o.reasoning}")
-        if opts.get("chat"):
+        if chat:
             print(o.content or "")
             for c in o.tool_calls:
                 print(f"[tool call] {c.name}({c.arguments})")

@@ -157,13 +157,28 @@ class ChatTemplate:
             raise TemplateError(f"chat template error: {type(exc).__name__}: {exc}") from None
 
     def _failing_index(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> int | None:
-        """Index of the first message whose prefix fails to render (error path only)."""
-        for k in range(1, len(msgs) + 1):
+        """Index of the first message whose prefix fails to render (error path only), or None if the
+        whole conversation renders without the generation prompt. Binary search over prefix lengths
+        (a template that fails on a prefix fails on every longer one): O(log n) renders, so a long
+        bad history cannot make the error path quadratic."""
+
+        def fails(k: int) -> bool:
             try:
                 self._render(msgs[:k], False, variables)
             except TemplateError:
-                return k - 1
-        return None
+                return True
+            return False
+
+        lo, hi = 1, len(msgs)
+        if hi == 0 or not fails(hi):
+            return None
+        while lo < hi:  # invariant: prefix hi fails; every prefix shorter than lo renders
+            mid = (lo + hi) // 2
+            if fails(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi - 1
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ load time; a missing one is an error naming it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,6 +101,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (base vocabulary + added tokens)."""
         return self._tok.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Most characters one token can cover: the longest vocabulary string (a byte-level token of n
+        bytes covers at most n characters). ``len(text) > n_tokens * max_token_chars`` proves that
+        ``text`` has more than ``n_tokens`` tokens without tokenising it."""
+        return max(len(t) for t in self._tok.get_vocab(with_added_tokens=True))
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (added tokens included), or None."""
