@@ -405,21 +405,27 @@ def test_runtime_dequant_same_logits_less_memory(fixture, request, monkeypatch):
     assert resident_bytes(models["runtime"]) == resident_bytes(models["load"]) - dense + packed
     assert resident_bytes(models["runtime"]) < 0.75 * resident_bytes(models["load"])
 
-    calls = []
-    real = PackedFP4.dequantize
-    monkeypatch.setattr(PackedFP4, "dequantize",
-                        lambda self, dtype: calls.append(self.name) or real(self, dtype))
-    out = {}
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out, calls = logits_and_decode_dequants(models, PackedFP4, monkeypatch)
+    assert len(calls["runtime"]) == L * cfg.num_experts_per_tok * 3  # one token: top-k experts x 3 matrices
+    assert torch.equal(out["runtime"], out["load"])
+
+
+def logits_and_decode_dequants(models: dict, packed_cls: type, monkeypatch) -> tuple[dict, dict]:
+    """Prefill 8 tokens, then decode one, with each model: (logits per mode, the dtypes of the
+    ``packed_cls.dequantize`` calls made during that model's decode step)."""
+    calls: list = []
+    real = packed_cls.dequantize
+    monkeypatch.setattr(packed_cls, "dequantize",
+                        lambda self, dtype: calls.append(dtype) or real(self, dtype))
+    out, decode_calls = {}, {}
     for mode, model in models.items():
-        cache = SimpleKVCache.create(cfg, num_pages=8, page_size=4)
-        prefill = model(cache.batch([(0, prompt)], return_n_logits=10**6), cache.storage)
+        cache = SimpleKVCache.create(model.config, num_pages=8, page_size=4)
+        prefill = model(cache.batch([(0, [3, 1, 4, 1, 5, 9, 2, 6])], return_n_logits=10**6), cache.storage)
         calls.clear()
         decode = model(cache.batch([(0, [7])]), cache.storage)
-        if mode == "runtime":  # one decode token: top-k experts per layer, 3 matrices each
-            assert len(calls) == L * cfg.num_experts_per_tok * 3
+        decode_calls[mode] = list(calls)
         out[mode] = torch.cat([prefill, decode])
-    assert torch.equal(out["runtime"], out["load"])
+    return out, decode_calls
 
 
 def test_fp8_runtime_dequant_same_logits_less_memory(tiny_random_fp8_dir, monkeypatch):
@@ -440,21 +446,10 @@ def test_fp8_runtime_dequant_same_logits_less_memory(tiny_random_fp8_dir, monkey
     held = [b for b in models["runtime"].buffers() if b.dtype == torch.float8_e4m3fn]
     assert sum(b.numel() for b in held) == sum(n * k for n, k in shapes)
 
-    calls = []
-    real = PackedFP8.dequantize
-    monkeypatch.setattr(PackedFP8, "dequantize", lambda self, dtype: calls.append(dtype) or real(self, dtype))
-    out = {}
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    for mode, model in models.items():
-        cache = SimpleKVCache.create(cfg, num_pages=8, page_size=4)
-        prefill = model(cache.batch([(0, prompt)], return_n_logits=10**6), cache.storage)
-        calls.clear()
-        decode = model(cache.batch([(0, [7])]), cache.storage)
-        if mode == "runtime":  # one decode token: q/k/v/o + top-k experts x 3 per layer, in fp32
-            assert calls == [torch.float32] * cfg.num_hidden_layers * (4 + cfg.num_experts_per_tok * 3)
-        else:
-            assert calls == []
-        out[mode] = torch.cat([prefill, decode])
+    out, calls = logits_and_decode_dequants(models, PackedFP8, monkeypatch)
+    # one decode token: q/k/v/o + top-k experts x 3 matrices per layer, in fp32; none when loaded dense
+    assert calls["runtime"] == [torch.float32] * cfg.num_hidden_layers * (4 + cfg.num_experts_per_tok * 3)
+    assert calls["load"] == []
     assert torch.equal(out["runtime"], out["load"])
 
 
