@@ -5,9 +5,11 @@ Used by benchmarks/tiny_chat_eval.py (prints the rates) and tests/checkpoints/te
 - tool_call: tool-fitting requests whose output has well-formed calls with the right names and
   exactly the right argument values, typed by the schema;
 - tool_result: answers after a tool response that contain every result value;
-- no_tool: requests with tools where none fits that make no call;
+- no_tool: requests with tools where none fits that make no call — not even one the parser rejects
+  (a call to a tool that was not offered stays in the text; it still counts as a call here);
 - reasoning_closed: outputs whose ``</think>`` comes before any content or call;
-- plain: no call, and "repeat after me" phrases repeated exactly.
+- plain: no call (same rule), and "repeat after me" phrases repeated exactly.
+Every output may use up to MAX_TOKENS tokens (two calls with three arguments each take ~170).
 Backends: m2serve (``LLM``: template, engine with all requests batched, streaming parser) and
 transformers (``MiniMaxM2ForCausalLM`` fp32 + m2serve's ``parse_output``).
 """
@@ -26,7 +28,7 @@ else:
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "src/m2serve/checkpoints/tiny-chat"
-MAX_TOKENS = 160
+MAX_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -69,20 +71,26 @@ def reasoning_closed(text: str) -> bool:
     return end >= 0 and (block < 0 or end < block)
 
 
+def made_call(g: Generation) -> bool:
+    """A call was made: parsed, or attempted (a tool-call block the parser rejected, e.g. a call to a
+    tool that was not offered, is left in the text)."""
+    return bool(g.calls) or "<minimax:tool_call>" in g.text
+
+
 def score(ex: data.Example, g: Generation) -> bool:
     """Success of one example by its kind (see module docstring)."""
     if ex.kind == "tool_call":
-        return (len(g.calls) == len(ex.calls)
+        return (len(g.calls) == len(ex.calls) and "<minimax:tool_call>" not in (g.content or "")
                 and all(n == en and same_json(a, ea) for (n, a), (en, ea) in zip(g.calls, ex.calls)))
     if ex.kind == "tool_result":
-        return not g.calls and g.content is not None and all(v in g.content for v in ex.result_values)
+        return not made_call(g) and g.content is not None and all(v in g.content for v in ex.result_values)
     if ex.kind == "no_tool":
-        return not g.calls
+        return not made_call(g)
     user = ex.messages[-2]["content"]  # plain / repeat
     answer = ex.messages[-1]["content"]
     if user.startswith(("Repeat after me:", "Say exactly this:")):
-        return not g.calls and (g.content or "").strip() == answer
-    return not g.calls
+        return not made_call(g) and (g.content or "").strip() == answer
+    return not made_call(g)
 
 
 def held_out(per_kind: int) -> list[data.Example]:
