@@ -32,7 +32,8 @@ BPE pieces were rare in training, so their embeddings were barely trained. ``$B`
 made-up values over the whole alphabet (``--wide-words``, data.wide_word) and drills of random
 letter tokens (``--drill-vocab-frac``), on a fresh corpus with twice the two-call requests.
 
-What made copying learnable, after a first attempt (2000 steps, o200k-style tokenizer, untied embeddings) learned the format but copied nothing:
+What made copying learnable, after a first attempt (2000 steps, o200k-style tokenizer, untied
+embeddings) learned the format but copied nothing:
 
 - the tokenizer's split rule (tokenizer.py): a value has the same token ids in the request and in
   ``<parameter ...>value</parameter>``, so copying is token-identity copying;
