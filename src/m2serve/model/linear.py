@@ -25,9 +25,11 @@ class Linear(nn.Module):
         self.packed = False
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
-        """Copy hub tensor ``name`` (dense, or FP8 as stored) into place.
+        """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
+        a :class:`PackedFP8` (e4m3 [out, in] + f32 scales [ceil(out/128), ceil(in/128)], kept as is).
 
-        Raises ValueError naming the tensor and both shapes on a mismatch."""
+        Raises ValueError naming the tensor and both shapes on a mismatch, or for a dense tensor after
+        an FP8 one."""
         want = (self.weight_q if self.packed else self.weight).shape
         if tuple(w.shape) != tuple(want):
             raise ValueError(f"{name}: got shape {list(w.shape)}, this rank expects {list(want)}")

@@ -248,7 +248,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         def work() -> list[int]:
             if req.messages is not None:
                 text = _render(req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
-                return _encode(text, "messages")
+                return _encode(text, "messages", tools=req.tools)
             return _encode(req.prompt or "", "prompt")
 
         ids = await run_in_threadpool(work)
@@ -279,8 +279,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             if m["role"] == "developer":
                 m["role"] = "system"
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        if tool_dicts:
-            _check_unicode(json.dumps(tool_dicts, ensure_ascii=False), "tools")
         try:
             return llm.render_chat(msgs, tool_dicts, kwargs, add_generation_prompt)
         except TemplateError as e:  # raise_exception, bad history: the request's fault
@@ -294,11 +292,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 param="tools" if tools else "messages",
             ) from e
 
-    def _check_unicode(text: str, param: str) -> None:
-        """A lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400 naming ``param``."""
+    def _check_unicode(text: str, param: str, tools: list[P.ToolDef] | None = None) -> None:
+        """A lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400 naming ``param``, or
+        ``tools`` when ``text`` is a rendered chat and the surrogate is in its ``tools``."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
+            if tools and not _is_unicode(json.dumps([t.model_dump() for t in tools], ensure_ascii=False)):
+                param = "tools"
             raise APIError(
                 400,
                 f"{param}: contains a lone UTF-16 surrogate {text[e.start:e.end]!r} (not valid "
@@ -306,11 +307,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 param=param,
             ) from e
 
-    def _encode(text: str, param: str, check_length: bool = False) -> list[int]:
+    def _encode(text: str, param: str, check_length: bool = False,
+                tools: list[P.ToolDef] | None = None) -> list[int]:
         """Token ids of ``text`` (lone surrogates: 400). With ``check_length``, a text too long to fit the
         context whatever its tokenisation (more than max_length x the longest token's characters) is
         refused before tokenising: a huge body costs neither the tokenizer's time nor its memory."""
-        _check_unicode(text, param)
+        _check_unicode(text, param, tools)
         if check_length and len(text) > llm.max_length * llm.tokenizer.max_token_chars:
             raise APIError(
                 400,
@@ -447,7 +449,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             )
         def work() -> tuple[str, list[int]]:  # rendering and tokenising: off the event loop
             text = _render(req.messages, req.tools, req.chat_template_kwargs)
-            return text, _encode(text, "messages", check_length=True)
+            return text, _encode(text, "messages", check_length=True, tools=req.tools)
 
         prompt, ids = await run_in_threadpool(work)
         _check_length(ids, "messages")
@@ -763,6 +765,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _is_unicode(text: str) -> bool:
+    """False if ``text`` holds a lone UTF-16 surrogate (it cannot be encoded as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:
