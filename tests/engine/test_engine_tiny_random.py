@@ -207,3 +207,33 @@ def test_fp8_kv_cache_half_bytes_and_close_logits(model_and_engine_factory):
         assert (x - y).abs().max() <= 0.1 * y.std(), ((x - y).abs().max(), y.std())
     assert (l8[0] - l32[0]).abs().max() > (l16[0] - l32[0]).abs().max()
 
+
+
+def test_abort_running_ends_the_failed_batch_only(model_and_engine_factory):
+    # the recovery after a failed step (serve/async_engine.py): the running batch ends with its pages
+    # freed; a waiting request is untouched and then generates exactly what it would have alone.
+    model, make = model_and_engine_factory
+    eng = make(num_kv_pages=12, max_batch_size=1)
+    vocab = eng.config.vocab_size
+    bad, good = make_prompts(vocab, 2, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    eng.add_request("bad", bad, params)
+    eng.add_request("good", good, params)
+    calls = []
+
+    def failing(batch, kv):
+        calls.append(1)
+        raise RuntimeError("simulated")
+
+    eng.runner.model = failing
+    with pytest.raises(RuntimeError):
+        eng.step()
+    assert len(calls) == 1 and eng.stats.running == 1 and eng.stats.waiting == 1
+    assert eng.abort_running() == ["bad"]
+    assert (eng.stats.running, eng.stats.waiting, eng.stats.kv_pages_used) == (0, 1, 0)
+    eng.runner.model = model
+    got = tokens_of(drain(eng)["good"])
+    ref = make(num_kv_pages=12)
+    ref.add_request("good", good, params)
+    assert got == tokens_of(drain(ref)["good"]) and len(got) == 5
+    assert eng.stats.kv_pages_used == 0

@@ -539,9 +539,14 @@ class Example:
         return self.messages[:-1]
 
 
-def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int) -> dict:
-    reasoning = "The user wants " + " and ".join(thinks) + ". I will call " + \
-        " and ".join(dict.fromkeys(n for n, _ in calls)) + "."
+def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int,
+                     check_tools: bool = False) -> dict:
+    names = list(dict.fromkeys(n for n, _ in calls))
+    reasoning = "The user wants " + " and ".join(thinks) + ". "
+    if check_tools:
+        reasoning += "I need " + " and ".join(names) + (". It is offered. " if len(names) == 1 else
+                                                       ". Both are offered. ")
+    reasoning += "I will call " + " and ".join(names) + "."
     return {"role": "assistant", "content": "", "reasoning_content": reasoning,
             "tool_calls": [{"id": f"call_{idx}_{i}", "type": "function",
                             "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
@@ -565,11 +570,20 @@ def _direct_turn(s: Sampler) -> tuple[str, str, str]:
 
 
 TWO_CALL_RATE = 0.25  # share of tool_call / tool_result requests asking for two calls (the eval split's)
+ABSENT_RATE = 0.5  # share of no_tool requests asking for a tool that is not offered (the eval split's)
 
 
-def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE) -> Example:
+def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE,
+                 absent_rate: float = ABSENT_RATE, check_tools: bool = False) -> Example:
     """One example of ``kind`` drawn with the sampler ``s`` (its rng and split); a tool request asks
-    for two calls with probability ``two_call_rate``."""
+    for two calls with probability ``two_call_rate``; a no_tool request asks for a tool that is not
+    offered with probability ``absent_rate`` (else it is a greeting, copying or arithmetic).
+
+    ``check_tools`` (training text only; the prompts, and so the eval split, are the same either way):
+    the reasoning names the tool a request needs and then says whether it is offered ("I need
+    get_weather. It is offered." / "It is not offered."), so the model decides call-or-refuse right
+    after writing the tool's name, where "does this name occur in the tool list" is a lookup of the
+    tokens just written (the committed step-3300 checkpoint was trained without it)."""
     r = s.rng
     if kind == "repeat":
         makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
@@ -590,11 +604,12 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
     offered = r.sample(TOOLS, n_tools)
     tools = [t.schema() for t in offered]
     if kind == "no_tool":
-        if r.random() < 0.5:
+        if r.random() < absent_rate:
             absent = r.choice([t for t in TOOLS if t not in offered])
             call = absent.sample(s)
             u = call.request
-            think = f"The user wants {call.think}, but no offered tool can do that."
+            think = (f"The user wants {call.think}. I need {absent.name}. It is not offered." if check_tools
+                     else f"The user wants {call.think}, but no offered tool can do that.")
             a = f"Sorry, I cannot {absent.ask} with the tools I have."
         else:
             u, think, a = _direct_turn(s)
@@ -611,7 +626,8 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
     user = " ".join(c.request for c in sampled) if len(sampled) == 1 else \
         sampled[0].request + " Also, " + sampled[1].request[0].lower() + sampled[1].request[1:]
     calls = [(t.name, c.args) for t, c in zip(picks, sampled)]
-    msgs = [{"role": "user", "content": user}, _assistant_calls(calls, [c.think for c in sampled], idx)]
+    msgs = [{"role": "user", "content": user},
+            _assistant_calls(calls, [c.think for c in sampled], idx, check_tools)]
     if kind == "tool_call":
         return Example(kind, tools, msgs, calls=calls)
     values = [s.result_value(c.result_kind) for c in sampled]
@@ -624,9 +640,10 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
-                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0) -> list[Example]:
+                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, absent_rate: float = ABSENT_RATE,
+                  check_tools: bool = False) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
-    entry), two-call requests at ``two_call_rate``, ``wide`` as in Sampler; deterministic.
+    entry), ``wide`` as in Sampler, the other options as in make_example; deterministic.
 
     Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
     if split not in ("train", "eval"):
@@ -636,7 +653,7 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
     rng = random.Random(f"{split}:{seed}")
     s = Sampler(rng, split, wide)
     kinds = rng.choices(KINDS, weights=weights, k=n)
-    return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
+    return [make_example(s, k, i, two_call_rate, absent_rate, check_tools) for i, k in enumerate(kinds)]
 
 
 def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:

@@ -261,11 +261,13 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
 
 
 def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
-                 two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0
+                 two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0,
+                 absent_rate: float = data.ABSENT_RATE, check_tools: bool = False
                  ) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
     return [encode_example(tok, tpl, ex)
-            for ex in data.make_examples("train", n, seed, weights, two_call_rate, wide)]
+            for ex in data.make_examples("train", n, seed, weights, two_call_rate, wide, absent_rate,
+                                         check_tools)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -381,6 +383,10 @@ def main(argv=None) -> None:
                     help="probability that a made-up word or name in the corpus/drills is data.wide_word")
     ap.add_argument("--drill-vocab-frac", type=float, default=0.0,
                     help="share of drill rows made of random letter tokens (vocab_drill_ids)")
+    ap.add_argument("--absent-rate", type=float, default=data.ABSENT_RATE,
+                    help="share of no_tool requests that ask for a tool that is not offered")
+    ap.add_argument("--check-tools", action="store_true",
+                    help="reasoning names the needed tool, then whether it is offered (data.make_example)")
     ap.add_argument("--kind-weights", type=lambda v: tuple(float(x) for x in v.split(",")),
                     default=data.KIND_WEIGHTS, help=f"corpus mix of {','.join(data.KINDS)} (comma-separated)")
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
@@ -410,7 +416,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     data_seed = args.seed if args.data_seed is None else args.data_seed
     corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
-                          args.wide_words)
+                          args.wide_words, args.absent_rate, args.check_tools)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]

@@ -180,6 +180,24 @@ class LLMEngine:
         with self.lock:
             self.inbox.append(("abort", request_id))
 
+    @property
+    def recovers_from_step_failure(self) -> bool:
+        """Whether a failed ``step()`` can be followed by ``abort_running()`` and more steps: True for
+        a single-process model, False for a multi-rank one (``DistributedModel``: its ranks may be out
+        of step after a failure)."""
+        return getattr(self.runner.model, "recovers_from_step_failure", True)
+
+    def abort_running(self) -> list[str]:
+        """Finish every running request at once (reason "abort", pages freed) and return their ids.
+
+        The recovery after a failed ``step()``: the requests of the failed batch may hold half-updated
+        state (tokens appended, pages partly written), so they end; waiting requests (no computed
+        tokens, no pages) and queued adds are untouched and run in the next steps."""
+        victims = list(self.scheduler.running)
+        for r in victims:
+            self._finish(r, "abort")
+        return [r.request_id for r in victims]
+
     def has_unfinished_requests(self) -> bool:
         """Any request queued, waiting or running."""
         with self.lock:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,10 @@ class DistributedModel:
     pages from the first step's message. ``workers`` (when rank 0 spawned them) is checked before
     every step; a failed collective is reported as WorkerError naming the dead rank if one died.
     """
+
+    # a step that failed on rank 0 may leave the other ranks inside a collective: the engine must not
+    # run another step (serve/async_engine.py gives up at once instead of ending the batch)
+    recovers_from_step_failure: ClassVar[bool] = False
 
     model: Any
     state: ParallelState

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import m2serve
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve import protocol as P
-from m2serve.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from m2serve.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepFailedError
 from m2serve.serve.llm import ChoiceAccumulator
 from m2serve.text.template import TemplateError
 
@@ -816,6 +816,8 @@ def _tool_delta(tc: Any) -> P.ToolCallDelta:
 def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    if isinstance(e, StepFailedError):
+        return APIError(500, str(e), "server_error")
     return APIError(503, str(e), "server_error")
 
 

@@ -37,6 +37,15 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed or was shut down."""
 
 
+class StepFailedError(EngineDeadError):
+    """An engine step raised; the requests of that batch were ended, the engine runs on."""
+
+
+# Consecutive failed steps after which the engine thread gives up (each failure ends the running
+# batch, so a failure that repeats with a new batch is the engine's, not a request's).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
 @dataclass(slots=True)
 class _Tracked:
     queue: asyncio.Queue
@@ -168,7 +177,13 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        """The engine loop. A step that raises ends the requests of its batch (StepFailedError to
+        their clients, pages freed) and the loop goes on with the waiting ones; after
+        MAX_CONSECUTIVE_STEP_FAILURES failures in a row, or after any failure of a multi-rank model
+        (LLMEngine.recovers_from_step_failure), the engine is declared dead (every request fails with
+        EngineDeadError and /health turns 503)."""
         llm = self.llm
+        failures = 0
         while not self._stop.is_set():
             block = not llm.has_unfinished_requests()
             try:
@@ -178,10 +193,23 @@ class AsyncEngine:
                 if not llm.has_unfinished_requests():
                     continue
                 deltas = llm.step()
-            except Exception as e:  # noqa: BLE001 - the engine failed: fail every request, stay up
-                log.exception("engine step failed")
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                msg = f"engine step failed: {type(e).__name__}: {e}"
+                if failures < MAX_CONSECUTIVE_STEP_FAILURES and llm.engine.recovers_from_step_failure:
+                    try:
+                        ended = llm.abort_running()
+                    except Exception:  # noqa: BLE001 - the engine state itself is broken
+                        log.exception("ending the failed batch failed")
+                    else:
+                        for rid in ended:
+                            self._finish_with(rid, StepFailedError(msg + "; this request was ended"))
+                        self._update_gauges()
+                        continue
                 self.error = e
-                self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._fail_all(EngineDeadError(msg))
                 return
             now = time.perf_counter()
             self._update_gauges()

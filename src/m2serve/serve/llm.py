@@ -302,6 +302,14 @@ class LLM:
         if self._procs.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
+    def abort_running(self) -> list[str]:
+        """End the engine's running requests after a failed step (LLMEngine.abort_running) and drop
+        their text state; returns their ids (no final delta is produced for them)."""
+        ids = self.engine.abort_running()
+        for rid in ids:
+            self._procs.pop(rid, None)
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         """True while a request added here has not finished, or the engine still has work
         (an abort it has not applied yet)."""
