@@ -12,16 +12,17 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
   each tool's result value verbatim.
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
   that is not offered); the assistant answers directly without a call.
-- ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic.
+- ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic (one-digit operands).
 - ``repeat``: "repeat after me" with made-up words, digit strings and codes (pure copying drills: they
   teach the induction/copy mechanism that every argument and result value needs).
 
 **Held-out split.** Every free-form value (a city, a name, a number, a date, a list item, a result
 value) belongs to exactly one split by a stable hash: ``crc32(str(value)) % 5 == 0`` is "eval",
 anything else "train". The train split draws only train values and the eval split only eval values,
-so no argument or result value of the eval split ever occurs as a value in training. Enums and
-booleans are finite and shared by both splits; values derived from a held-out value (the hour and
-minute of a held-out time) are held out as a pair, not one by one.
+so no argument or result value of the eval split ever occurs as a value in training. Enums,
+booleans and the one-digit operands of arithmetic turns are finite and shared by both splits;
+values derived from a held-out value (the hour and minute of a held-out time) are held out as a
+pair, not one by one.
 
 Usage: ``make_examples(split="train", n=1000, seed=0)`` -> list[Example]; the same (split, n, seed)
 always gives the same list.
@@ -154,6 +155,9 @@ def wide_word(rng: random.Random, cap: bool = False) -> str:
 class Sampler:
     """Draws values of one split; every free-form value passes ``is_eval_value`` == (split == eval).
 
+    ``arith``: "one_digit" (operands 0–9, shared by both splits: one_digit_sum) or "two_digit"
+    (operands 0–50 of the split; how the first training phases of the committed checkpoint were made).
+
     ``wide`` (training only, default 0): the probability that a made-up word or a name is a
     ``wide_word`` (any letters) instead of a syllable word or a listed name, so that the pieces of
     unseen real words (a held-out ``Munich`` is ``Mun`` + ``ich``) occur as values in training."""
@@ -161,6 +165,7 @@ class Sampler:
     rng: random.Random
     split: str
     wide: float = 0.0
+    arith: str = "one_digit"
 
     def pick(self, make: Callable[[], object], tries: int = 200):
         """Draw from ``make`` until the value belongs to this split (raises if the pool is too small)."""
@@ -539,14 +544,9 @@ class Example:
         return self.messages[:-1]
 
 
-def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int,
-                     check_tools: bool = False) -> dict:
-    names = list(dict.fromkeys(n for n, _ in calls))
-    reasoning = "The user wants " + " and ".join(thinks) + ". "
-    if check_tools:
-        reasoning += "I need " + " and ".join(names) + (". It is offered. " if len(names) == 1 else
-                                                       ". Both are offered. ")
-    reasoning += "I will call " + " and ".join(names) + "."
+def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int) -> dict:
+    reasoning = "The user wants " + " and ".join(thinks) + ". I will call " + \
+        " and ".join(dict.fromkeys(n for n, _ in calls)) + "."
     return {"role": "assistant", "content": "", "reasoning_content": reasoning,
             "tool_calls": [{"id": f"call_{idx}_{i}", "type": "function",
                             "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
@@ -562,28 +562,31 @@ def _direct_turn(s: Sampler) -> tuple[str, str, str]:
         p = s.phrase()
         return (s.choice((f"Repeat after me: {p}", f"Say exactly this: {p}")),
                 "The user wants me to repeat a phrase. No tool is needed.", p)
-    a = s.integer(0, 50)
-    b = s.integer(0, 50)
-    op = s.choice(("plus", "minus")) if a >= b else "plus"
-    val = a + b if op == "plus" else a - b
-    return (f"What is {a} {op} {b}?", f"{a} {op} {b} is {val}. No tool is needed.", f"{a} {op} {b} is {val}.")
+    if s.arith == "two_digit":  # the committed checkpoint's first phases (train.py docstring)
+        a, b = s.integer(0, 50), s.integer(0, 50)
+        op = s.choice(("plus", "minus")) if a >= b else "plus"
+        val = a + b if op == "plus" else a - b
+    else:
+        a, op, b, val = one_digit_sum(s.rng)
+    return f"What is {a} {op} {b}?", f"{a} {op} {b} is {val}. No tool is needed.", f"{a} {op} {b} is {val}."
+
+
+def one_digit_sum(rng: random.Random) -> tuple[int, str, int, int]:
+    """(a, "plus" | "minus", b, value) with one-digit operands (minus only when a >= b). One-digit
+    operands are a finite set shared by both splits, like enums: the 155 facts can be learned, while
+    sums of held-out two-digit operands cannot be by a model this small (it memorises a number's digits
+    instead of reading them: column arithmetic reached 99% on training operands and 0% on held-out ones)."""
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    op = rng.choice(("plus", "minus")) if a >= b else "plus"
+    return a, op, b, a + b if op == "plus" else a - b
 
 
 TWO_CALL_RATE = 0.25  # share of tool_call / tool_result requests asking for two calls (the eval split's)
-ABSENT_RATE = 0.5  # share of no_tool requests asking for a tool that is not offered (the eval split's)
 
 
-def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE,
-                 absent_rate: float = ABSENT_RATE, check_tools: bool = False) -> Example:
-    """One example of ``kind`` drawn with the sampler ``s`` (its rng and split); a tool request asks
-    for two calls with probability ``two_call_rate``; a no_tool request asks for a tool that is not
-    offered with probability ``absent_rate`` (else it is a greeting, copying or arithmetic).
-
-    ``check_tools`` (training text only; the prompts, and so the eval split, are the same either way):
-    the reasoning names the tool a request needs and then says whether it is offered ("I need
-    get_weather. It is offered." / "It is not offered."), so the model decides call-or-refuse right
-    after writing the tool's name, where "does this name occur in the tool list" is a lookup of the
-    tokens just written (the committed step-3300 checkpoint was trained without it)."""
+def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE) -> Example:
+    """One example of ``kind`` drawn with the sampler ``s`` (its rng, split and arithmetic style); a
+    tool request asks for two calls with probability ``two_call_rate``."""
     r = s.rng
     if kind == "repeat":
         makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
@@ -604,12 +607,11 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
     offered = r.sample(TOOLS, n_tools)
     tools = [t.schema() for t in offered]
     if kind == "no_tool":
-        if r.random() < absent_rate:
+        if r.random() < 0.5:
             absent = r.choice([t for t in TOOLS if t not in offered])
             call = absent.sample(s)
             u = call.request
-            think = (f"The user wants {call.think}. I need {absent.name}. It is not offered." if check_tools
-                     else f"The user wants {call.think}, but no offered tool can do that.")
+            think = f"The user wants {call.think}, but no offered tool can do that."
             a = f"Sorry, I cannot {absent.ask} with the tools I have."
         else:
             u, think, a = _direct_turn(s)
@@ -626,8 +628,7 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
     user = " ".join(c.request for c in sampled) if len(sampled) == 1 else \
         sampled[0].request + " Also, " + sampled[1].request[0].lower() + sampled[1].request[1:]
     calls = [(t.name, c.args) for t, c in zip(picks, sampled)]
-    msgs = [{"role": "user", "content": user},
-            _assistant_calls(calls, [c.think for c in sampled], idx, check_tools)]
+    msgs = [{"role": "user", "content": user}, _assistant_calls(calls, [c.think for c in sampled], idx)]
     if kind == "tool_call":
         return Example(kind, tools, msgs, calls=calls)
     values = [s.result_value(c.result_kind) for c in sampled]
@@ -640,10 +641,10 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
-                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, absent_rate: float = ABSENT_RATE,
-                  check_tools: bool = False) -> list[Example]:
+                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit"
+                  ) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
-    entry), ``wide`` as in Sampler, the other options as in make_example; deterministic.
+    entry), two-call requests at ``two_call_rate``, ``wide`` and ``arith`` as in Sampler; deterministic.
 
     Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
     if split not in ("train", "eval"):
@@ -651,9 +652,9 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
     if len(weights) != len(KINDS):
         raise ValueError(f"weights: need one per kind {KINDS}, got {len(weights)}")
     rng = random.Random(f"{split}:{seed}")
-    s = Sampler(rng, split, wide)
+    s = Sampler(rng, split, wide, arith)
     kinds = rng.choices(KINDS, weights=weights, k=n)
-    return [make_example(s, k, i, two_call_rate, absent_rate, check_tools) for i, k in enumerate(kinds)]
+    return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
 
 
 def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:
@@ -673,3 +674,23 @@ def drill_text(rng: random.Random, wide: float = 0.0) -> str:
               lambda: s.code(rng.randint(1, 3), rng.randint(1, 4)), s.date, s.clock, lambda: str(s.amount()),
               lambda: s.choice(FOODS_TODO), s.phrase)
     return " ".join(rng.choice(makers)() for _ in range(rng.randint(3, 8)))
+
+
+def arith_drill(rng: random.Random) -> list[tuple[str, str]]:
+    """An arithmetic drill (train.py --arith-rows): 4–10 (question, answer) pairs "7 plus 5 " /
+    "is 12. " of one_digit_sum."""
+    out = []
+    for _ in range(rng.randint(4, 10)):
+        a, op, b, val = one_digit_sum(rng)
+        out.append((f"{a} {op} {b} ", f"is {val}. "))
+    return out
+
+
+def arith_chat(rng: random.Random) -> Example:
+    """A one-turn arithmetic chat (train.py --arith-chat): "What is 7 plus 5?" answered as the plain
+    kind answers it (one_digit_sum)."""
+    a, op, b, val = one_digit_sum(rng)
+    return Example("plain", None, [
+        {"role": "user", "content": f"What is {a} {op} {b}?"},
+        {"role": "assistant", "content": f"{a} {op} {b} is {val}.",
+         "reasoning_content": f"{a} {op} {b} is {val}. No tool is needed."}])
