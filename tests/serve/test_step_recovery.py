@@ -38,12 +38,16 @@ class PoisonedRunner:
         return getattr(self._runner, name)
 
 
+def _llm(model_dir):
+    parser = build_parser()
+    argv = ["serve", "--model", str(model_dir), "--dtype", "float32", "--num-kv-pages", "64",
+            "--kv-cache-page-size", "16"]
+    return _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
+
+
 @pytest.fixture()
 def served(tiny_random_dir):
-    parser = build_parser()
-    argv = ["serve", "--model", str(tiny_random_dir), "--dtype", "float32", "--num-kv-pages", "64",
-            "--kv-cache-page-size", "16"]
-    llm = _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
+    llm = _llm(tiny_random_dir)
     runner = PoisonedRunner(llm.engine.runner)
     llm.engine.runner = runner
     with TestClient(build_app(AsyncEngine(llm), ServerSettings(served_model_name="m"))) as client:
@@ -122,3 +126,19 @@ def test_a_multi_rank_model_is_not_stepped_again_after_a_failure(served):
     assert llm.engine.recovers_from_step_failure is False
     assert _complete(client, [1, POISON]).status_code == 503
     assert client.get("/health").status_code == 503
+
+
+def test_a_request_finished_inside_the_failed_step_is_ended_too(tiny_random_dir):
+    # the step failed after the engine had finished a request (e.g. in the text layer): its output was
+    # lost with the step, so LLM.abort_running ends it as well instead of leaving it waiting forever
+    # (no server here: the test drives the engine itself)
+    from m2serve.engine.sampling import SamplingParams
+
+    llm = _llm(tiny_random_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.add_request("done-in-step", [1, 2, 3], params, llm.new_processor("done-in-step", params))
+    finished = [o for o in llm.engine.step() if o.finished]  # the engine's step alone: the LLM never sees it
+    assert [o.request_id for o in finished] == ["done-in-step"]
+    assert llm.has_unfinished_requests()  # its text state still waits for an output
+    assert llm.abort_running() == ["done-in-step"]
+    assert not llm.has_unfinished_requests()

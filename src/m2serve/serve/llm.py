@@ -304,8 +304,12 @@ class LLM:
 
     def abort_running(self) -> list[str]:
         """End the engine's running requests after a failed step (LLMEngine.abort_running) and drop
-        their text state; returns their ids (no final delta is produced for them)."""
+        their text state, and that of requests the engine already finished in the failed step (their
+        outputs were lost with it); returns all their ids (no final delta is produced for them)."""
         ids = self.engine.abort_running()
+        with self.engine.lock:
+            live = set(self.engine.live_ids)
+        ids += [rid for rid in self._procs if rid not in live and rid not in ids]
         for rid in ids:
             self._procs.pop(rid, None)
         return ids
