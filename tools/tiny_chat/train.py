@@ -513,13 +513,13 @@ def main(argv=None) -> None:
         else:
             loss_total = loss
         if args.arith_rows:
-            m_ids, m_valid, m_labels = arith_batch(tok, args.arith_rows, args.seed, step, args.arith_chat)
-            m_hidden, m_loads = model(m_ids, m_valid)
-            m_sel = m_labels != -100
-            m_logits = F.linear(m_hidden[m_sel], model.unembed)
-            m_loss = F.cross_entropy(m_logits, m_labels[m_sel])
-            loss_total = loss_total + m_loss
-            loads = [a + b for a, b in zip(loads, m_loads)]
+            ar_ids, ar_valid, ar_labels = arith_batch(tok, args.arith_rows, args.seed, step, args.arith_chat)
+            ar_hidden, ar_loads = model(ar_ids, ar_valid)
+            ar_sel = ar_labels != -100
+            ar_logits = F.linear(ar_hidden[ar_sel], model.unembed)
+            ar_loss = F.cross_entropy(ar_logits, ar_labels[ar_sel])
+            loss_total = loss_total + ar_loss
+            loads = [a + b for a, b in zip(loads, ar_loads)]
         opt.zero_grad(set_to_none=True)
         loss_total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -540,8 +540,8 @@ def main(argv=None) -> None:
                **({"drill_loss": round(d_loss.item(), 4),
                    "drill_acc": round((d_logits.argmax(-1) == d_labels[d_sel]).float().mean().item(), 4)}
                   if args.drill_rows else {}),
-               **({"arith_loss": round(m_loss.item(), 4),
-                   "arith_acc": round((m_logits.argmax(-1) == m_labels[m_sel]).float().mean().item(), 4)}
+               **({"arith_loss": round(ar_loss.item(), 4),
+                   "arith_acc": round((ar_logits.argmax(-1) == ar_labels[ar_sel]).float().mean().item(), 4)}
                   if args.arith_rows else {}),
                "lr": opt.param_groups[0]["lr"], "tok_s": round(tps), "time": time.time()}
         log.write(json.dumps(rec) + "\n")
