@@ -568,6 +568,11 @@ def _direct_turn(s: Sampler) -> tuple[str, str, str]:
         val = a + b if op == "plus" else a - b
     else:
         a, op, b, val = one_digit_sum(s.rng)
+    return arith_turn(a, op, b, val)
+
+
+def arith_turn(a: int, op: str, b: int, val: int) -> tuple[str, str, str]:
+    """(user text, reasoning, answer) of an arithmetic turn: "What is 7 plus 5?" -> "7 plus 5 is 12."."""
     return f"What is {a} {op} {b}?", f"{a} {op} {b} is {val}. No tool is needed.", f"{a} {op} {b} is {val}."
 
 
@@ -689,8 +694,6 @@ def arith_drill(rng: random.Random) -> list[tuple[str, str]]:
 def arith_chat(rng: random.Random) -> Example:
     """A one-turn arithmetic chat (train.py --arith-chat): "What is 7 plus 5?" answered as the plain
     kind answers it (one_digit_sum)."""
-    a, op, b, val = one_digit_sum(rng)
-    return Example("plain", None, [
-        {"role": "user", "content": f"What is {a} {op} {b}?"},
-        {"role": "assistant", "content": f"{a} {op} {b} is {val}.",
-         "reasoning_content": f"{a} {op} {b} is {val}. No tool is needed."}])
+    u, think, a = arith_turn(*one_digit_sum(rng))
+    return Example("plain", None, [{"role": "user", "content": u},
+                                   {"role": "assistant", "content": a, "reasoning_content": think}])

@@ -295,10 +295,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     def _check_unicode(text: str, param: str, tools: list[P.ToolDef] | None = None) -> None:
         """A lone UTF-16 surrogate (legal in JSON "\\ud800", not Unicode) is a 400 naming ``param``, or
         ``tools`` when ``text`` is a rendered chat and the surrogate is in its ``tools``."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            if tools and not _is_unicode(json.dumps([t.model_dump() for t in tools], ensure_ascii=False)):
+        e = _lone_surrogate(text)
+        if e is not None:
+            if tools and _lone_surrogate(json.dumps([t.model_dump() for t in tools], ensure_ascii=False)):
                 param = "tools"
             raise APIError(
                 400,
@@ -767,13 +766,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _is_unicode(text: str) -> bool:
-    """False if ``text`` holds a lone UTF-16 surrogate (it cannot be encoded as UTF-8)."""
+def _lone_surrogate(text: str) -> UnicodeEncodeError | None:
+    """The UnicodeEncodeError of ``text``'s first lone UTF-16 surrogate (which UTF-8 cannot encode), or
+    None when it has none."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    except UnicodeEncodeError as e:
+        return e
+    return None
 
 
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:
