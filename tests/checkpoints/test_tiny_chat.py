@@ -137,21 +137,13 @@ def m2serve_outputs():
 
 
 def test_accuracy_floors_on_fixed_subset(m2serve_outputs):
-    # issue 6 "must show": floors 80% / 80% / 80% on a fixed 50-example held-out subset,
-    # greedy through the m2serve engine and parser (the no_tool floor: the next test)
+    # issue 6 "must show": floors 80% / 80% / 80% on a fixed 50-example held-out subset, greedy through
+    # the m2serve engine and parser; for no_tool, a call the parser rejects (to a tool that was not
+    # offered) counts as a call (evaluate.made_call)
     r = ev.rates(_subset(), m2serve_outputs)
-    for kind in ("tool_call", "tool_result"):
+    for kind in ("tool_call", "tool_result", "no_tool"):
         ok, n = r[kind]
         assert ok >= 0.8 * n, f"{kind}: {ok}/{n} below the 80% floor"
-
-
-@pytest.mark.xfail(strict=True, reason="issue 6 open: the model calls a requested tool that is not offered "
-                   "(held-out no_tool rate 47%; an earlier scoring counted such rejected calls as no call)")
-def test_no_call_when_no_offered_tool_fits(m2serve_outputs):
-    # issue 6 "must show": requests with tools but none fitting make no call (80% floor); a call the
-    # parser rejects (to a tool that was not offered) counts as a call (evaluate.made_call)
-    ok, n = ev.rates(_subset(), m2serve_outputs)["no_tool"]
-    assert ok >= 0.8 * n, f"no_tool: {ok}/{n} below the 80% floor"
 
 
 def test_a_rejected_call_still_counts_as_a_call():
@@ -214,3 +206,28 @@ def test_values_tokenise_the_same_in_request_and_call():
                 assert _contains(user, ids) and _contains(call, ids), v
                 checked += 1
     assert checked >= 40
+
+
+def test_verdict_token_is_copyable_exactly_when_the_tool_is_offered():
+    # tools/tiny_chat/data.py verdict_reasoning: after 'I need "NAME' the next token is '", ' (offered) or
+    # '". ' (not offered). The offered verdict must be copyable from the prompt: the tokens '"NAME", '
+    # occur in the rendered tool list when the tool is offered and nowhere in the prompt when it is not.
+    import random
+
+    tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
+    tpl = data.load_template(CKPT / "chat_template.jinja")
+    s = data.Sampler(random.Random(5), "eval")
+    for _ in range(60):
+        offered, absent, name = data.verdict_prompt(s, tpl)
+        quoted = tok.encode(f'"{name}", x', add_special_tokens=False).ids[:-1]
+        head = "The user wants "
+        for text, want in ((offered, True), (absent, False)):
+            prompt = tok.encode(text[: text.rindex(head)], add_special_tokens=False).ids
+            assert _contains(prompt, quoted) == want, (name, want)
+        for text, verdict in ((offered, True), (absent, False)):
+            reasoning = data.verdict_reasoning("x", [name], verdict)
+            rest = reasoning[reasoning.index(name) + len(name):]  # '", which is ...' / '". It is not ...'
+            before = tok.encode(text, add_special_tokens=False).ids
+            full = tok.encode(text + rest, add_special_tokens=False)
+            assert full.ids[: len(before)] == before
+            assert full.tokens[len(before)] == ('",Ġ' if verdict else '".Ġ'), (name, verdict)

@@ -87,11 +87,13 @@ def test_weather_tool_call_streamed_and_answered(client):
 def test_thinking_temperature_samples_only_the_reasoning(client):
     # serving.md §10 thinking_temperature: temperature 0 + a high thinking temperature -> reasoning
     # varies with the seed, every token after </think> is the argmax of its distribution.
-    # An arithmetic prompt: its reasoning carries numbers, so sampling there visibly varies.
+    # A request of a kind the model was never trained on (multiplication; it learned one-digit sums), so
+    # its reasoning distribution is broad and sampling visibly varies. (An untrained two-digit sum served
+    # here until a retrain made the model answer it with a confident wrong digit: no variation at all.)
     reasonings, closed = set(), 0
     for seed in range(6):
         resp = client.chat.completions.create(
-            model="tiny-chat", messages=[{"role": "user", "content": "What is 17 plus 25?"}],
+            model="tiny-chat", messages=[{"role": "user", "content": "What is 7 times 8?"}],
             temperature=0, seed=seed, max_tokens=100, logprobs=True, top_logprobs=5,
             extra_body={"thinking_temperature": 1.5})
         choice = resp.choices[0]

@@ -7,7 +7,8 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
 - ``tool_call``: 1–3 tools drawn from a pool of ~20 schemas (string, integer, number, boolean, enum,
   array and object parameters, some optional); the user request states the argument values; the
   assistant reasons briefly (``<think>``…``</think>``) and makes one or two calls whose values are
-  copied or derived (an hour and minute from "7:45", a boolean from "urgent") from the request.
+  copied or derived (an hour and minute from "7:45", a boolean from "urgent") from the request. The
+  reasoning names the needed tool and whether it is offered (verdict_reasoning).
 - ``tool_result``: the same, followed by the tool response(s) and a short final answer that contains
   each tool's result value verbatim.
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
@@ -143,6 +144,9 @@ _NUCLEI = "a e i o u y a e i o u ai ea ee ie oo ou au ei oa ue".split()
 _CODAS = ("n r l s t m d g k x z ch ck ng nd nt st rt rd rs ll ss tt ff sh th mp ns").split() + [""] * 12
 
 
+TEMPLATE_WORDS = ("is", "in", "at", "on", "to", "for")  # words that follow a value in the answers
+
+
 def wide_word(rng: random.Random, cap: bool = False) -> str:
     """A made-up word of any letters: 1–3 random (onset, vowel, coda) syllables over the whole alphabet
     (training values whose BPE pieces cover the letter tokens, not just the SYLLABLES inventory)."""
@@ -158,6 +162,16 @@ class Sampler:
     ``arith``: "one_digit" (operands 0–9, shared by both splits: one_digit_sum) or "two_digit"
     (operands 0–50 of the split; how the first training phases of the committed checkpoint were made).
 
+    ``verdict`` (default True): a tool request's reasoning names the needed tool in quotes and says
+    whether it is offered (``I need "get_weather", which is offered.`` / ``I need "get_weather". It is
+    not offered, ...``); see verdict_reasoning. False: the reasoning of the first training phases
+    (``I will call get_weather.`` / ``..., but no offered tool can do that.``).
+
+    ``suffix`` (training only, default 0): the probability that a made-up word ends in a word of the
+    answer templates (TEMPLATE_WORDS: ``Lomoris``), so the model learns where a copied value ends when
+    its last BPE piece is the template word that follows it ("The weather in Paris is ...", where
+    ``Paris`` is ``P`` + ``ar`` + ``is``).
+
     ``wide`` (training only, default 0): the probability that a made-up word or a name is a
     ``wide_word`` (any letters) instead of a syllable word or a listed name, so that the pieces of
     unseen real words (a held-out ``Munich`` is ``Mun`` + ``ich``) occur as values in training."""
@@ -166,6 +180,8 @@ class Sampler:
     split: str
     wide: float = 0.0
     arith: str = "one_digit"
+    verdict: bool = True
+    suffix: float = 0.0
 
     def pick(self, make: Callable[[], object], tries: int = 200):
         """Draw from ``make`` until the value belongs to this split (raises if the pool is too small)."""
@@ -186,8 +202,11 @@ class Sampler:
     def word(self, cap: bool = False) -> str:
         r = self.rng
         if self.wide and r.random() < self.wide:
-            return wide_word(r, cap)
-        w = "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3)))
+            w = wide_word(r)
+        else:
+            w = "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3)))
+        if self.suffix and r.random() < self.suffix:
+            w += r.choice(TEMPLATE_WORDS)
         return w.capitalize() if cap else w
 
     def person(self) -> str:
@@ -544,9 +563,46 @@ class Example:
         return self.messages[:-1]
 
 
-def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int) -> dict:
-    reasoning = "The user wants " + " and ".join(thinks) + ". I will call " + \
-        " and ".join(dict.fromkeys(n for n, _ in calls)) + "."
+def verdict_reasoning(wants: str, names: list[str], offered: bool) -> str:
+    """Reasoning of a tool request in the ``verdict`` format: ``The user wants {wants}. I need "NAME"``
+    then ``", which is offered.`` (one tool; ``", and "B", both offered.`` for two) or ``". It is not
+    offered, so I cannot call it.``.
+
+    Why: the token after the quoted name decides between calling and answering directly. When the tool is
+    offered, the system prompt's schema holds the same tokens (``"name": "get_weather", ...``), so that
+    token (``",``) is what an induction head copies from it; when it is not offered there is nothing to
+    copy. The model thereby reads the tool list with the copy mechanism it already has (before this
+    format it called requested tools that were not offered: 0/32 held-out no-calls)."""
+    quoted = " and ".join(f'"{n}",' for n in names)
+    if not offered:
+        return f'The user wants {wants}. I need "{names[0]}". It is not offered, so I cannot call it.'
+    return f"The user wants {wants}. I need {quoted} " + ("which is offered." if len(names) == 1 else
+                                                            "both offered.")
+
+
+def verdict_prompt(s: Sampler, tpl: jinja2.Template) -> tuple[str, str, str]:
+    """A verdict drill (train.py --verdict-rows): one tool request rendered twice, with its tool offered
+    and with another in its place (1–3 tools, same shuffle otherwise) -> (offered text, not-offered text,
+    ``name``): each text is the rendered prompt plus ``The user wants ... I need "NAME``, so the next
+    token is the verdict (``", `` or ``". ``, verdict_reasoning)."""
+    r = s.rng
+    need = r.choice(TOOLS)
+    call = need.sample(s)
+    k = r.choices((1, 2, 3), weights=(0.5, 0.3, 0.2))[0]
+    others = r.sample([t for t in TOOLS if t is not need], k - 1)
+    other = r.choice([t for t in TOOLS if t is not need and t not in others])
+    pos = r.randrange(k)
+    head = f'The user wants {call.think}. I need "{need.name}'
+    user = [{"role": "user", "content": call.request}]
+    texts = [render(tpl, user, [t.schema() for t in others[:pos] + [t] + others[pos:]], True) + head
+             for t in (need, other)]
+    return texts[0], texts[1], need.name
+
+
+def _assistant_calls(calls: list[tuple[str, dict]], thinks: list[str], idx: int, verdict: bool) -> dict:
+    names = list(dict.fromkeys(n for n, _ in calls))
+    reasoning = verdict_reasoning(" and ".join(thinks), names, True) if verdict else \
+        "The user wants " + " and ".join(thinks) + ". I will call " + " and ".join(names) + "."
     return {"role": "assistant", "content": "", "reasoning_content": reasoning,
             "tool_calls": [{"id": f"call_{idx}_{i}", "type": "function",
                             "function": {"name": n, "arguments": a}} for i, (n, a) in enumerate(calls)]}
@@ -616,7 +672,8 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
             absent = r.choice([t for t in TOOLS if t not in offered])
             call = absent.sample(s)
             u = call.request
-            think = f"The user wants {call.think}, but no offered tool can do that."
+            think = verdict_reasoning(call.think, [absent.name], False) if s.verdict else \
+                f"The user wants {call.think}, but no offered tool can do that."
             a = f"Sorry, I cannot {absent.ask} with the tools I have."
         else:
             u, think, a = _direct_turn(s)
@@ -633,7 +690,8 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
     user = " ".join(c.request for c in sampled) if len(sampled) == 1 else \
         sampled[0].request + " Also, " + sampled[1].request[0].lower() + sampled[1].request[1:]
     calls = [(t.name, c.args) for t, c in zip(picks, sampled)]
-    msgs = [{"role": "user", "content": user}, _assistant_calls(calls, [c.think for c in sampled], idx)]
+    msgs = [{"role": "user", "content": user},
+            _assistant_calls(calls, [c.think for c in sampled], idx, s.verdict)]
     if kind == "tool_call":
         return Example(kind, tools, msgs, calls=calls)
     values = [s.result_value(c.result_kind) for c in sampled]
@@ -646,10 +704,12 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
-                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit"
-                  ) -> list[Example]:
+                  two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
+                  verdict: bool = True, suffix: float = 0.0) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
-    entry), two-call requests at ``two_call_rate``, ``wide`` and ``arith`` as in Sampler; deterministic.
+    entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict`` and ``suffix`` as in
+    Sampler;
+    deterministic.
 
     Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
     if split not in ("train", "eval"):
@@ -657,7 +717,7 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
     if len(weights) != len(KINDS):
         raise ValueError(f"weights: need one per kind {KINDS}, got {len(weights)}")
     rng = random.Random(f"{split}:{seed}")
-    s = Sampler(rng, split, wide, arith)
+    s = Sampler(rng, split, wide, arith, verdict, suffix)
     kinds = rng.choices(KINDS, weights=weights, k=n)
     return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
 

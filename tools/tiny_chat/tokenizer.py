@@ -51,7 +51,7 @@ def corpus(n: int = CORPUS_EXAMPLES, seed: int = CORPUS_SEED) -> list[str]:
     """Rendered training conversations (train split only, so eval values do not shape the vocab)."""
     tpl = data.load_template()
     return [data.render(tpl, e.messages, e.tools, add_generation_prompt=False)
-            for e in data.make_examples("train", n, seed, arith="two_digit")]
+            for e in data.make_examples("train", n, seed, arith="two_digit", verdict=False)]
 
 
 def train_tokenizer() -> Tokenizer:

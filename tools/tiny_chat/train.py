@@ -1,27 +1,40 @@
 """Resumable training of `tiny-chat`, a small MiniMax-M2 model trained on the synthetic chats (issue 6).
 
-Commands of the committed checkpoint (each line resumes where the previous one stopped; ~4 h in all
+Commands of the committed checkpoint (each line resumes where the previous one stopped; ~4.5 h in all
 with two threads on an otherwise idle 2-core machine)::
 
-    A="--out RUN --examples 20000 --max-tokens 2400 --threads 2 --arith two_digit"
+    A="--out RUN --examples 20000 --max-tokens 2400 --threads 2 --arith two_digit --no-verdict"
     python tools/tiny_chat/train.py $A --steps 3000 --stop-at 905
     python tools/tiny_chat/train.py $A --steps 3000 --drill-rows 16 --stop-at 1239
     python tools/tiny_chat/train.py $A --steps 2600 --drill-rows 48 --stop-at 1437
     python tools/tiny_chat/train.py $A --steps 2400 --drill-rows 24
     python tools/tiny_chat/train.py $A --steps 3300 --drill-rows 24
     python tools/tiny_chat/train.py $A --steps 4100 --drill-rows 24
-    B="--out RUN --examples 24000 --max-tokens 2400 --threads 2 --arith two_digit --data-seed 1
+    B="--out RUN --examples 24000 --max-tokens 2400 --threads 2 --arith two_digit --no-verdict --data-seed 1
        --two-call-rate 0.5 --wide-words 0.5 --drill-vocab-frac 0.5 --kind-weights 0.40,0.30,0.10,0.06,0.14
        --lr 1e-3 --decay-frac 0.6 --drill-rows 16"
     python tools/tiny_chat/train.py $B --steps 7600 --stop-at 4286
     python tools/tiny_chat/train.py $B --steps 9000
     C="--examples 24000 --max-tokens 2400 --threads 2 --two-call-rate 0.5 --wide-words 0.5
-       --drill-vocab-frac 0.5 --kind-weights 0.38,0.28,0.12,0.08,0.14 --decay-frac 0.5 --drill-rows 8"
+       --drill-vocab-frac 0.5 --kind-weights 0.38,0.28,0.12,0.08,0.14 --decay-frac 0.5 --drill-rows 8
+       --no-verdict"
     python tools/tiny_chat/train.py $C --out RUN2 --init-from RUN/ckpt.pt --data-seed 4 --arith-rows 16 \
         --lr 5e-4 --steps 600
     python tools/tiny_chat/train.py $C --out RUN3 --init-from RUN2/ckpt.pt --data-seed 5 --arith-rows 24 \
         --arith-chat --lr 3e-4 --steps 400
-    python tools/tiny_chat/export.py RUN3 src/m2serve/checkpoints/tiny-chat
+    D="--max-tokens 2400 --threads 2 --two-call-rate 0.5 --wide-words 0.5 --drill-vocab-frac 0.5
+       --decay-frac 0.5 --drill-rows 8"
+    python tools/tiny_chat/train.py $D --out RUN4 --init-from RUN3/ckpt.pt --examples 12000 --data-seed 6 \
+        --kind-weights 0.36,0.28,0.16,0.06,0.14 --arith-rows 16 --arith-chat --verdict-rows 4 --lr 5e-4 \
+        --steps 500
+    python tools/tiny_chat/train.py $D --out RUN5 --init-from RUN4/ckpt.pt --examples 8000 --data-seed 7 \
+        --kind-weights 0.36,0.28,0.16,0.06,0.14 --arith-rows 16 --arith-chat --verdict-rows 2 --lr 2e-4 \
+        --steps 200
+    python tools/tiny_chat/train.py $D --out RUN6 --init-from RUN5/ckpt.pt --examples 8000 --data-seed 8 \
+        --kind-weights 0.34,0.34,0.14,0.06,0.12 --verdict-rows 2 --lr 2e-4 --steps 150
+    python tools/tiny_chat/train.py $D --out RUN7 --init-from RUN6/ckpt.pt --examples 8000 --data-seed 9 \
+        --kind-weights 0.32,0.38,0.14,0.06,0.10 --suffix-words 0.3 --verdict-rows 2 --lr 2e-4 --steps 200
+    python tools/tiny_chat/export.py RUN7 src/m2serve/checkpoints/tiny-chat
 
 (the schedule was changed by hand while watching the run: copying did not emerge from the chats
 alone, so copy drills were added; once the drill accuracy jumped (the induction-head phase change,
@@ -33,14 +46,24 @@ values over the whole alphabet (``--wide-words``, data.wide_word) and drills of 
 Its arithmetic answers were guesses (two-digit operands held out: "29 plus 48 is 38"), near-ties that
 re-quantisation flipped (issue 7's bound), so ``$C`` moves arithmetic to one-digit operands shared by
 both splits (``--arith one_digit``, the default) and drills the 155 facts (``--arith-rows``), first as
-lines, then as one-turn chats.)
+lines, then as one-turn chats. Until then the model called a requested tool that was not offered
+(held-out no-tool rate 47%): it had never needed to read the tool list. ``$D`` changes the
+tool-request reasoning to the ``verdict`` format (data.verdict_reasoning, ``--verdict``, the default):
+``I need "get_weather"`` is followed by ``", which is offered.`` only when the schema holds the same
+tokens, so the deciding token is a copy from the tool list, which the model's induction heads already
+do; verdict drills (``--verdict-rows``: the same request with its tool offered and not, loss on that
+token) reached 100% held-out verdict accuracy within ~50 steps, where a verdict that was not a copy
+had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``Paris`` is ``P`` +
+``ar`` + ``is``, and after the value the model answered "The weather in Paris 9 C." (the arithmetic
+"is " -> digit habit; RUN3 had a 12-nat margin there, RUN4 a near-tie). RUN5 and RUN6 (no arithmetic
+drills, more tool results) did not restore it; RUN7's made-up words ending in template words
+(``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
 
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
 operands (99% on training operands, 0% on held-out ones: the model memorises a number's digits rather
-than reading them); and for the no-tool gap (the model calls a requested tool that is not offered),
-reasoning that names the needed tool and then says whether it is offered, with dense drills of that
-verdict: 300 steps left the verdict at chance (the model has never needed to read the tool list; a
-longer run may still find the circuit).
+than reading them); and for the no-tool gap, reasoning that names the needed tool unquoted and then
+says ``It is offered.`` / ``It is not offered.``, with dense drills of that verdict: 300 steps left
+the verdict at chance (the verdict word is not a copy of anything in the prompt).
 
 What made copying learnable, after a first attempt (2000 steps, o200k-style tokenizer, untied
 embeddings) learned the format but copied nothing:
@@ -67,7 +90,8 @@ exported checkpoint exercises the bias path with real, non-zero values.
 Loss: next-token cross-entropy on assistant tokens only — for each assistant turn after the last user
 message, the tokens after the generation prompt ``]~b]ai\\n<think>\\n`` up to and including ``[e~[``.
 With ``--drill-rows``, plus the drill rows' loss on their repeated half (weight ``--drill-weight``);
-with ``--arith-rows``, plus the arithmetic rows' loss on their answers (a third forward).
+with ``--arith-rows``, plus the arithmetic rows' loss on their answers (a third forward); with
+``--verdict-rows``, plus the verdict drills' loss on their verdict token (a fourth forward).
 
 Shape legend: B batch, T tokens per row, N valid tokens, H hidden, Hq/Hkv heads, D head_dim,
 E experts, K top-k, I intermediate, V vocab.
@@ -272,11 +296,11 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
 
 
 def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
-                 two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit"
-                 ) -> list[tuple[list[int], list[bool]]]:
+                 two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
+                 verdict: bool = True, suffix: float = 0.0) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
-    return [encode_example(tok, tpl, ex)
-            for ex in data.make_examples("train", n, seed, weights, two_call_rate, wide, arith)]
+    return [encode_example(tok, tpl, ex) for ex in data.make_examples(
+        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -375,6 +399,31 @@ def arith_batch(tok, rows: int, seed: int, step: int, chat: bool = False
     return collate(items)
 
 
+def verdict_batch(tok, pairs: int, seed: int, step: int, wide: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pairs`` verdict drills (data.verdict_prompt) for ``step``: each tool request with its tool
+    offered (target ``", ``) and not offered (target ``". ``), the loss on that one verdict token
+    -> ids [2P, T], valid [2P, T], labels [2P, T]. Deterministic in (seed, step).
+
+    Raises RuntimeError if a verdict is not one token of ``tok``."""
+    rng = random.Random(f"verdict:{seed}:{step}")
+    s = data.Sampler(rng, "train", wide)
+    tpl = data.load_template()
+    targets = []
+    for text in ('", x', '". x'):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if len(ids) != 2:
+            raise RuntimeError(f"verdict {text[:-1]!r} is not one token: {ids}")
+        targets.append(ids[0])
+    items = []
+    for _ in range(pairs):
+        *texts, _name = data.verdict_prompt(s, tpl)
+        for text, target in zip(texts, targets):
+            ids = tok.encode(text, add_special_tokens=False).ids + [target]
+            items.append((ids, [False] * (len(ids) - 1) + [True]))
+    return collate(items)
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, decay_frac: float) -> float:
     """Warmup, constant, then linear decay to 10% over the last ``decay_frac`` of the steps (so --steps
     can change on resume without disturbing the schedule until the decay starts)."""
@@ -410,11 +459,20 @@ def main(argv=None) -> None:
                     help="share of tool requests asking for two calls in the training corpus")
     ap.add_argument("--wide-words", type=float, default=0.0,
                     help="probability that a made-up word or name in the corpus/drills is data.wide_word")
+    ap.add_argument("--suffix-words", type=float, default=0.0,
+                    help="probability that a made-up word in the corpus ends in a template word "
+                         "(data.TEMPLATE_WORDS: 'Lomoris')")
     ap.add_argument("--drill-vocab-frac", type=float, default=0.0,
                     help="share of drill rows made of random letter tokens (vocab_drill_ids)")
     ap.add_argument("--arith", choices=("one_digit", "two_digit"), default="one_digit",
                     help="arithmetic turns of the corpus (data.Sampler): one-digit operands, or two-digit "
                          "operands of the training split (the committed checkpoint's first phases)")
+    ap.add_argument("--verdict", action=argparse.BooleanOptionalAction, default=True,
+                    help="tool requests reason 'I need \"NAME\", which is offered.' / '... not offered' "
+                         "(data.verdict_reasoning); --no-verdict: the first phases' reasoning")
+    ap.add_argument("--verdict-rows", type=int, default=0,
+                    help="verdict drill pairs per step (verdict_batch: offered and not, loss on the verdict "
+                         "token), a fourth forward")
     ap.add_argument("--kind-weights", type=lambda v: tuple(float(x) for x in v.split(",")),
                     default=data.KIND_WEIGHTS, help=f"corpus mix of {','.join(data.KINDS)} (comma-separated)")
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
@@ -448,7 +506,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     data_seed = args.seed if args.data_seed is None else args.data_seed
     corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
-                          args.wide_words, args.arith)
+                          args.wide_words, args.arith, args.verdict, args.suffix_words)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
@@ -520,6 +578,14 @@ def main(argv=None) -> None:
             ar_loss = F.cross_entropy(ar_logits, ar_labels[ar_sel])
             loss_total = loss_total + ar_loss
             loads = [a + b for a, b in zip(loads, ar_loads)]
+        if args.verdict_rows:
+            v_ids, v_valid, v_labels = verdict_batch(tok, args.verdict_rows, args.seed, step, args.wide_words)
+            v_hidden, v_loads = model(v_ids, v_valid)
+            v_sel = v_labels != -100
+            v_logits = F.linear(v_hidden[v_sel], model.unembed)
+            v_loss = F.cross_entropy(v_logits, v_labels[v_sel])
+            loss_total = loss_total + v_loss
+            loads = [a + b for a, b in zip(loads, v_loads)]
         opt.zero_grad(set_to_none=True)
         loss_total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -543,6 +609,9 @@ def main(argv=None) -> None:
                **({"arith_loss": round(ar_loss.item(), 4),
                    "arith_acc": round((ar_logits.argmax(-1) == ar_labels[ar_sel]).float().mean().item(), 4)}
                   if args.arith_rows else {}),
+               **({"verdict_loss": round(v_loss.item(), 4),
+                   "verdict_acc": round((v_logits.argmax(-1) == v_labels[v_sel]).float().mean().item(), 4)}
+                  if args.verdict_rows else {}),
                "lr": opt.param_groups[0]["lr"], "tok_s": round(tps), "time": time.time()}
         log.write(json.dumps(rec) + "\n")
         log.flush()
