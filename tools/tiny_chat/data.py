@@ -592,7 +592,8 @@ def verdict_prompt(s: Sampler, tpl: jinja2.Template) -> tuple[str, str, str]:
     others = r.sample([t for t in TOOLS if t is not need], k - 1)
     other = r.choice([t for t in TOOLS if t is not need and t not in others])
     pos = r.randrange(k)
-    head = f'The user wants {call.think}. I need "{need.name}'
+    full = verdict_reasoning(call.think, [need.name], True)
+    head = full[: full.index(f'"{need.name}"') + 1 + len(need.name)]  # up to the verdict token
     user = [{"role": "user", "content": call.request}]
     texts = [render(tpl, user, [t.schema() for t in others[:pos] + [t] + others[pos:]], True) + head
              for t in (need, other)]
@@ -708,8 +709,7 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
                   verdict: bool = True, suffix: float = 0.0) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
     entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict`` and ``suffix`` as in
-    Sampler;
-    deterministic.
+    Sampler; deterministic.
 
     Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
     if split not in ("train", "eval"):

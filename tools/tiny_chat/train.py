@@ -55,8 +55,8 @@ do; verdict drills (``--verdict-rows``: the same request with its tool offered a
 token) reached 100% held-out verdict accuracy within ~50 steps, where a verdict that was not a copy
 had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``Paris`` is ``P`` +
 ``ar`` + ``is``, and after the value the model answered "The weather in Paris 9 C." (the arithmetic
-"is " -> digit habit; RUN3 had a 12-nat margin there, RUN4 a near-tie). RUN5 and RUN6 (no arithmetic
-drills, more tool results) did not restore it; RUN7's made-up words ending in template words
+"is " -> digit habit; RUN3 had a 12-nat margin there, RUN4 a near-tie). RUN5 (a lower LR) and RUN6 (no
+arithmetic drills, more tool results) did not restore it; RUN7's made-up words ending in template words
 (``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
 
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
