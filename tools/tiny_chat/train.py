@@ -559,33 +559,25 @@ def main(argv=None) -> None:
         logits = F.linear(hidden[sel], model.unembed)  # [M, V] target positions only
         tgt = labels[sel]
         loss = F.cross_entropy(logits, tgt)
-        if args.drill_rows:  # a separate forward: drills are short, padding them to the chat rows wastes
-            d_ids, d_valid, d_labels = drill_batch(tok, args.drill_rows, args.seed, step, args.wide_words,
-                                                   args.drill_vocab_frac)
-            d_hidden, d_loads = model(d_ids, d_valid)
-            d_sel = d_labels != -100
-            d_logits = F.linear(d_hidden[d_sel], model.unembed)
-            d_loss = F.cross_entropy(d_logits, d_labels[d_sel])
-            loss_total = loss + args.drill_weight * d_loss
-            loads = [a + b for a, b in zip(loads, d_loads)]
-        else:
-            loss_total = loss
+        # extra forwards (drills are short: padding them to the chat rows would waste compute)
+        extras = {}  # name -> (weight, (ids, valid, labels))
+        if args.drill_rows:
+            extras["drill"] = (args.drill_weight, drill_batch(tok, args.drill_rows, args.seed, step,
+                                                              args.wide_words, args.drill_vocab_frac))
         if args.arith_rows:
-            ar_ids, ar_valid, ar_labels = arith_batch(tok, args.arith_rows, args.seed, step, args.arith_chat)
-            ar_hidden, ar_loads = model(ar_ids, ar_valid)
-            ar_sel = ar_labels != -100
-            ar_logits = F.linear(ar_hidden[ar_sel], model.unembed)
-            ar_loss = F.cross_entropy(ar_logits, ar_labels[ar_sel])
-            loss_total = loss_total + ar_loss
-            loads = [a + b for a, b in zip(loads, ar_loads)]
+            extras["arith"] = (1.0, arith_batch(tok, args.arith_rows, args.seed, step, args.arith_chat))
         if args.verdict_rows:
-            v_ids, v_valid, v_labels = verdict_batch(tok, args.verdict_rows, args.seed, step, args.wide_words)
-            v_hidden, v_loads = model(v_ids, v_valid)
-            v_sel = v_labels != -100
-            v_logits = F.linear(v_hidden[v_sel], model.unembed)
-            v_loss = F.cross_entropy(v_logits, v_labels[v_sel])
-            loss_total = loss_total + v_loss
-            loads = [a + b for a, b in zip(loads, v_loads)]
+            extras["verdict"] = (1.0, verdict_batch(tok, args.verdict_rows, args.seed, step, args.wide_words))
+        loss_total, extra_stats = loss, {}
+        for name, (weight, (e_ids, e_valid, e_labels)) in extras.items():
+            e_hidden, e_loads = model(e_ids, e_valid)
+            e_sel = e_labels != -100
+            e_logits = F.linear(e_hidden[e_sel], model.unembed)
+            e_loss = F.cross_entropy(e_logits, e_labels[e_sel])
+            loss_total = loss_total + weight * e_loss
+            loads = [a + b for a, b in zip(loads, e_loads)]
+            e_acc = (e_logits.argmax(-1) == e_labels[e_sel]).float().mean().item()
+            extra_stats |= {f"{name}_loss": round(e_loss.item(), 4), f"{name}_acc": round(e_acc, 4)}
         opt.zero_grad(set_to_none=True)
         loss_total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -603,15 +595,7 @@ def main(argv=None) -> None:
         bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", tok_s=f"{tps:.0f}")
         bar.update(1)
         rec = {"step": step, "loss": round(loss.item(), 4), "acc": round(acc, 4),
-               **({"drill_loss": round(d_loss.item(), 4),
-                   "drill_acc": round((d_logits.argmax(-1) == d_labels[d_sel]).float().mean().item(), 4)}
-                  if args.drill_rows else {}),
-               **({"arith_loss": round(ar_loss.item(), 4),
-                   "arith_acc": round((ar_logits.argmax(-1) == ar_labels[ar_sel]).float().mean().item(), 4)}
-                  if args.arith_rows else {}),
-               **({"verdict_loss": round(v_loss.item(), 4),
-                   "verdict_acc": round((v_logits.argmax(-1) == v_labels[v_sel]).float().mean().item(), 4)}
-                  if args.verdict_rows else {}),
+               **extra_stats,
                "lr": opt.param_groups[0]["lr"], "tok_s": round(tps), "time": time.time()}
         log.write(json.dumps(rec) + "\n")
         log.flush()
