@@ -9,6 +9,7 @@ References: spec checkpoints.md §1/§4/§7 (files, FP8 block format, dtypes), c
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -212,8 +213,6 @@ def test_verdict_token_is_copyable_exactly_when_the_tool_is_offered():
     # tools/tiny_chat/data.py verdict_reasoning: after 'I need "NAME' the next token is '", ' (offered) or
     # '". ' (not offered). The offered verdict must be copyable from the prompt: the tokens '"NAME", '
     # occur in the rendered tool list when the tool is offered and nowhere in the prompt when it is not.
-    import random
-
     tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
     tpl = data.load_template(CKPT / "chat_template.jinja")
     s = data.Sampler(random.Random(5), "eval")
