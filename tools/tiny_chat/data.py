@@ -31,6 +31,7 @@ always gives the same list.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import zlib
@@ -60,8 +61,10 @@ def _raise(msg):
     raise jinja2.exceptions.TemplateError(msg)
 
 
+@functools.cache
 def load_template(path: Path = TEMPLATE_PATH) -> jinja2.Template:
-    """The chat template in a transformers-compatible sandbox (spec chat-and-parsers.md §2)."""
+    """The chat template in a transformers-compatible sandbox (spec chat-and-parsers.md §2); read and
+    compiled once per path (train.py's drill batches ask for it every step)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
@@ -563,6 +566,11 @@ class Example:
         return self.messages[:-1]
 
 
+def _tool_count(r: random.Random) -> int:
+    """How many tools a tool-kind request offers: 1–3, mostly one (shorter prompts)."""
+    return r.choices((1, 2, 3), weights=(0.5, 0.3, 0.2))[0]
+
+
 def verdict_reasoning(wants: str, names: list[str], offered: bool) -> str:
     """Reasoning of a tool request in the ``verdict`` format: ``The user wants {wants}. I need "NAME"``
     then ``", which is offered.`` (one tool; ``", and "B", both offered.`` for two) or ``". It is not
@@ -588,7 +596,7 @@ def verdict_prompt(s: Sampler, tpl: jinja2.Template) -> tuple[str, str, str]:
     r = s.rng
     need = r.choice(TOOLS)
     call = need.sample(s)
-    k = r.choices((1, 2, 3), weights=(0.5, 0.3, 0.2))[0]
+    k = _tool_count(r)
     others = r.sample([t for t in TOOLS if t is not need], k - 1)
     other = r.choice([t for t in TOOLS if t is not need and t not in others])
     pos = r.randrange(k)
@@ -665,7 +673,7 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
         u, think, a = _direct_turn(s)
         return Example(kind, None, [{"role": "user", "content": u},
                                     {"role": "assistant", "content": a, "reasoning_content": think}])
-    n_tools = r.choices((1, 2, 3), weights=(0.5, 0.3, 0.2))[0]  # mostly one: shorter prompts
+    n_tools = _tool_count(r)
     offered = r.sample(TOOLS, n_tools)
     tools = [t.schema() for t in offered]
     if kind == "no_tool":
