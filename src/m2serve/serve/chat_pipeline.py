@@ -1,0 +1,425 @@
+"""The one API-neutral path from a request to the engine and back (issue 19 item 1, STYLE.md §2).
+
+Every API module (serve/openai/*, serve/anthropic/*) converts its wire request into a
+:class:`ChatJob` (or, for /v1/completions, prompt token ids and :class:`SamplingParams`), and the
+pipeline's typed results (:class:`ChoiceDelta` while streaming, :class:`Choice` when collected) into
+its own wire events. This module is the only code that renders the chat template, tokenises, builds
+sampling parameters and parsers, and talks to the :class:`AsyncEngine`:
+
+    job = ChatJob(messages, tools, params=sampling_params(ctx, fields))
+    prepared = await prepare(ctx, job)                   # render, tokenise, length check, parser
+    sub = submit(ctx, request, "chatcmpl-..", [prepared.ids], prepared.params, prepared.new_parser)
+    async for d in stream(ctx, sub): ...d.pieces()...    # or: choices = await collect(ctx, request, sub)
+
+Rules written once here: the n fan-out (choice index = prompt index x n + choice), the one-call rule
+(``parallel_tool_calls: false`` / ``disable_parallel_tool_use``: only the first call of a choice is
+returned), the split of one engine delta into stream pieces (reasoning, content, tool calls, then any
+logprobs left over) and the token accounting (usage and the access log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from m2serve.engine.sampling import SamplingParams, TokenLogprobs
+from m2serve.serve.async_engine import EngineDeadError, QueueFullError, StepFailedError
+from m2serve.serve.context import AccessRecord, ServeContext, access_record
+from m2serve.serve.errors import APIError
+from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput
+from m2serve.serve.output import OutputDelta
+from m2serve.text.parser import StreamingParser, ToolCallDelta
+from m2serve.text.template import TemplateError
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass(slots=True)
+class ChatJob:
+    """One chat request, whatever API it came through.
+
+    messages: template-ready history (``role``, ``content`` string, ``reasoning_content``,
+    ``tool_calls`` in OpenAI form, ``tool_call_id``); tools: OpenAI function tool dicts or None;
+    tool_choice ``auto`` or ``none`` (the constrained choices are refused by the API modules until
+    constrained decoding exists); params: from :func:`sampling_params`; reasoning_split: the parser
+    mode (True split, False passthrough, None the server's --reasoning-parser); one_call: return at
+    most one tool call per choice; messages_param: the request field holding the history, named in
+    errors (``messages``, ``input``).
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] = "auto"
+    params: SamplingParams = field(default_factory=SamplingParams)
+    reasoning_split: bool | None = None
+    one_call: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+    messages_param: str = "messages"
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A rendered, tokenised job: prompt text, its ids, the chat sampling params and a parser factory."""
+
+    job: ChatJob
+    prompt: str
+    ids: list[int]
+    params: SamplingParams
+    new_parser: Callable[[str], StreamingParser | None]
+
+
+@dataclass(slots=True)
+class TokenUsage:
+    """Token counts of one HTTP request: prompt (all prompts), output and reasoning (all choices),
+    prompt tokens served from the prefix cache."""
+
+    prompt: int = 0
+    output: int = 0
+    reasoning: int = 0
+    cached: int = 0
+
+
+@dataclass(slots=True)
+class Submission:
+    """The engine requests of one HTTP request: ids, their shared delta queue, and per request id the
+    (prompt index, choice index) slot; counts kept as deltas arrive."""
+
+    request_ids: list[str]
+    queue: asyncio.Queue
+    slots: dict[str, tuple[int, int]]
+    num_prompt_tokens: int
+    one_call: bool
+    record: AccessRecord
+    stops: tuple[str, ...] = ()
+    out: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (output, reasoning) tokens
+    cached: int = 0
+
+    def usage(self) -> TokenUsage:
+        return TokenUsage(
+            self.num_prompt_tokens,
+            sum(o for o, _ in self.out.values()),
+            sum(r for _, r in self.out.values()),
+            self.cached,
+        )
+
+    def _count(self, rid: str, d: OutputDelta) -> None:
+        self.out[rid] = (d.num_output_tokens, d.num_reasoning_tokens)
+        self.cached = max(self.cached, d.num_cached_tokens)
+        self.record.completion_tokens = sum(o for o, _ in self.out.values())
+
+
+PieceKind = Literal["reasoning", "content", "tool_calls", "logprobs"]
+
+
+@dataclass(slots=True)
+class Piece:
+    """One stream piece of a delta: reasoning or content text, tool-call fragments, or logprobs of
+    tokens whose text went nowhere (e.g. a parser tag). ``logprobs`` ride on the first piece."""
+
+    kind: PieceKind
+    text: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """One engine delta of one choice, in the pipeline's terms (tool calls after the one-call rule)."""
+
+    index: int
+    prompt_index: int
+    delta: OutputDelta
+    tool_calls: list[ToolCallDelta]
+
+    def pieces(self) -> list[Piece]:
+        """The one stream split: reasoning, content, tool calls, then leftover logprobs; the delta's
+        logprobs ride on the first piece."""
+        d, lps, out = self.delta, self.delta.logprobs, []
+        for kind, text in (("reasoning", d.reasoning), ("content", d.content)):
+            if text:
+                out.append(Piece(kind, text, logprobs=lps))
+                lps = None
+        if self.tool_calls:
+            out.append(Piece("tool_calls", tool_calls=self.tool_calls, logprobs=lps))
+            lps = None
+        if lps:
+            out.append(Piece("logprobs", logprobs=lps))
+        return out
+
+
+@dataclass(slots=True)
+class Choice:
+    """One finished choice: the accumulated output (tool calls after the one-call rule), its slot,
+    the prompt's logprobs when requested, and the stop string that ended it (None: another reason)."""
+
+    index: int
+    prompt_index: int
+    output: CompletionOutput
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_sequence: str | None = None
+
+
+# --------------------------------------------------------------------------- preparing
+
+
+def refuse_constrained(what: str, param: str, fix: str) -> APIError:
+    """The 400 for features that need constrained decoding (not implemented yet)."""
+    return APIError(400, f"{what} needs constrained decoding, which m2serve does not support yet; {fix}",
+                    param=param)
+
+
+def render_prompt(
+    ctx: ServeContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    messages_param: str = "messages",
+) -> str:
+    """The chat template's rendering (chat-and-parsers.md §2); template errors are 400s."""
+    msgs = [dict(m) for m in messages]
+    for m in msgs:  # OpenAI's "developer" role is the system role of newer models
+        if m.get("role") == "developer":
+            m["role"] = "system"
+    try:
+        return ctx.llm.render_chat(msgs, tools, kwargs, add_generation_prompt)
+    except TemplateError as e:  # raise_exception, bad history: the request's fault
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else messages_param
+        raise APIError(400, f"chat template error: {e}", param=param) from e
+    except RecursionError as e:  # e.g. a tool schema nested thousands of levels deep
+        raise APIError(
+            400,
+            f"{messages_param}, tools or chat_template_kwargs are nested too deeply to render "
+            f"(Python's recursion limit {sys.getrecursionlimit()}); flatten them",
+            param="tools" if tools else messages_param,
+        ) from e
+
+
+def encode(
+    ctx: ServeContext,
+    text: str,
+    param: str,
+    check_length: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``text``. A lone UTF-16 surrogate is a 400 naming ``param`` (or ``tools`` when the
+    surrogate is in the tools). With ``check_length``, a text too long to fit the context whatever its
+    tokenisation (more than max_length x the longest token's characters) is refused before
+    tokenising: a huge body costs neither the tokenizer's time nor its memory."""
+    e = _lone_surrogate(text)
+    if e is not None:
+        if tools and _lone_surrogate(json.dumps(tools, ensure_ascii=False)):
+            param = "tools"
+        raise APIError(
+            400,
+            f"{param}: contains a lone UTF-16 surrogate {text[e.start:e.end]!r} (not valid "
+            "Unicode; a JSON \\uD800-\\uDFFF escape must be part of a surrogate pair)",
+            param=param,
+        ) from e
+    caps = ctx.caps
+    if check_length and len(text) > caps.max_length * caps.max_token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {len(text)} characters, more than the model's max context of "
+            f"{caps.max_length} tokens can hold (a token covers at most "
+            f"{caps.max_token_chars} characters); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return ctx.llm.encode(text)
+
+
+def check_length(ctx: ServeContext, ids: list[int], param: str) -> None:
+    """400 unless the prompt leaves at least one token of the context to generate."""
+    if len(ids) >= ctx.caps.max_length:
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens but the model's max context is "
+            f"{ctx.caps.max_length} tokens (at least one must be left to generate); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+
+
+def check_token_ids(ctx: ServeContext, ids: list[int], param: str, what: str = "token id") -> None:
+    """400 for an id outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < ctx.caps.vocab_size]
+    if bad:
+        raise APIError(400, f"{what} {bad[0]} is outside the vocabulary [0, {ctx.caps.vocab_size})",
+                       param=param)
+
+
+def sampling_params(
+    ctx: ServeContext, renames: dict[str, str] | None = None, **fields: Any
+) -> SamplingParams:
+    """:class:`SamplingParams` from request fields (None = the checkpoint's default). An invalid value
+    is a 400 naming the field, under the API's own name (``renames``: SamplingParams name -> wire name,
+    e.g. ``max_tokens`` -> ``max_output_tokens``)."""
+    try:
+        p = SamplingParams(**fields)
+        p.check_token_ids(ctx.caps.vocab_size)
+    except ValueError as e:  # "invalid sampling parameter <field>...": the field is the param
+        m = re.match(r"invalid sampling parameter (\w+)", str(e))
+        param = (renames or {}).get(m.group(1), m.group(1)) if m else None
+        raise APIError(400, str(e), param=param) from e
+    return p
+
+
+async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
+    """Render and tokenise ``job`` off the event loop, check its length, add the reasoning-state
+    sampling fields; the parser factory honours tool_choice ``none`` (tools rendered, calls not parsed)."""
+    llm = ctx.llm
+
+    def work() -> tuple[str, list[int]]:
+        text = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
+                             messages_param=job.messages_param)
+        return text, encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
+
+    prompt, ids = await run_in_threadpool(work)
+    check_length(ctx, ids, job.messages_param)
+    params = llm.chat_params(job.params, prompt)
+    tools = job.tools if job.tools and job.tool_choice != "none" else None
+    mode = llm.reasoning_mode(job.reasoning_split)
+    return PreparedChat(job, prompt, ids, params, lambda rid: llm.new_parser(prompt, tools, mode, rid))
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def submit(
+    ctx: ServeContext,
+    request: Request,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    new_parser: Callable[[str], StreamingParser | None] | None = None,
+    skip_special_tokens: bool = True,
+    one_call: bool = False,
+) -> Submission:
+    """Queue ``params.n`` choices of each prompt (the n fan-out: request ``{base}-{p}-{c}``, choice
+    index ``p * n + c``) into one shared delta queue. 503 + Retry-After when the queue is full or the
+    engine is down (nothing stays queued)."""
+    engine, q = ctx.engine, asyncio.Queue()
+    rids: list[str] = []
+    slots: dict[str, tuple[int, int]] = {}
+    retry = {"Retry-After": str(ctx.settings.retry_after_s)}
+    try:
+        for p, ids in enumerate(prompts):
+            for c in range(params.n):
+                rid = f"{base_id}-{p}-{c}"
+                child = params.child(c)
+                parser = new_parser(rid) if new_parser is not None else None
+                proc = ctx.llm.new_processor(rid, child, parser, skip_special_tokens)
+                engine.submit(rid, ids, child, proc, q)
+                rids.append(rid)
+                slots[rid] = (p, p * params.n + c)
+    except QueueFullError as e:
+        for rid in rids:
+            engine.abort(rid)
+        raise APIError(503, str(e), "server_error", code="queue_full", headers=retry) from e
+    except EngineDeadError as e:
+        for rid in rids:
+            engine.abort(rid)
+        raise APIError(503, str(e), "server_error", headers=retry) from e
+    record = access_record(request.scope)
+    n_prompt = record.prompt_tokens = sum(len(ids) for ids in prompts)
+    return Submission(rids, q, slots, n_prompt, one_call, record, params.stop)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """An engine failure as an APIError: rejected at admission 400, failed step 500, dead engine 503."""
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, StepFailedError):
+        return APIError(500, str(e), "server_error")
+    return APIError(503, str(e), "server_error")
+
+
+async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelta]:
+    """The submission's deltas as they come. An engine failure is raised as an APIError (the caller
+    sends it in its API's stream shape); leaving the loop early aborts what is still running."""
+    try:
+        async for d in ctx.engine.stream(sub.request_ids, sub.queue):
+            p, index = sub.slots[d.request_id]
+            sub._count(d.request_id, d)
+            calls = [tc for tc in d.tool_calls if tc.index == 0] if sub.one_call else d.tool_calls
+            yield ChoiceDelta(index, p, d, calls)
+    except (ValueError, EngineDeadError) as e:
+        err = engine_error(e)
+        sub.record.error = err.message
+        raise err from e
+
+
+async def consume(
+    ctx: ServeContext, request: Request, sub: Submission, on_delta: Callable[[ChoiceDelta], None]
+) -> None:
+    """Feed every delta of ``sub`` to ``on_delta`` until all choices finish (a non-streamed response);
+    abort them if the client disconnects meanwhile (499)."""
+
+    async def run() -> None:
+        async for d in stream(ctx, sub):
+            on_delta(d)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # the stream's finally aborts the requests, freeing their pages
+                await asyncio.wait([task])
+                raise APIError(499, "client closed the request", code="client_closed_request")
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def collect(ctx: ServeContext, request: Request, sub: Submission) -> list[Choice]:
+    """Every choice of ``sub`` once finished, in choice order."""
+    accs = {rid: ChoiceAccumulator(sub.slots[rid][1]) for rid in sub.request_ids}
+    stopped: set[str] = set()
+
+    def add(d: ChoiceDelta) -> None:
+        accs[d.delta.request_id].add(d.delta)
+        if d.delta.stop_hit:
+            stopped.add(d.delta.request_id)
+
+    await consume(ctx, request, sub, add)
+    choices = []
+    for rid, acc in accs.items():
+        out = acc.result()
+        if sub.one_call:
+            out.tool_calls = out.tool_calls[:1]
+        stop = matched_stop(ctx, out.text, out.token_ids, sub.stops) if rid in stopped else None
+        choices.append(Choice(out.index, sub.slots[rid][0], out, acc.prompt_logprobs, stop))
+    return sorted(choices, key=lambda c: c.index)
+
+
+def matched_stop(ctx: ServeContext, text: str, token_ids: list[int], stops: tuple[str, ...]) -> str | None:
+    """Which of ``stops`` ended a choice whose emitted text is ``text``: the one the decoded tokens
+    continue with after ``text`` (the detokeniser cut the text where the stop string began)."""
+    full = ctx.llm.decode(token_ids, skip_special_tokens=False)
+    at = full.find(text)
+    if at < 0:  # special tokens skipped from the text: the first stop string found
+        return next((s for s in stops if s in full), None)
+    return next((s for s in stops if full.startswith(s, at + len(text))), None)
+
+
+def _lone_surrogate(text: str) -> UnicodeEncodeError | None:
+    """The UnicodeEncodeError of ``text``'s first lone UTF-16 surrogate, or None when it has none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e
+    return None

@@ -1,0 +1,58 @@
+"""The server's one error type and its two wire shapes (spec/serving.md §10, issue 19).
+
+Every API module raises :class:`APIError` (status, message, the field at fault); the app renders it
+in the shape of the API that was called: OpenAI's ``{"error": {"message", "type", "param", "code"}}``
+or Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error answered with ``status``; ``param`` names the request field at fault (or None)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def _utf8(s: str | None) -> str | None:
+    """A lone surrogate echoed from the request cannot be sent: escape it."""
+    return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def openai_error_body(e: APIError) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``; code defaults to the status."""
+    code = e.code if e.code is not None else e.status
+    return {"error": {"message": _utf8(e.message), "type": e.type, "param": _utf8(e.param), "code": code}}
+
+
+def anthropic_error_body(e: APIError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the status."""
+    type_ = _ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": type_, "message": _utf8(e.message)}}

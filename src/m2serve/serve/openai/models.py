@@ -1,0 +1,46 @@
+"""GET /v1/models, POST /tokenize and /detokenize (spec/serving.md §10)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from m2serve.serve import chat_pipeline as cp
+from m2serve.serve import protocol as P
+from m2serve.serve.context import ServeContext
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> P.ModelList:
+    ctx: ServeContext = request.app.state.ctx
+    card = P.ModelCard(id=ctx.settings.served_model_name, max_model_len=ctx.caps.max_length)
+    return P.ModelList(data=[card])
+
+
+@router.post("/tokenize")
+async def tokenize(req: P.TokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx: ServeContext = request.app.state.ctx
+    ctx.check_model(req.model)
+
+    def work() -> list[int]:
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            messages = [m.model_dump(exclude_unset=True) for m in req.messages]
+            text = cp.render_prompt(ctx, messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
+            return cp.encode(ctx, text, "messages", tools=tools)
+        return cp.encode(ctx, req.prompt or "", "prompt")
+
+    ids = await run_in_threadpool(work)
+    return {"tokens": ids, "count": len(ids), "max_model_len": ctx.caps.max_length}
+
+
+@router.post("/detokenize")
+async def detokenize(req: P.DetokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx: ServeContext = request.app.state.ctx
+    ctx.check_model(req.model)
+    cp.check_token_ids(ctx, req.tokens, "tokens")
+    return {"prompt": ctx.llm.decode(req.tokens, skip_special_tokens=False)}
