@@ -36,6 +36,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "api_key": None,
     "max_queue_size": None,
     "max_request_bytes": 32 * 2**20,
+    "thinking_signing_key": None,
     "tool_parser": "minimax_m2",
     "reasoning_parser": "minimax_m2",
     "thinking_temperature": None,
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
     s.add_argument("--max-request-bytes", type=int, help="largest request body accepted (beyond: 413)")
+    s.add_argument("--thinking-signing-key", help="key of thinking-block signatures and sealed reasoning "
+                   "(/v1/messages, /v1/responses); default: random per process")
 
     g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
@@ -296,6 +299,7 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
         api_key=opts.get("api_key"),
         model_aliases=aliases,
         max_request_bytes=int(opts["max_request_bytes"]),
+        thinking_signing_key=opts.get("thinking_signing_key"),
     )
     app = build_app(engine, settings)
     print(banner(llm, opts), flush=True)
