@@ -40,7 +40,7 @@ from m2serve.serve.anthropic import messages as anthropic_messages
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.context import ACCESS_KEY, AccessRecord, ModelCapabilities, ServeContext, ServerSettings
 from m2serve.serve.errors import APIError, anthropic_error_body, openai_error_body
-from m2serve.serve.openai import chat, completions, models
+from m2serve.serve.openai import chat, completions, models, responses
 from m2serve.serve.sealing import Sealer
 
 __all__ = ["ServerSettings", "build_app"]
@@ -217,6 +217,6 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"])
-    for module in (models, chat, completions, anthropic_messages):
+    for module in (models, chat, completions, responses, anthropic_messages):
         app.include_router(module.router)
     return app
