@@ -1,0 +1,373 @@
+"""Each API's request -> chat job and pipeline delta -> events conversion, without a server (issue 19
+"Must show"). Expected chat messages are hand-derived from the API documents; Anthropic stream events are
+assembled by the ``anthropic`` SDK's own accumulator and compared with the builder's message."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+
+from m2serve.engine.sampling import TokenLogprobs
+from m2serve.serve.anthropic.messages import MessageBuilder, messages_job
+from m2serve.serve.anthropic.protocol import MessagesRequest
+from m2serve.serve.chat_pipeline import ChoiceDelta, TokenUsage
+from m2serve.serve.context import ModelCapabilities, ResponseStore
+from m2serve.serve.errors import APIError
+from m2serve.serve.openai.responses import ResponseBuilder, ResponsesRequest, responses_job
+from m2serve.serve.output import OutputDelta
+from m2serve.serve.sealing import Sealer
+from m2serve.text.parser import ToolCallDelta
+
+SEALER = Sealer("unit-key")
+CTX = SimpleNamespace(
+    caps=ModelCapabilities(4096, 1000, 16, True, True), sealer=SEALER, responses=ResponseStore(2)
+)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+CALL_ID = "call_" + "ab" * 12
+
+
+def _delta(reasoning="", content="", calls=(), finished=False, finish_reason=None, logprobs=None):
+    d = OutputDelta(
+        "r-0-0",
+        text=reasoning + content,
+        reasoning=reasoning,
+        content=content,
+        tool_calls=list(calls),
+        token_ids=[1],
+        logprobs=logprobs,
+        finished=finished,
+        finish_reason=finish_reason,
+    )
+    return ChoiceDelta(0, 0, d, list(calls))
+
+
+# a choice that reasons in two pieces then calls get_weather({"city": "Paris"}) in two argument pieces
+DELTAS = [
+    _delta(reasoning="Need the "),
+    _delta(reasoning="weather."),
+    _delta(calls=[ToolCallDelta(0, "", CALL_ID, "function", "get_weather")]),
+    _delta(calls=[ToolCallDelta(0, '{"city": ')]),
+    _delta(calls=[ToolCallDelta(0, '"Paris"}')], finished=True, finish_reason="tool_calls"),
+]
+
+
+def test_pieces_split_order_and_logprobs_on_first_piece():
+    lps = [TokenLogprobs(5, -0.1, 1, [])]
+    d = _delta(
+        reasoning="r", content="c", calls=[ToolCallDelta(0, "{}", CALL_ID, "function", "f")], logprobs=lps
+    )
+    pieces = d.pieces()
+    assert [p.kind for p in pieces] == ["reasoning", "content", "tool_calls"]
+    assert pieces[0].logprobs == lps and pieces[1].logprobs is None and pieces[2].logprobs is None
+    only_lps = _delta(logprobs=lps).pieces()  # a token whose text went nowhere (a parser tag)
+    assert [(p.kind, p.logprobs) for p in only_lps] == [("logprobs", lps)]
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+
+def test_messages_request_to_chat_job():
+    signature = SEALER.sign("I need the weather.")
+    req = MessagesRequest(
+        model="m",
+        max_tokens=50,
+        stop_sequences=["END"],
+        temperature=0.5,
+        top_k=3,
+        system=[{"type": "text", "text": "Be brief."}],
+        tools=[
+            {"name": "get_weather", "description": "Weather", "input_schema": SCHEMA, "cache_control": {}}
+        ],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "I need the weather.", "signature": signature},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "sunny"}],
+                    },
+                    {"type": "text", "text": "Thanks"},
+                ],
+            },
+        ],
+        container="ignored",
+        speed="fast",  # SDK fields the server has no use for
+    )
+    job, thinking = messages_job(CTX, req)
+    assert thinking is True and job.one_call is True and job.tool_choice == "auto"
+    assert job.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I need the weather.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    assert job.tools == [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather", "parameters": SCHEMA},
+        }
+    ]
+    p = job.params
+    assert (p.max_tokens, p.stop, p.temperature, p.top_k, p.top_p) == (50, ("END",), 0.5, 3, None)
+    disabled = MessagesRequest(
+        model="m",
+        max_tokens=5,
+        messages=[{"role": "user", "content": "x"}],
+        thinking={"type": "disabled"},
+        tool_choice={"type": "none"},
+    )
+    job, thinking = messages_job(CTX, disabled)
+    assert thinking is False and job.tool_choice == "none"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+        ({"tool_choice": {"type": "tool", "name": "f"}}, "tool_choice.type"),
+        ({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "tools.0.type"),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
+            "messages.0.content.0.name",
+        ),
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+    ],
+)
+def test_messages_request_errors_name_the_field(extra, param):
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], **extra}
+    with pytest.raises(APIError) as e:
+        messages_job(CTX, MessagesRequest(**body))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_message_builder_events_assemble_to_its_message():
+    b = MessageBuilder("msg_1", "m", SEALER, thinking=True)
+    usage = TokenUsage(prompt=10, output=5, reasoning=2, cached=4)
+    events = b.start(usage)
+    for d in DELTAS:
+        events += b.feed(d)
+    events += b.finish(None, DELTAS[-1], usage)
+    assert [name for name, _ in events] == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",  # + signature
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert [data["delta"]["type"] for name, data in events if name == "content_block_delta"] == [
+        "thinking_delta",
+        "thinking_delta",
+        "signature_delta",
+        "input_json_delta",
+        "input_json_delta",
+    ]
+    snapshot, bufs = None, {}
+    for _, data in events:
+        if data["type"] != "ping":
+            snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    message = b.message(usage)
+    assert snapshot.model_dump(exclude_none=True)["content"] == message["content"]
+    assert message["content"] == [
+        {"type": "thinking", "thinking": "Need the weather.", "signature": SEALER.sign("Need the weather.")},
+        {"type": "tool_use", "id": "toolu_" + "ab" * 12, "name": "get_weather", "input": {"city": "Paris"}},
+    ]
+    assert (message["stop_reason"], snapshot.stop_reason) == ("tool_use", "tool_use")
+    assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
+    # thinking disabled: the same deltas give only the tool_use block
+    quiet = MessageBuilder("msg_2", "m", SEALER, thinking=False)
+    for d in DELTAS:
+        quiet.feed(d)
+    quiet.finish(None, DELTAS[-1], usage)
+    assert [blk["type"] for blk in quiet.message(usage)["content"]] == ["tool_use"]
+
+
+# --------------------------------------------------------------------------- Responses
+
+
+def test_responses_request_to_chat_job():
+    sealed = SEALER.seal("Need the weather.")
+    req = ResponsesRequest(
+        model="m",
+        instructions="Be brief.",
+        max_output_tokens=40,
+        temperature=0.2,
+        parallel_tool_calls=False,
+        tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}],
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": sealed},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "get_weather",
+                "arguments": '{"city":"Paris"}',
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Answer."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+            {"role": "user", "content": "Thanks"},
+        ],
+        reasoning={"effort": "low"},
+        truncation="auto",
+        prompt_cache_key="k",
+        max_tool_calls=3,  # ignored
+    )
+    job, history = responses_job(CTX, req)
+    assert job.messages[0] == {"role": "system", "content": "Be brief."} and history == job.messages[1:]
+    assert history == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Need the weather.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny.", "reasoning_content": "Answer."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    assert job.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    assert job.one_call and (job.params.max_tokens, job.params.temperature) == (40, 0.2)
+    assert responses_job(CTX, ResponsesRequest(input="Hi"))[1] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, 400, "text.format"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            400,
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0.type"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+        ({"input": "x", "previous_response_id": "resp_gone"}, 404, "previous_response_id"),
+        ({"input": "x", "max_output_tokens": None, "temperature": None}, None, None),
+    ],
+)
+def test_responses_request_errors_name_the_field(body, status, param):
+    if status is None:
+        responses_job(CTX, ResponsesRequest(**body))
+        return
+    with pytest.raises(APIError) as e:
+        responses_job(CTX, ResponsesRequest(**body))
+    assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_response_builder_events_and_output():
+    req = ResponsesRequest(input="x", include=["reasoning.encrypted_content"])
+    b = ResponseBuilder(req, "m", SEALER)
+    events = b.start()
+    for d in DELTAS:
+        events += b.feed(d)
+    events += b.finish(DELTAS[-1], TokenUsage(10, 5, 2, 0))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    out = events[-1]["response"]["output"]
+    assert [o["type"] for o in out] == ["reasoning", "function_call"]
+    assert SEALER.open(out[0]["encrypted_content"]) == "Need the weather." == out[0]["content"][0]["text"]
+    assert (out[1]["call_id"], out[1]["name"], json.loads(out[1]["arguments"])) == (
+        CALL_ID,
+        "get_weather",
+        {"city": "Paris"},
+    )
+    # the deltas assemble to the items' texts
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert args == out[1]["arguments"]
+    assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert b.assistant_message() == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Need the weather.",
+        "tool_calls": [
+            {
+                "id": CALL_ID,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
+    cut = ResponseBuilder(req, "m", SEALER)
+    cut.feed(_delta(content="Hel"))
+    assert (
+        cut.finish(_delta(content="lo", finished=True, finish_reason="length"), TokenUsage())[-1]["type"]
+        == "response.incomplete"
+    )
+
+
+def test_response_store_is_bounded():
+    store = ResponseStore(2)
+    for k in "abc":
+        store.put(k, k)
+    assert (store.get("a"), store.get("b"), store.get("c")) == (None, "b", "c")
+
+
+def test_sealer_round_trip_and_tamper():
+    sealed = SEALER.seal("secret reasoning é")
+    assert "secret" not in sealed and SEALER.open(sealed) == "secret reasoning é"
+    assert Sealer("other-key").open(sealed) is None
+    raw = bytearray(sealed.encode())
+    raw[30] = ord("A") if raw[30] != ord("A") else ord("B")
+    assert SEALER.open(raw.decode()) is None
+    assert SEALER.verify("t", SEALER.sign("t")) and not SEALER.verify("t", Sealer("other").sign("t"))
+    assert Sealer("unit-key").sign("t") == SEALER.sign(
+        "t"
+    )  # the same key signs the same (replicas, restarts)
