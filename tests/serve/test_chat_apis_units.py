@@ -41,7 +41,7 @@ def _delta(reasoning="", content="", calls=(), finished=False, finish_reason=Non
         finished=finished,
         finish_reason=finish_reason,
     )
-    return ChoiceDelta(0, 0, d, list(calls))
+    return ChoiceDelta(0, 0, d)
 
 
 # a choice that reasons in two pieces then calls get_weather({"city": "Paris"}) in two argument pieces

@@ -34,7 +34,7 @@ from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.async_engine import EngineDeadError, QueueFullError, StepFailedError
 from m2serve.serve.context import AccessRecord, ServeContext, access_record
 from m2serve.serve.errors import APIError
-from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput
+from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput, fan_out
 from m2serve.serve.output import OutputDelta
 from m2serve.text.parser import StreamingParser, ToolCallDelta
 from m2serve.text.template import TemplateError
@@ -133,12 +133,11 @@ class Piece:
 
 @dataclass(slots=True)
 class ChoiceDelta:
-    """One engine delta of one choice, in the pipeline's terms (tool calls after the one-call rule)."""
+    """One engine delta of one choice (its tool calls after the one-call rule) and its slot."""
 
     index: int
     prompt_index: int
     delta: OutputDelta
-    tool_calls: list[ToolCallDelta]
 
     def pieces(self) -> list[Piece]:
         """The one stream split: reasoning, content, tool calls, then leftover logprobs; the delta's
@@ -148,8 +147,8 @@ class ChoiceDelta:
             if text:
                 out.append(Piece(kind, text, logprobs=lps))
                 lps = None
-        if self.tool_calls:
-            out.append(Piece("tool_calls", tool_calls=self.tool_calls, logprobs=lps))
+        if d.tool_calls:
+            out.append(Piece("tool_calls", tool_calls=d.tool_calls, logprobs=lps))
             lps = None
         if lps:
             out.append(Piece("logprobs", logprobs=lps))
@@ -316,9 +315,7 @@ def submit(
     retry = {"Retry-After": str(ctx.settings.retry_after_s)}
     try:
         for p, ids in enumerate(prompts):
-            for c in range(params.n):
-                rid = f"{base_id}-{p}-{c}"
-                child = params.child(c)
+            for c, (rid, child) in enumerate(fan_out(f"{base_id}-{p}", params)):
                 parser = new_parser(rid) if new_parser is not None else None
                 proc = ctx.llm.new_processor(rid, child, parser, skip_special_tokens)
                 engine.submit(rid, ids, child, proc, q)
@@ -353,8 +350,9 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
         async for d in ctx.engine.stream(sub.request_ids, sub.queue):
             p, index = sub.slots[d.request_id]
             sub._count(d.request_id, d)
-            calls = [tc for tc in d.tool_calls if tc.index == 0] if sub.one_call else d.tool_calls
-            yield ChoiceDelta(index, p, d, calls)
+            if sub.one_call:
+                d.tool_calls = [tc for tc in d.tool_calls if tc.index == 0]
+            yield ChoiceDelta(index, p, d)
     except (ValueError, EngineDeadError) as e:
         err = engine_error(e)
         sub.record.error = err.message
@@ -399,8 +397,6 @@ async def collect(ctx: ServeContext, request: Request, sub: Submission) -> list[
     choices = []
     for rid, acc in accs.items():
         out = acc.result()
-        if sub.one_call:
-            out.tool_calls = out.tool_calls[:1]
         stop = matched_stop(ctx, out.text, out.token_ids, sub.stops) if rid in stopped else None
         choices.append(Choice(out.index, sub.slots[rid][0], out, acc.prompt_logprobs, stop))
     return sorted(choices, key=lambda c: c.index)

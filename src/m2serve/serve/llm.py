@@ -83,6 +83,12 @@ class RequestResult:
     num_cached_tokens: int = 0
 
 
+def fan_out(base_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The n fan-out of one prompt, for the server and the offline API alike: engine request
+    ``{base_id}-{c}`` with ``params.child(c)`` (n = 1, seed + c) for each choice c < n."""
+    return [(f"{base_id}-{c}", params.child(c)) for c in range(params.n)]
+
+
 class ChoiceAccumulator:
     """Collects the :class:`OutputDelta` stream of one choice into a :class:`CompletionOutput`."""
 
@@ -437,9 +443,7 @@ class LLM:
                 rid = f"req-{next(self._ids)}"
                 results.append(RequestResult(rid, prompt, list(ids), []))
                 pending[i] = params.n
-                for c in range(params.n):
-                    sub = f"{rid}-{c}" if params.n > 1 else rid
-                    child = params.child(c) if params.n > 1 else params
+                for c, (sub, child) in enumerate(fan_out(rid, params)):
                     parser = self.new_parser(prompt, tools, mode, sub) if chat else None
                     self.add_request(sub, ids, child, self.new_processor(sub, child, parser))
                     accs[sub] = ChoiceAccumulator(c)
