@@ -127,6 +127,19 @@ def test_messages_thinking_disabled_returns_no_thinking_blocks(claude):
     _weather_call(msg.content)
 
 
+def test_messages_stop_sequence_streamed_and_not(claude):
+    # stop_reason stop_sequence names the string that matched (tiny-chat's reasoning names the city)
+    kwargs = dict(model=MODEL, max_tokens=160, messages=[{"role": "user", "content": QUESTION}],
+                  tools=[ANTHROPIC_TOOL], stop_sequences=["never-said", "Paris"])
+    msg = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    for m in (msg, final):
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "Paris")
+        assert not any(b.type == "tool_use" for b in m.content)
+        assert "Paris" not in "".join(b.thinking for b in m.content if b.type == "thinking")
+
+
 def test_count_tokens_matches_tokenize(claude, server):
     # the same conversation through /tokenize in chat-completions form gives the same count
     count = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": QUESTION}],

@@ -309,12 +309,3 @@ class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-
-def error_body(
-    message: str,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: int | str | None = None,
-) -> dict[str, Any]:
-    """The OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
