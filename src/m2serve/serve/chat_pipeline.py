@@ -6,12 +6,13 @@ pipeline's typed results (:class:`ChoiceDelta` while streaming, :class:`Choice` 
 its own wire events. This module is the only code that renders the chat template, tokenises, builds
 sampling parameters and parsers, and talks to the :class:`AsyncEngine`:
 
-    job = ChatJob(messages, tools, params=sampling_params(ctx, fields))
+    job = ChatJob(messages, tools, params=sampling_params(ctx, temperature=0.0, max_tokens=64))
     prepared = await prepare(ctx, job)                   # render, tokenise, length check, parser
     sub = submit(ctx, request, "chatcmpl-..", [prepared.ids], prepared.params, prepared.new_parser)
     async for d in stream(ctx, sub): ...d.pieces()...    # or: choices = await collect(ctx, request, sub)
 
-Rules written once here: the n fan-out (choice index = prompt index x n + choice), the one-call rule
+Rules written once here: the n fan-out (engine requests from llm.fan_out, shared with the offline
+``LLM``; choice index = prompt index x n + choice), the one-call rule
 (``parallel_tool_calls: false`` / ``disable_parallel_tool_use``: only the first call of a choice is
 returned), the split of one engine delta into stream pieces (reasoning, content, tool calls, then any
 logprobs left over) and the token accounting (usage and the access log).
