@@ -77,7 +77,7 @@ def _weather_call(blocks) -> anthropic.types.ToolUseBlock:
 # --------------------------------------------------------------------------- Anthropic Messages
 
 
-def test_messages_tool_use_streamed_and_not_the_same(claude):
+def test_messages_tool_use_stream_assembles_to_the_same_message(claude):
     # issue 19 item 2: thinking block (signed), tool_use with input as an object, stop_reason tool_use;
     # client.messages.stream's own accumulator assembles the events to the non-streamed message
     kwargs = dict(model=MODEL, max_tokens=160, messages=[{"role": "user", "content": QUESTION}],
