@@ -20,6 +20,8 @@ from constraint_helpers import TOKENIZERS, make_compiler, sample_batch, unpack_b
 from m2serve.text.constraint import json_spec, no_tool_call_spec, tool_calls_spec
 from m2serve.text.parser import parse_output
 
+pytestmark = pytest.mark.slow  # ~130 s in all on a loaded 2-core box (~60 s idle)
+
 N = 300
 MAX_TOKENS = 256
 BUDGET = 16

@@ -38,7 +38,7 @@ Supported JSON Schema subset: what llguidance compiles in strict mode (``lenient
 docs/constrained-decoding.md: ``type`` (and lists), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
 ``maxLength``, ``pattern``, ``format`` (llguidance's list), ``minimum`` / ``maximum`` / ``exclusive*``,
-``multipleOf`` (integers), ``anyOf`` / ``oneOf`` (as anyOf) / ``allOf``, ``$ref`` / ``$defs``. Anything else,
+``multipleOf``, ``anyOf`` / ``oneOf`` (as anyOf) / ``allOf``, ``$ref`` / ``$defs``. Anything else,
 an invalid schema or a bad regex raises ValueError naming the request field and llguidance's message.
 Raw-string tool parameters additionally reject ``format`` and types mixing string with anything but null.
 
@@ -131,7 +131,7 @@ def json_spec(schema: Mapping[str, Any] | None, field: str = "response_format") 
         schema = {"type": "object"}
     if not isinstance(schema, Mapping):
         raise ValueError(f"{field}: the JSON schema must be an object, got {type(schema).__name__}")
-    text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    text = json.dumps(schema, ensure_ascii=False)  # key order kept: it is the generation order
     return ConstraintSpec(f"json:{text}", field, f"body: {_json_schema(schema)}\n")
 
 
@@ -289,8 +289,7 @@ def tool_calls_spec(tools: Sequence[Any], name: str | None = None,
     invoke = " | ".join(f"inv_{i}" for i in range(len(functions)))
     body = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{'+' if parallel_tool_calls else ''} <[TC_END]>\n"
     text = body + f"invoke: {invoke}\n" + "\n".join(rules) + "\n"
-    key = json.dumps([name, parallel_tool_calls, [[f, p] for f, p in functions]], sort_keys=True,
-                     ensure_ascii=False)
+    key = json.dumps([name, parallel_tool_calls, [[f, p] for f, p in functions]], ensure_ascii=False)
     return ConstraintSpec(f"tools:{key}", "tool_choice" if name else "tools", text, parts=tuple(parts))
 
 
@@ -326,7 +325,10 @@ class GrammarCompiler:
         self.words = (vocab_size + 31) // 32
         self._max_cached = max_cached
         self._cache: dict[tuple[str, str], llguidance.LLMatcher] = {}
-        self._force_think_end = self._mask_of(self._continuation_ids() + [tokenizer.think_end_id])
+        # int32 [W] rows: what a forced </think> may be (plus tokens finishing a UTF-8 character), and
+        # the end-of-turn ids (the row of a request whose grammar failed)
+        self.force_think_end_mask = self._mask_of(self._continuation_ids() + [tokenizer.think_end_id])
+        self.eos_mask = self._mask_of(self.eos_token_ids)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, vocab_size: int | None = None) -> GrammarCompiler:
@@ -460,13 +462,13 @@ class GrammarConstraint:
                 self._fail(self._matcher.get_error())
             elif self._phase == "reasoning" and self._reasoning_budget is not None \
                     and self.reasoning_tokens >= self._reasoning_budget:
-                forced = words & self._compiler._force_think_end
+                forced = words & self._compiler.force_think_end_mask
                 if bool(forced.any()):
                     words.copy_(forced)
             if self.error is None and not bool(words.any()):
                 self._fail("the grammar allows no token")
         if self.error is not None:
-            words.copy_(self._compiler._mask_of(self._compiler.eos_token_ids))
+            words.copy_(self._compiler.eos_mask)
 
     def accept_token(self, token_id: int) -> None:
         """Advance with the sampled token (an id outside the mask puts the constraint in error)."""
