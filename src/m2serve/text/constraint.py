@@ -75,8 +75,9 @@ _ANY_TEXT = "/(?s:.*)/"
 _VALUE_ENDS = r"/(?s:.*)(<\/parameter>|<parameter name=|<\/invoke>)(?s:.*)/"
 # Errors without the internal grammar text (which would name our rules, not the request's fields).
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-_STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern", "description", "title",
-                    "default", "examples"}
+_STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
+                    "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
+                    "writeOnly"}  # the last eight are annotations
 
 
 @dataclass(frozen=True, slots=True)
