@@ -166,3 +166,28 @@ def test_bitmask_rows_never_empty_and_padding_never_allowed(compiler):
     assert allowed.nonzero().flatten().tolist() == [compiler.tokenizer.think_end_id]  # budget 0: forced
     assert compiler.vocab_size > compiler.tokenizer.vocab_size
     assert not allowed[compiler.tokenizer.vocab_size:].any()
+
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+        "word": {"type": "string", "minLength": 2, "maxLength": 5},
+        "mode": {"const": "fast"},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        "rows": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"k": {"type": "string", "maxLength": 3}},
+            "required": ["k"], "additionalProperties": False}},
+    }, "required": ["code", "word", "mode", "ratio"]}}}
+
+
+def test_raw_string_constraints_and_json_parameters(compiler):
+    """pattern / minLength / const on raw-string parameters, number and array-of-object JSON values."""
+    spec = tool_calls_spec([LOOKUP], parallel_tool_calls=False)
+    outs = sample_batch(compiler, [compiler.constraint(spec, "may_open", BUDGET) for _ in range(100)],
+                        MAX_TOKENS, seed=6)
+    stopped = [o for o in outs if o.finish == "stop"]
+    assert len(stopped) >= 95 and all(o.error is None for o in outs)
+    for o in stopped:
+        calls = parse_output(o.text, [LOOKUP], prompt_tail="]~b]ai\n").tool_calls
+        assert len(calls) == 1
+        jsonschema.validate(json.loads(calls[0].arguments), LOOKUP["function"]["parameters"])
