@@ -178,3 +178,11 @@ def test_compiled_grammars_are_cached_per_spec(compiler):
     compiler.compile(spec, "off")
     compiler.compile(json_spec({"properties": {"k": {"type": "integer"}}, "type": "object"}), "inside")
     assert compiler.cache_size == size + 2  # another reasoning start; key order = generation order
+
+
+def test_mask_rows_use_the_llguidance_bit_layout(compiler):
+    """Bit t % 32 of word t // 32, bit 31 being the int32 sign bit (ids 31 and 63 here)."""
+    row = compiler._mask_of([0, 31, 63, compiler.vocab_size - 1])
+    allowed = unpack_bitmask(row.unsqueeze(0), compiler.vocab_size)[0]
+    assert allowed.nonzero().flatten().tolist() == [0, 31, 63, compiler.vocab_size - 1]
+    assert row[0].item() == 1 - 2**31 and row[1].item() == -(2**31)

@@ -356,10 +356,12 @@ class GrammarCompiler:
         return out
 
     def _mask_of(self, ids: Sequence[int]) -> torch.Tensor:
-        mask = torch.zeros(self.words, dtype=torch.int64)
+        """int32 [W] row with exactly ``ids`` allowed."""
+        words = [0] * self.words
         for tid in ids:
-            mask[tid // 32] |= 1 << (tid % 32)
-        return mask.to(torch.int32)  # bit 31 wraps to the sign bit, as in the llguidance layout
+            words[tid // 32] |= 1 << (tid % 32)
+        # bit 31 is the int32 sign bit, as in the llguidance layout
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
     def _grammar(self, spec: ConstraintSpec, reasoning: ReasoningStart) -> str:
         tok = self.tokenizer
