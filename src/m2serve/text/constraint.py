@@ -1,0 +1,507 @@
+"""Constrained decoding for MiniMax-M2 output: grammars compiled with llguidance, one matcher per choice.
+
+A request that must produce structure (``tool_choice`` required / named / none, ``response_format``,
+vLLM ``structured_outputs``) gets a ``GrammarConstraint``. The engine asks it for an allowed-token
+bitmask before sampling (``fill_bitmask``) and tells it each sampled token (``accept_token``); the
+engine's ``TokenConstraint`` protocol is satisfied by duck typing (text/ may not import engine/).
+
+Output shape (spec chat-and-parsers.md §2-§3), S = the body below:
+
+- reasoning ``inside`` (the prompt ends with ``<think>``, P1): ``REASONING </think> \\n\\n S``;
+- reasoning ``may_open`` (chat prompt not ending in ``<think>``, P2):
+  ``(<think> REASONING </think> \\n\\n)? S``;
+- reasoning ``off`` (raw completions): ``S``.
+
+REASONING is free text up to the ``</think>`` token; it may not spell ``</think>`` or
+``<minimax:tool_call>`` with ordinary tokens, and no special token but ``</think>`` ends it. A reasoning
+budget forces ``</think>`` after that many reasoning tokens (as soon as the text is valid UTF-8).
+
+Bodies (``ConstraintSpec`` builders):
+
+- ``tool_calls_spec`` (``tool_choice`` required / named): one ``<minimax:tool_call>\\n`` block (the
+  template writes all calls in one; the parser would also read several) holding one or more invokes
+  ``<invoke name="NAME">\\n`` + parameters + ``</invoke>\\n``, then ``</minimax:tool_call>`` and end of
+  turn (with ``parallel_tool_calls`` false: exactly one invoke). Parameters come in the order of
+  ``properties``, every ``required`` one present, no undeclared name, each
+  ``<parameter name="KEY">VALUE</parameter>\\n``. VALUE follows the parameter's JSON Schema as the parser
+  reads it (§3.4): a parameter whose allowed types (P14) are ``{string}`` or ``{string, null}`` is raw text
+  (``minLength`` / ``maxLength`` / ``enum`` / ``const`` / ``pattern`` enforced; no leading or trailing
+  newline, which P15 would strip; never ``</parameter>``, ``<parameter name=`` or ``</invoke>``, which end
+  a value, P10); any other parameter is compact JSON (``json.dumps`` separators) matching its schema.
+- ``no_tool_call_spec`` (``tool_choice`` none): any text that does not contain ``<minimax:tool_call>`` under
+  any tokenisation (the tag token and the tag spelt by ordinary tokens are both excluded).
+- ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
+  matching the schema (json_object: any object).
+- ``regex_spec`` / ``choice_spec`` / ``lark_spec``: vLLM ``structured_outputs`` regex / choice / grammar.
+
+Supported JSON Schema subset: what llguidance compiles in strict mode (``lenient`` false), see
+docs/constrained-decoding.md: ``type`` (and lists), ``enum``, ``const``, ``properties``, ``required``,
+``additionalProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
+``maxLength``, ``pattern``, ``format`` (llguidance's list), ``minimum`` / ``maximum`` / ``exclusive*``,
+``multipleOf``, ``anyOf`` / ``oneOf`` (as anyOf) / ``allOf``, ``$ref`` / ``$defs``. Anything else,
+an invalid schema or a bad regex raises ValueError naming the request field and llguidance's message.
+Raw-string tool parameters additionally reject ``format`` and types mixing string with anything but null.
+
+End of turn: the tokenizer's stop ids (``Tokenizer.stop_token_ids``: generation_config eos + ``[e~[``)
+are the grammar's EOS; they are allowed only where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import llguidance
+import torch
+
+from m2serve.text.schema import allowed_types
+from m2serve.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ReasoningStart = Literal["inside", "may_open", "off"]
+_REASONING_STARTS = ("inside", "may_open", "off")
+
+# JSON as the template writes it (tojson = json.dumps defaults), no free whitespace: a model trained on
+# the template sees its own format, and random logits cannot loop on whitespace.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_TEXT = "/(?s:.*)/"
+# Text a raw-string parameter value may never contain: each of these ends a value (P10).
+_VALUE_ENDS = r"/(?s:.*)(<\/parameter>|<parameter name=|<\/invoke>)(?s:.*)/"
+# Errors without the internal grammar text (which would name our rules, not the request's fields).
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+_STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
+                    "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
+                    "writeOnly"}  # the last eight are annotations
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What a request constrains, before compilation. ``key`` identifies it in the grammar cache;
+    ``field`` is the request field named in errors; ``body`` is the Lark text of the body rule ``body``
+    (plus helper rules); ``subgrammars`` are (name, Lark text) referenced as ``@name``; ``parts`` are
+    (field, standalone Lark grammar) checked one by one when the whole does not compile, so the error
+    names the part at fault (the tool)."""
+
+    key: str
+    field: str
+    body: str
+    subgrammars: tuple[tuple[str, str], ...] = ()
+    parts: tuple[tuple[str, str], ...] = ()
+
+
+def _lark_str(text: str) -> str:
+    """A Lark string literal for ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a Lark /regex/ matching it literally."""
+    out = []
+    for ch in text:
+        if ch.isalnum() or ch in " _-,:;=@'\"<>%&!~`#":
+            out.append(ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        else:
+            out.append(f"\\u{{{ord(ch):x}}}" if ord(ch) > 0x7F else f"\\x{ord(ch):02x}")
+    return "/" + "".join(out) + "/"
+
+
+def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None = None) -> str:
+    """``%json`` text for ``schema`` with the template's JSON style (and the root's ``$defs``)."""
+    doc = dict(schema)
+    if defs_from is not None:
+        for key in ("$defs", "definitions"):
+            if key in defs_from and key not in doc:
+                doc[key] = defs_from[key]
+    doc["x-guidance"] = {**_JSON_OPTIONS, **(doc.get("x-guidance") or {})}
+    return "%json " + json.dumps(doc, ensure_ascii=False)
+
+
+def json_spec(schema: Mapping[str, Any] | None, field: str = "response_format") -> ConstraintSpec:
+    """Body = one JSON value matching ``schema`` (None: json_object, any JSON object)."""
+    if schema is None:
+        schema = {"type": "object"}
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{field}: the JSON schema must be an object, got {type(schema).__name__}")
+    text = json.dumps(schema, ensure_ascii=False)  # key order kept: it is the generation order
+    return ConstraintSpec(f"json:{text}", field, f"body: {_json_schema(schema)}\n")
+
+
+def regex_spec(pattern: str, field: str = "structured_outputs.regex") -> ConstraintSpec:
+    """Body = text fully matching ``pattern`` (Rust regex syntax; ``\\d``/``\\w``/``\\s`` ASCII)."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"{field}: expected a regex string, got {type(pattern).__name__}")
+    return ConstraintSpec(f"regex:{pattern}", field,
+                          f"body: BODY_RE\nBODY_RE: /{llguidance.regex_to_lark(pattern, 'dws')}/\n")
+
+
+def choice_spec(choices: Sequence[str], field: str = "structured_outputs.choice") -> ConstraintSpec:
+    """Body = exactly one of ``choices``."""
+    if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError(f"{field}: expected a non-empty list of strings")
+    alts = " | ".join(_lark_str(c) for c in choices)
+    return ConstraintSpec("choice:" + json.dumps(list(choices)), field, f"body: {alts}\n")
+
+
+def lark_spec(grammar: str, field: str = "structured_outputs.grammar") -> ConstraintSpec:
+    """Body = a sentence of the user's Lark grammar (llguidance dialect, rule ``start``)."""
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise ValueError(f"{field}: expected a non-empty Lark grammar string")
+    return ConstraintSpec(f"lark:{grammar}", field, "body: @user\n", (("user", grammar),))
+
+
+def no_tool_call_spec() -> ConstraintSpec:
+    """Body = any text without ``<minimax:tool_call>`` (the tag's token is excluded with every special
+    token, since text terminals never match special tokens; its spelling is excluded by the regex)."""
+    return ConstraintSpec("none", "tool_choice",
+                          f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)<minimax:tool_call>(?s:.*)/\n")
+
+
+def _function(tool: Any, index: int) -> tuple[str, Mapping[str, Any]]:
+    fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tools[{index}]: a function tool needs a non-empty function.name")
+    if ">" in name:
+        raise ValueError(f"tools[{index}]: function name {name!r} contains '>', which the MiniMax tool-call "
+                         "format cannot express (spec §3.7)")
+    params = fn.get("parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"tool {name!r}: function.parameters must be a JSON Schema object")
+    return name, params
+
+
+def _string_branch(schema: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """The sub-schema whose string constraints a raw-string value obeys (the top level, or the one
+    anyOf/oneOf branch that allows string)."""
+    for combo in ("anyOf", "oneOf"):
+        branches = schema.get(combo)
+        if isinstance(branches, list):
+            strings = [b for b in branches if isinstance(b, Mapping) and "string" in allowed_types(b)]
+            if len(strings) != 1:
+                raise ValueError(f"{where}: {combo} with {len(strings)} string branches is not supported for "
+                                 "a raw-string parameter; use one string branch")
+            return strings[0]
+    return schema
+
+
+def _raw_string_terminal(schema: Mapping[str, Any], where: str) -> str:
+    """Lark terminal body for a raw-string parameter value (P15: strings are written raw)."""
+    branch = _string_branch(schema, where)
+    unsupported = sorted(set(branch) - _STRING_KEYWORDS)
+    if unsupported:
+        raise ValueError(f"{where}: keyword(s) {unsupported} are not supported on a raw-string tool "
+                         "parameter; supported: minLength, maxLength, enum, const, pattern")
+    parts = []
+    values = ([branch["const"]] if "const" in branch else branch.get("enum"))
+    if values is not None:
+        strings = [v for v in values if isinstance(v, str)]
+        if not strings:
+            raise ValueError(f"{where}: enum/const has no string value")
+        parts.append("(" + " | ".join(_regex_literal(v) for v in strings) + ")")
+    lo, hi = branch.get("minLength", 0), branch.get("maxLength")
+    for name, bound in (("minLength", lo), ("maxLength", hi)):
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
+            raise ValueError(f"{where}: {name}={bound!r} must be a non-negative integer")
+    if lo or hi is not None:
+        parts.append(f"/(?s:.){{{lo},{'' if hi is None else hi}}}/")
+    if "pattern" in branch:
+        pattern = branch["pattern"]
+        if not isinstance(pattern, str):
+            raise ValueError(f"{where}: pattern must be a string")
+        start, end = pattern.startswith("^"), pattern.endswith("$") and not pattern.endswith("\\$")
+        core = pattern[1 if start else 0: len(pattern) - 1 if end else len(pattern)]
+        core = "(" + core + ")"  # JSON Schema patterns search; unanchored ends match anything
+        regex = ("" if start else "(?s:.*)") + core + ("" if end else "(?s:.*)")
+        parts.append("/" + llguidance.regex_to_lark(regex, "dw") + "/")
+    if not parts:
+        parts.append(_ANY_TEXT)
+    parts += [f"~{_VALUE_ENDS}", r"~/\n(?s:.*)/", r"~/(?s:.*)\n/"]
+    return " & ".join(parts)
+
+
+def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """Lark rules for one ``<invoke>`` of tool ``name`` (rule ``inv_{tag}``), and a standalone grammar
+    per parameter (field, Lark) to name the parameter at fault in errors."""
+    props = params.get("properties") or {}
+    if not isinstance(props, Mapping):
+        raise ValueError(f"tool {name!r}: parameters.properties must be an object")
+    required = params.get("required") or []
+    if not isinstance(required, list) or any(r not in props for r in required):
+        raise ValueError(f"tool {name!r}: parameters.required must list declared properties, "
+                         f"got {required!r}")
+    rules, seq, parts = [], [], []
+    for j, (key, schema) in enumerate(props.items()):
+        if ">" in key:
+            raise ValueError(f"tool {name!r}: parameter name {key!r} contains '>' (spec §3.7)")
+        if not isinstance(schema, Mapping):
+            schema = {}
+        where = f"tool {name!r} parameter {key!r}"
+        types = allowed_types(schema)
+        head = _lark_str(f'<parameter name="{key}">')
+        close = _lark_str("</parameter>\n")
+        if "string" in types:
+            if types - {"string", "null"}:
+                raise ValueError(f"{where}: allowed types {sorted(types)} mix string with other types; "
+                                 "the raw value would be re-typed by the parser (§3.4). Use one type, "
+                                 "or string + null")
+            rules.append(f"p_{tag}_{j}: {head} V_{tag}_{j} {close}")
+            rules.append(f"V_{tag}_{j}: {_raw_string_terminal(schema, where)}")
+        else:
+            rules.append(f"p_{tag}_{j}: {head} {_json_schema(schema, params)} {close}")
+        own = [r for r in rules if r.startswith((f"p_{tag}_{j}:", f"V_{tag}_{j}:"))]
+        parts.append((where, f"start: p_{tag}_{j}\n" + "\n".join(own) + "\n"))
+        seq.append(f"p_{tag}_{j}" + ("" if key in required else "?"))
+    open_tag, close_tag = _lark_str(f'<invoke name="{name}">\n'), _lark_str("</invoke>\n")
+    rules.insert(0, f"inv_{tag}: {open_tag} {' '.join(seq)} {close_tag}")
+    return rules, parts
+
+
+def tool_calls_spec(tools: Sequence[Any], name: str | None = None,
+                    parallel_tool_calls: bool = True) -> ConstraintSpec:
+    """Body = tool-call blocks calling the declared tools (``name``: only that one).
+
+    ``tools`` are the request's OpenAI tools (``{"type": "function", "function": {...}}`` or the bare
+    function objects). Raises ValueError naming the tool for an unsupported parameter schema, and
+    naming ``tool_choice`` for a ``name`` that is not declared.
+    """
+    if not tools:
+        raise ValueError("tool_choice: a required or named tool choice needs a non-empty tools list")
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    if name is not None:
+        functions = [f for f in functions if f[0] == name]
+        if not functions:
+            raise ValueError(f"tool_choice: function {name!r} is not one of the request's tools")
+        functions = functions[:1]
+    rules, parts = [], []
+    for i, (fname, params) in enumerate(functions):
+        tool_rules, param_parts = _invoke_rules(fname, params, str(i))
+        rules += tool_rules
+        parts += param_parts
+    invoke = " | ".join(f"inv_{i}" for i in range(len(functions)))
+    body = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{'+' if parallel_tool_calls else ''} <[TC_END]>\n"
+    text = body + f"invoke: {invoke}\n" + "\n".join(rules) + "\n"
+    key = json.dumps([name, parallel_tool_calls, [[f, p] for f, p in functions]], ensure_ascii=False)
+    return ConstraintSpec(f"tools:{key}", "tool_choice" if name else "tools", text, parts=tuple(parts))
+
+
+def _clean_error(message: str) -> str:
+    """llguidance's message without its position in, and listing of, our generated Lark text."""
+    message = re.sub(r"^at \d+\(\d+\): ", "", message)
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*\d+ \| ", line):
+            lines = lines[:i]
+            break
+    return "\n".join(lines).strip()
+
+
+class GrammarCompiler:
+    """Compiles ``ConstraintSpec`` s for one tokenizer and caches them by (spec, reasoning start).
+
+    ``tokenizer_json`` is the checkpoint's ``tokenizer.json`` text; ``vocab_size`` is the logits width
+    V (the embedding may be padded past the tokenizer; padded ids are never allowed). Bitmasks are
+    int32 ``[B, ceil(V/32)]``, bit ``t % 32`` of word ``t // 32`` set iff token t is allowed (llguidance
+    layout). ``max_cached`` bounds the cache (oldest entry dropped first).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, tokenizer_json: str, vocab_size: int, max_cached: int = 256):
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer "
+                             f"({tokenizer.vocab_size} tokens); pass the model's logits width")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(tokenizer.stop_token_ids)
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                   eos_token=list(self.eos_token_ids))
+        self.words = (vocab_size + 31) // 32
+        self._max_cached = max_cached
+        self._cache: dict[tuple[str, str], llguidance.LLMatcher] = {}
+        # int32 [W] rows: what a forced </think> may be (plus tokens finishing a UTF-8 character), and
+        # the end-of-turn ids (the row of a request whose grammar failed)
+        self.force_think_end_mask = self._mask_of(self._continuation_ids() + [tokenizer.think_end_id])
+        self.eos_mask = self._mask_of(self.eos_token_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, vocab_size: int | None = None) -> GrammarCompiler:
+        """For a checkpoint directory (``tokenizer.json``; V from ``vocab_size`` or config.json)."""
+        d = Path(path)
+        if vocab_size is None:
+            vocab_size = json.loads((d / "config.json").read_text())["vocab_size"]
+        return cls(Tokenizer.from_pretrained(d), (d / "tokenizer.json").read_text(encoding="utf-8"),
+                   vocab_size)
+
+    @property
+    def cache_size(self) -> int:
+        """Number of compiled grammars held."""
+        return len(self._cache)
+
+    def _continuation_ids(self) -> list[int]:
+        """Ids whose bytes are all UTF-8 continuation bytes: they may still be needed to finish a
+        character before a forced ``</think>``."""
+        out = []
+        for tid in range(self.tokenizer.vocab_size):
+            raw = self.tokenizer.token_bytes(tid)
+            if raw and all(0x80 <= b <= 0xBF for b in raw):
+                out.append(tid)
+        return out
+
+    def _mask_of(self, ids: Sequence[int]) -> torch.Tensor:
+        """int32 [W] row with exactly ``ids`` allowed."""
+        words = [0] * self.words
+        for tid in ids:
+            words[tid // 32] |= 1 << (tid % 32)
+        # bit 31 is the int32 sign bit, as in the llguidance layout
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+    def _grammar(self, spec: ConstraintSpec, reasoning: ReasoningStart) -> str:
+        tok = self.tokenizer
+        think_text = f"THINK_TEXT: {_ANY_TEXT} & ~/(?s:.*)(<\\/think>|<minimax:tool_call>)(?s:.*)/\n"
+        after = f"THINK_TEXT <[{tok.think_end_id}]> \"\\n\\n\""
+        if reasoning == "inside":
+            start = f"start: {after} body\n" + think_text
+        elif reasoning == "may_open":
+            start = f"start: (<[{tok.think_id}]> {after})? body\n" + think_text
+        else:
+            start = "start: body\n"
+        body = spec.body.replace("<[TC]>", f"<[{tok.tool_call_id}]>").replace(
+            "<[TC_END]>", f"<[{tok.tool_call_end_id}]>")
+        lark = start + body
+        if not spec.subgrammars:
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        grammars = [{"lark_grammar": lark}] + [{"name": n, "lark_grammar": g} for n, g in spec.subgrammars]
+        return json.dumps({"grammars": grammars})
+
+    def compile(self, spec: ConstraintSpec, reasoning: ReasoningStart = "inside") -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the grammar (a deep copy of the cached compiled one).
+
+        Raises ValueError ``"{spec.field}: ..."`` with llguidance's message for a grammar that does not
+        compile (invalid or unsupported schema, bad regex, bad Lark), and for an unknown ``reasoning``.
+        """
+        if reasoning not in _REASONING_STARTS:
+            raise ValueError(f"reasoning={reasoning!r}: expected one of {_REASONING_STARTS}")
+        key = (spec.key, reasoning)
+        matcher = self._cache.get(key)
+        if matcher is None:
+            grammar = self._grammar(spec, reasoning)
+            error = self._check(grammar)
+            if error:
+                for field, lark in spec.parts:
+                    part_error = self._check(llguidance.LLMatcher.grammar_from_lark(lark))
+                    if part_error:
+                        raise ValueError(f"{field}: {part_error}")
+                raise ValueError(f"{spec.field}: {error}")
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
+            if matcher.is_error():
+                raise ValueError(f"{spec.field}: grammar does not compile: {matcher.get_error()}")
+            if len(self._cache) >= self._max_cached:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = matcher
+        return matcher.deep_copy()
+
+    def _check(self, grammar: str) -> str:
+        """'' if ``grammar`` compiles for this tokenizer, else llguidance's message."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.ll_tokenizer, limits=_LIMITS)
+        if not is_error:
+            return ""
+        return "grammar does not compile: " + _clean_error(messages[0] if messages else "unknown error")
+
+    def constraint(self, spec: ConstraintSpec, reasoning: ReasoningStart = "inside",
+                   reasoning_budget: int | None = None) -> GrammarConstraint:
+        """A new per-choice constraint (compile errors as in ``compile``)."""
+        if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or
+                                             not isinstance(reasoning_budget, int) or reasoning_budget < 0):
+            raise ValueError(f"reasoning_budget={reasoning_budget!r} must be a non-negative integer or None")
+        return GrammarConstraint(self, self.compile(spec, reasoning), reasoning, reasoning_budget)
+
+
+class GrammarConstraint:
+    """The per-choice matcher: fills its bitmask row, advances with every sampled token.
+
+    Satisfies the engine's ``TokenConstraint`` protocol (``fill_bitmask``, ``accept_token``,
+    ``is_terminated``) and adds ``only_end_of_turn`` (the grammar allows nothing but the stop ids:
+    ``min_tokens`` / ``ignore_eos`` must yield) and ``error`` (None, or why the grammar allows nothing;
+    then the row allows only the stop ids, so the request ends with ``stop``, never with NaN logits).
+
+    Reasoning: while ``in_reasoning``, tokens are counted; once ``reasoning_budget`` of them were
+    accepted the row is narrowed to ``</think>`` (plus UTF-8 continuation tokens while a character is
+    incomplete).
+    """
+
+    def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, reasoning: ReasoningStart,
+                 reasoning_budget: int | None) -> None:
+        self._compiler = compiler
+        self._matcher = matcher
+        self._reasoning_budget = reasoning_budget
+        self._phase = {"inside": "reasoning", "may_open": "start", "off": "answer"}[reasoning]
+        self.reasoning_tokens = 0
+        self.error: str | None = None
+        self._ended = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while the output is inside ``<think>`` … ``</think>``."""
+        return self._phase == "reasoning"
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens into ``bitmask[row]`` (int32 ``[B, ceil(V/32)]``, CPU, contiguous)."""
+        words = bitmask[row]
+        if words.numel() != self._compiler.words or bitmask.dtype != torch.int32 or not words.is_contiguous():
+            raise ValueError(f"bitmask row must be int32 contiguous with {self._compiler.words} words, got "
+                             f"{tuple(bitmask.shape)} {bitmask.dtype}")
+        if self.error is None:
+            self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+            if self._matcher.is_error():
+                self._fail(self._matcher.get_error())
+            elif self._phase == "reasoning" and self._reasoning_budget is not None \
+                    and self.reasoning_tokens >= self._reasoning_budget:
+                forced = words & self._compiler.force_think_end_mask
+                if bool(forced.any()):
+                    words.copy_(forced)
+            if self.error is None and not bool(words.any()):
+                self._fail("the grammar allows no token")
+        if self.error is not None:
+            words.copy_(self._compiler.eos_mask)
+
+    def accept_token(self, token_id: int) -> None:
+        """Advance with the sampled token (an id outside the mask puts the constraint in error)."""
+        if self.error is not None or self._ended:
+            return
+        if token_id in self._compiler.eos_token_ids:
+            self._ended = True
+            if not self._matcher.is_accepting():
+                self._fail(f"end of turn (id {token_id}) before the grammar was complete")
+            return
+        if not self._matcher.consume_token(token_id):
+            self._fail(self._matcher.get_error() or f"token {token_id} is not allowed by the grammar")
+            return
+        tok = self._compiler.tokenizer
+        if self._phase == "start":
+            self._phase = "reasoning" if token_id == tok.think_id else "answer"
+        elif self._phase == "reasoning":
+            if token_id == tok.think_end_id:
+                self._phase = "answer"
+            else:
+                self.reasoning_tokens += 1
+
+    def is_terminated(self) -> bool:
+        """True once an end-of-turn id was accepted, or the grammar is in error."""
+        return self._ended or self.error is not None
+
+    def only_end_of_turn(self) -> bool:
+        """True when nothing but an end-of-turn id may follow (the grammar is complete, or in error)."""
+        return self.error is not None or self._matcher.is_stopped()
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        log.warning("constrained decoding: grammar error (%s)", message.splitlines()[0] if message else "?")

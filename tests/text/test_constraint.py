@@ -1,0 +1,188 @@
+"""GrammarConstraint units: compile errors name the request field, end of turn, grammar errors, budget,
+and ``tool_choice`` none under any tokenisation (issue 20; spec chat-and-parsers.md §1, §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from constraint_helpers import TOKENIZERS, make_compiler, unpack_bitmask
+
+from m2serve.text.constraint import (
+    choice_spec,
+    json_spec,
+    lark_spec,
+    no_tool_call_spec,
+    regex_spec,
+    tool_calls_spec,
+)
+
+
+@pytest.fixture(scope="module", params=TOKENIZERS)
+def compiler(request):
+    return make_compiler(request.param)
+
+
+def _allowed(compiler, constraint) -> set[int]:
+    bitmask = torch.zeros(1, compiler.words, dtype=torch.int32)
+    constraint.fill_bitmask(bitmask, 0)
+    return set(unpack_bitmask(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist())
+
+
+def _tool(name, properties, required=()):
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": list(required)}}}
+
+
+@pytest.mark.parametrize("make, field, reason", [
+    (lambda: json_spec({"type": "object", "properties": {"a": {"type": "strin"}}}), "response_format",
+     "Invalid type"),
+    (lambda: json_spec({"type": "string", "pattern": "[a-"}), "response_format", "unclosed character class"),
+    (lambda: json_spec({"type": "array", "uniqueItems": True}), "response_format", "uniqueItems"),
+    (lambda: json_spec({"type": "string", "format": "nope"}), "response_format", "Unknown format"),
+    (lambda: regex_spec("(ab"), "structured_outputs.regex", "unclosed group"),
+    (lambda: lark_spec("start: missing_rule"), "structured_outputs.grammar", "missing_rule"),
+    (lambda: tool_calls_spec([_tool("ok", {"x": {"type": "integer"}}),
+                              _tool("bad", {"n": {"type": "integer", "minimum": "a"}})]),
+     "tool 'bad' parameter 'n'", "minimum"),
+    (lambda: tool_calls_spec([_tool("rx", {"s": {"type": "string", "pattern": "(("}})]),
+     "tool 'rx' parameter 's'", "unclosed group"),
+])
+def test_uncompilable_grammar_names_the_field(compiler, make, field, reason):
+    with pytest.raises(ValueError) as info:
+        compiler.compile(make())
+    message = str(info.value)
+    assert message.startswith(field + ": ") and reason in message
+    assert "| " not in message  # no listing of the generated Lark text
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: tool_calls_spec([_tool("f", {"x": {"type": ["string", "integer"]}})]), "tool 'f' parameter 'x'"),
+    (lambda: tool_calls_spec([_tool("f", {"d": {"type": "string", "format": "date"}})]),
+     "tool 'f' parameter 'd'"),
+    (lambda: tool_calls_spec([_tool("f", {})], name="g"), "tool_choice"),
+    (lambda: tool_calls_spec([_tool("a>b", {})]), "tools[0]"),
+    (lambda: tool_calls_spec([]), "tool_choice"),
+    (lambda: choice_spec([]), "structured_outputs.choice"),
+    (lambda: json_spec(["not", "a", "schema"]), "response_format"),
+])
+def test_unsupported_request_names_the_field(make, field):
+    with pytest.raises(ValueError, match="^" + field.replace("[", r"\[").replace("]", r"\]")):
+        make()
+
+
+def test_a_bad_request_leaves_the_compiler_usable(compiler):
+    with pytest.raises(ValueError):
+        compiler.compile(regex_spec("[z-a]"))
+    assert compiler.compile(regex_spec("[a-z]")) is not None
+
+
+def test_only_end_of_turn_after_a_complete_choice(compiler):
+    """choice "yes": once consumed, the row allows exactly the stop ids and says so."""
+    tok = compiler.tokenizer
+    constraint = compiler.constraint(choice_spec(["yes"]), "off")
+    assert not constraint.only_end_of_turn()
+    for token in tok.encode("yes"):
+        assert token in _allowed(compiler, constraint)
+        constraint.accept_token(token)
+    assert constraint.only_end_of_turn() and not constraint.is_terminated()
+    assert _allowed(compiler, constraint) == set(compiler.eos_token_ids) == {tok.eos_token_id}
+    constraint.accept_token(tok.eos_token_id)
+    assert constraint.is_terminated() and constraint.error is None
+
+
+def test_forbidden_token_is_a_grammar_error_and_the_row_allows_only_end_of_turn(compiler):
+    tok = compiler.tokenizer
+    constraint = compiler.constraint(regex_spec("[0-9]+"), "off")
+    letter = tok.encode("x")[0]
+    assert letter not in _allowed(compiler, constraint)
+    constraint.accept_token(letter)
+    assert constraint.error and constraint.is_terminated() and constraint.only_end_of_turn()
+    assert _allowed(compiler, constraint) == {tok.eos_token_id}
+
+
+def test_end_of_turn_before_the_grammar_is_complete_is_an_error(compiler):
+    constraint = compiler.constraint(regex_spec("[0-9]+"), "off")
+    constraint.accept_token(compiler.tokenizer.eos_token_id)
+    assert constraint.is_terminated() and "before the grammar was complete" in constraint.error
+
+
+def test_reasoning_budget_forces_think_end_then_constrains(compiler):
+    tok = compiler.tokenizer
+    constraint = compiler.constraint(choice_spec(["ok"]), "inside", reasoning_budget=2)
+    free = _allowed(compiler, constraint)
+    complete_chars = set()  # ordinary tokens that are whole UTF-8 text: reasoning is free to use them
+    for token in range(tok.vocab_size):
+        try:
+            tok.token_bytes(token).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if not tok.is_skipped(token) and token not in tok.special_ids.values():
+            complete_chars.add(token)
+    assert complete_chars <= free and tok.think_end_id in free
+    assert tok.tool_call_id not in free and tok.eos_token_id not in free
+    for ch in "ab":
+        constraint.accept_token(tok.token_to_id(ch))
+    assert constraint.in_reasoning and constraint.reasoning_tokens == 2
+    assert _allowed(compiler, constraint) == {tok.think_end_id}
+    constraint.accept_token(tok.think_end_id)
+    assert not constraint.in_reasoning
+    for token in tok.encode("\n\nok"):
+        assert token in _allowed(compiler, constraint)
+        constraint.accept_token(token)
+    assert constraint.only_end_of_turn() and constraint.error is None
+
+
+def test_may_open_reasoning_only_at_the_start(compiler):
+    tok = compiler.tokenizer
+    first = compiler.constraint(choice_spec(["ok"]), "may_open")
+    assert tok.think_id in _allowed(compiler, first)
+    first.accept_token(tok.think_id)
+    assert first.in_reasoning
+    direct = compiler.constraint(choice_spec(["ok"]), "may_open")
+    direct.accept_token(tok.encode("o")[0])
+    assert not direct.in_reasoning and tok.think_id not in _allowed(compiler, direct)
+
+
+def test_tool_choice_none_blocks_the_tag_under_any_tokenisation(compiler):
+    """After ``<minimax:tool_cal`` spelt one character per token (in reasoning and in the answer), no
+    allowed token completes the tag: checked against every token's bytes, independently of llguidance."""
+    tok = compiler.tokenizer
+    constraint = compiler.constraint(no_tool_call_spec(), "inside")
+    prefix = "<minimax:tool_cal"
+    char_ids = [tok.token_to_id(ch) for ch in prefix]
+    assert None not in char_ids
+
+    def check():
+        allowed = _allowed(compiler, constraint)
+        assert tok.tool_call_id not in allowed
+        for token in allowed - {tok.think_end_id, tok.eos_token_id}:
+            assert "<minimax:tool_call>" not in prefix + tok.token_bytes(token).decode("utf-8", "replace")
+
+    for token in char_ids:
+        constraint.accept_token(token)
+    check()
+    constraint.accept_token(tok.token_to_id("x"))
+    constraint.accept_token(tok.think_end_id)
+    for token in tok.encode("\n\n") + char_ids:
+        constraint.accept_token(token)
+    check()
+    assert constraint.error is None
+
+
+def test_compiled_grammars_are_cached_per_spec(compiler):
+    spec = json_spec({"type": "object", "properties": {"k": {"type": "integer"}}})
+    compiler.compile(spec, "inside")
+    size = compiler.cache_size
+    compiler.compile(json_spec({"type": "object", "properties": {"k": {"type": "integer"}}}), "inside")
+    assert compiler.cache_size == size  # an equal schema from another request: one entry
+    compiler.compile(spec, "off")
+    compiler.compile(json_spec({"properties": {"k": {"type": "integer"}}, "type": "object"}), "inside")
+    assert compiler.cache_size == size + 2  # another reasoning start; key order = generation order
+
+
+def test_mask_rows_use_the_llguidance_bit_layout(compiler):
+    """Bit t % 32 of word t // 32, bit 31 being the int32 sign bit (ids 31 and 63 here)."""
+    row = compiler._mask_of([0, 31, 63, compiler.vocab_size - 1])
+    allowed = unpack_bitmask(row.unsqueeze(0), compiler.vocab_size)[0]
+    assert allowed.nonzero().flatten().tolist() == [0, 31, 63, compiler.vocab_size - 1]
+    assert row[0].item() == 1 - 2**31 and row[1].item() == -(2**31)
