@@ -84,6 +84,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--device-memory-utilization", type=float)
     a("--kv-cache-page-size", type=int)
     a("--kv-cache-format", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    a("--kv-cache-memory-gib", type=float,
+      help="CPU: GiB of KV pages per rank (default: min(4, what max-batch-size x max-length needs))")
     a("--weight-dequant", choices=["load", "runtime"])
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -97,6 +99,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
     a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
     a("--tool-parser", choices=["minimax_m2", "none"])
+    a("--strict-tool-format", action=argparse.BooleanOptionalAction, default=None,
+      help="refuse to start when the chat template writes tool calls the tool parser cannot read")
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
 
