@@ -263,7 +263,7 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
     from m2serve.config.parallel import select_parallelism_mode
-    from m2serve.engine.planner import checkpoint_encoding, num_devices
+    from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -273,7 +273,9 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
-        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}"
+        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}, "
+        f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total) / GiB:.2f} GiB) | "
+        f"max context {llm.max_length} | {url}"
     )
 
 
