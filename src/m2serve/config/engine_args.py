@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
+WEIGHT_DEQUANT_MODES = ("load", "runtime")
+
 
 @dataclass(slots=True)
 class EngineArgs:

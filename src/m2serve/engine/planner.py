@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import (
     ParallelismMode,
@@ -45,7 +45,6 @@ MiB = 1024 ** 2
 MULTI_DEVICE_RESERVE = 256 * MiB
 _ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
-_WEIGHT_DEQUANT = ("load", "runtime")
 #: Default ceiling of the CPU KV pool per rank (vLLM's CPU KV-cache space default is 4 GiB too).
 CPU_KV_DEFAULT_BYTES = 4 * GiB
 _GPU_KV_SOURCE = "free x device_memory_utilization - static"
@@ -159,9 +158,9 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
         max_batch_size=args.max_batch_size, max_batch_input_tokens=args.max_batch_input_tokens)
     act = _lookup(_ACT_BYTES, args.dtype, "dtype")
     kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
-    if args.weight_dequant not in _WEIGHT_DEQUANT:
+    if args.weight_dequant not in WEIGHT_DEQUANT_MODES:
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
-                         f"use one of {_WEIGHT_DEQUANT}")
+                         f"use one of {WEIGHT_DEQUANT_MODES}")
     S = check_page_and_length(args)
 
     state = dep.state(0)
