@@ -28,12 +28,7 @@ from pathlib import Path
 
 from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.parallel import (
-    ParallelismMode,
-    select_parallelism_mode,
-    shard_ranges,
-    validate_deployment,
-)
+from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
 from m2serve.formats.detect import Encoding, detect_encoding
 from m2serve.parallel.shard import rank_weight_bytes
 
@@ -152,10 +147,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     """
     P = num_devices(args.devices)
     encoding = checkpoint_encoding(config)
-    dep = validate_deployment(
-        config, P, args.data_parallel_degree, args.ep_size, encoding=encoding.value,
-        ep_use_allreduce=args.ep_use_allreduce, device_memory_utilization=args.device_memory_utilization,
-        max_batch_size=args.max_batch_size, max_batch_input_tokens=args.max_batch_input_tokens)
+    dep = _deployment(config, args)
     act = _lookup(_ACT_BYTES, args.dtype, "dtype")
     kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
     if args.weight_dequant not in WEIGHT_DEQUANT_MODES:
@@ -262,10 +254,18 @@ def _cpu_kv_budget(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: in
 
 def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int) -> int:
     """Bytes of a pool of ``num_pages`` pages per rank for ``args``'s deployment (for banners)."""
-    mode = select_parallelism_mode(num_devices(args.devices), args.data_parallel_degree, args.ep_size)
-    tp = num_devices(args.devices) if mode is not ParallelismMode.DP_EP else 1
     elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    tp = _deployment(config, args).tp_size
     return num_pages * args.kv_cache_page_size * kv_bytes_per_token(config, tp, elem)
+
+
+def _deployment(config: MiniMaxM2Config, args: EngineArgs) -> Deployment:
+    """config/parallel.py's validated deployment of ``args`` (rules V1–V10)."""
+    return validate_deployment(
+        config, num_devices(args.devices), args.data_parallel_degree, args.ep_size,
+        encoding=checkpoint_encoding(config).value, ep_use_allreduce=args.ep_use_allreduce,
+        device_memory_utilization=args.device_memory_utilization, max_batch_size=args.max_batch_size,
+        max_batch_input_tokens=args.max_batch_input_tokens)
 
 
 def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -> int:
