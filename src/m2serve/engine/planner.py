@@ -252,17 +252,19 @@ def _cpu_kv_budget(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: in
     return room, f"{source}, lowered to the RAM left"
 
 
-def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int) -> int:
-    """Bytes of a pool of ``num_pages`` pages per rank for ``args``'s deployment (for banners)."""
+def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int, world_size: int) -> int:
+    """Bytes of a pool of ``num_pages`` pages per rank for ``args``'s deployment on ``world_size``
+    ranks (``args.devices``' count, or torchrun's WORLD_SIZE), for banners."""
     elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
-    tp = _deployment(config, args).tp_size
+    tp = _deployment(config, args, world_size).tp_size
     return num_pages * args.kv_cache_page_size * kv_bytes_per_token(config, tp, elem)
 
 
-def _deployment(config: MiniMaxM2Config, args: EngineArgs) -> Deployment:
-    """config/parallel.py's validated deployment of ``args`` (rules V1–V10)."""
+def _deployment(config: MiniMaxM2Config, args: EngineArgs, world_size: int | None = None) -> Deployment:
+    """config/parallel.py's validated deployment of ``args`` (rules V1–V10) on ``world_size``
+    ranks (default: the devices of ``args.devices``)."""
     return validate_deployment(
-        config, num_devices(args.devices), args.data_parallel_degree, args.ep_size,
+        config, world_size or num_devices(args.devices), args.data_parallel_degree, args.ep_size,
         encoding=checkpoint_encoding(config).value, ep_use_allreduce=args.ep_use_allreduce,
         device_memory_utilization=args.device_memory_utilization, max_batch_size=args.max_batch_size,
         max_batch_input_tokens=args.max_batch_input_tokens)

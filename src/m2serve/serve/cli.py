@@ -274,7 +274,7 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
         f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}, "
-        f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total) / GiB:.2f} GiB) | "
+        f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total, world) / GiB:.2f} GiB) | "
         f"max context {llm.max_length} | {url}"
     )
 
