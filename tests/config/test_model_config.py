@@ -179,3 +179,32 @@ def test_bad_generation_defaults_name_field_and_file(field, value):
     want = f"cfg.json: unsupported {field} (generation_config.json)="
     with pytest.raises(ValueError, match=re.escape(want)):
         MiniMaxM2Config.from_dict(RELEASE, {field: value}, source="cfg.json")
+
+
+# issue 16 item 7: corrupt values are refused with the field named, never replaced by a default
+@pytest.mark.parametrize("field,value,want", [
+    ("rms_norm_eps", float("nan"), "a finite number"), ("rms_norm_eps", float("inf"), "a finite number"),
+    ("rms_norm_eps", 0.0, "a finite number > 0"), ("rms_norm_eps", -1e-6, "a finite number > 0"),
+    ("max_position_embeddings", 0, "a positive integer"), ("num_local_experts", 0, "a positive integer"),
+    ("num_key_value_heads", 0, "a positive integer"), ("rope_theta", float("nan"), "a finite number"),
+    ("rope_theta", 0.0, "a finite number > 0"), ("attention_multiplier", float("inf"), "a finite number"),
+    ("partial_rotary_factor", float("nan"), "a finite number"),
+])
+def test_corrupt_config_values_named(field, value, want):
+    with pytest.raises(ValueError, match=re.escape(f"cfg.json: unsupported {field}={value!r} "
+                                                   f"(m2serve supports {want})")):
+        MiniMaxM2Config.from_dict({**RELEASE, field: value}, source="cfg.json")
+
+
+def test_corrupt_config_file_named(tmp_path):  # NaN as json.dumps writes it, read from disk
+    (tmp_path / "config.json").write_text(json.dumps({**RELEASE, "rms_norm_eps": float("nan")}))
+    with pytest.raises(ValueError, match=r"config\.json: unsupported rms_norm_eps=nan"):
+        MiniMaxM2Config.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("eos", [200064, [200020, 300000]])
+def test_eos_outside_vocabulary_refused(eos):  # issue 16 item 5; vocab_size 200064 -> ids 0..200063
+    with pytest.raises(ValueError, match=r"cfg\.json: eos_token_id=\d+ \(generation_config\.json\) is "
+                                         r"outside the vocabulary \(vocab_size=200064: ids 0\.\.200063\)"):
+        MiniMaxM2Config.from_dict(RELEASE, {"eos_token_id": eos}, source="cfg.json")
+    assert MiniMaxM2Config.from_dict(RELEASE, {"eos_token_id": 200063}).eos_token_ids == (200063,)

@@ -167,3 +167,14 @@ def test_shard_ranges_per_mode():
     assert r.q_heads == (0, 48) and r.kv_heads == (0, 8) and r.experts == (32, 64)
     with pytest.raises(ValueError, match="rank=8 is outside the world of 8 ranks"):
         validate_deployment(cfg, 8, 1, 8).state(8)
+
+
+def test_fp8_attention_refusal_suggests_accepted_degrees():  # issue 16 item 5, serving.md §5
+    # 4 KV heads x head_dim 64: tp 4 leaves 64 K/V rows per rank, not a whole 128-row FP8 block
+    cfg = release(num_key_value_heads=4, head_dim=64)
+    want = (r"FP8 block-quantised attention cannot be split 4 ways .*"
+            r"use a tensor parallel degree in \[1, 2\] or data_parallel_degree=4")
+    with pytest.raises(ValueError, match=want):
+        validate_deployment(cfg, 4, encoding="fp8")
+    for t in (1, 2):  # every suggested degree is accepted
+        assert validate_deployment(cfg, t, encoding="fp8").tp_size == t

@@ -332,3 +332,44 @@ def test_plain_data_parallel_holds_every_expert(m27):
     p = plan(m27, devices=GPU8, data_parallel_degree=8, weight_dequant="runtime", device_memory_gib=300)
     assert (p.mode, p.weight_bytes, p.activation_bytes) == (ParallelismMode.DP_EP, ONE_DEVICE, 0)
     assert p.scratch_bytes == 256 * MiB and p.kv_bytes_per_token == KV_TOKEN_BF16
+
+
+# --- CPU KV pool: a fixed size, not free RAM (issue 16 item 10) -------------------------------
+
+TINY_CPU = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64,
+    "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512,
+    "max_position_embeddings": 4096}
+TINY_PAGE = 16 * 2 * 2 * 4 * 128 * 2   # S x (K, V) x L x Hkv x D x bf16 = 65,536 B
+
+
+@pytest.mark.parametrize("kw, pages", [
+    (dict(max_batch_size=8), 8 * 4096 // 16),                          # 8 x 256 pages = 128 MiB < 4 GiB
+    (dict(max_batch_size=8, max_length=1000), 8 * 63),                 # ceil(1000 / 16) = 63 pages each
+    (dict(max_batch_size=512), 4 * GiB // TINY_PAGE),                  # 32 GiB wanted: the 4 GiB cap
+    (dict(max_batch_size=8, kv_cache_memory_gib=0.5), GiB // 2 // TINY_PAGE),   # explicit size wins
+    (dict(devices="cpu:2", max_batch_size=8), 8 * 4096 // 16),         # TP over 2 ranks: half the bytes
+])
+def test_cpu_kv_pool_rule(kw, pages):
+    cfg = MiniMaxM2Config.from_dict(TINY_CPU)
+    args = EngineArgs(**{"devices": "cpu", "dtype": "float32", "kv_cache_page_size": 16, **kw})
+    p = plan_memory(cfg, args)
+    assert p.kv_bytes_per_token * 16 == TINY_PAGE // num_devices(args.devices)  # per rank
+    assert p.num_pages == pages
+    again = plan_memory(cfg, args)  # no free-memory reading enters the figure: identical each time
+    assert (again.num_pages, again.kv_budget_bytes) == (p.num_pages, p.kv_budget_bytes)
+
+
+def test_cpu_kv_pool_explicit_size_that_does_not_fit(m27):
+    with pytest.raises(RuntimeError, match=r"kv_cache_memory_gib=900 does not fit: .*<="):
+        plan(m27, devices="cpu", weight_dequant="runtime", kv_cache_memory_gib=900)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_gib=-1 must be a positive number of GiB"):
+        plan(m27, devices="cpu", weight_dequant="runtime", kv_cache_memory_gib=-1)
+
+
+def test_cpu_kv_pool_release(m27, caplog):
+    # 256 x 196,608 tokens want far more than 4 GiB: 4 GiB // (128 x 253,952 B) = 132 pages
+    p = plan(m27, devices="cpu", weight_dequant="runtime")
+    assert p.num_pages == 4 * GiB // (128 * KV_TOKEN_BF16) == 132
+    assert p.max_length == 132 * 128 and "4 GiB CPU default" in format_plan(p)

@@ -638,3 +638,23 @@ def test_tiny_chat_requantised_keeps_greedy_tokens(fmt, tiny_chat_dense, tmp_pat
     assert min(map(len, base)) >= 8  # real continuations, not an immediate stop
     same = sum(a == b for a, b in zip(base, got))
     assert same >= 19, f"{fmt}: greedy tokens equal on {same}/20 prompts"
+
+
+@pytest.mark.parametrize("weight_dequant", ["load", "runtime"])  # issue 16 item 7: packed weights too
+def test_fp4_nan_scales_refused_in_both_modes(modelopt_dir, quark_dir, tmp_path, weight_dequant):
+    s = _weights(quark_dir)[W1 + "weight_scale"].clone()
+    s[7, 3] = 255  # E8M0 NaN
+    d = _mutated(quark_dir, tmp_path / "mx", put={W1 + "weight_scale": s})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale: 1 E8M0 scale\(s\) hold the NaN code 255 "
+                       r"\(first at index \[7, 3\]\); the checkpoint is corrupt"):
+        load_model(d, dtype=torch.float32, weight_dequant=weight_dequant)
+    s = _weights(modelopt_dir)[W1 + "weight_scale"].clone()
+    s.view(torch.uint8)[2, 5] = 0x7F  # e4m3 NaN code in an NVFP4 block scale
+    d = _mutated(modelopt_dir, tmp_path / "nv", put={W1 + "weight_scale": s})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale: 1 FP8 e4m3 value\(s\) hold a NaN code "
+                       r"\(0x7F/0xFF\) \(first at index \[2, 5\]\)"):
+        load_model(d, dtype=torch.float32, weight_dequant=weight_dequant)
+    s2 = _weights(modelopt_dir)[W1 + "weight_scale_2"].clone().fill_(float("inf"))
+    d = _mutated(modelopt_dir, tmp_path / "nv2", put={W1 + "weight_scale_2": s2})
+    with pytest.raises(ValueError, match=rf"{W1}weight_scale_2: 1 value\(s\) are NaN or inf"):
+        load_model(d, dtype=torch.float32, weight_dequant=weight_dequant)

@@ -203,3 +203,31 @@ def test_internal_error_on_fast_path_never_raises(monkeypatch):  # P20, chunks w
     deltas = [p.feed(head), p.feed("abc"), p.feed(" <x>"), p.finish()]
     assert p.parser_error
     assert "".join(d.content for d in deltas) == head + "abc <x>"
+
+
+def _snapshot(d: ParserDelta):
+    return (d.reasoning, d.content, [(c.index, c.id, c.type, c.name, c.arguments) for c in d.tool_calls])
+
+
+def test_returned_deltas_never_change():  # issue 16 item 2: deltas are immutable once returned
+    text = ("I will check.</think>Checking. "
+            + block(inv("get_weather", ("city", "Paris")), inv("forecast", ("days", "5"))) + " done")
+    tools = [WEATHER, tool("forecast", {"days": {"type": "integer"}})]
+    p = StreamingParser(tools, prompt_tail="<think>\n")
+    kept, snaps = [], []
+    for ch in [*text, None]:
+        d = p.feed(ch) if ch is not None else p.finish()
+        kept.append(d)
+        snaps.append(_snapshot(d))  # as returned
+    for ch in "more text, fed after":  # later feeds (content) must not reach earlier deltas
+        p.feed(ch)
+    assert [_snapshot(d) for d in kept] == snaps
+    headers = [c for d in kept for c in d.tool_calls if c.id is not None]
+    assert [c.name for c in headers] == ["get_weather", "forecast"]  # one header per call (P23)
+    args = {}
+    for d in kept:
+        for c in d.tool_calls:
+            args[c.index] = args.get(c.index, "") + c.arguments
+    assert args == {0: '{"city": "Paris"}', 1: '{"days": 5}'}  # hand-derived P17/P24
+    with pytest.raises(AttributeError):  # frozen: a consumer cannot change a delta either
+        kept[0].content = "x"  # type: ignore[misc]

@@ -173,3 +173,44 @@ def test_failing_message_found_in_log_renders(template, monkeypatch):
     with pytest.raises(TemplateError, match=r"^messages\[700\]: .*narrator"):
         tpl.render(msgs)
     assert len(renders) <= 2 + 11  # the failed render, the whole history, then log2(1024) + 1 prefixes
+
+
+# official_style_template.jinja reproduces the content handling of the released MiniMax-M2
+# chat_template.jinja (its macro and branches, other parts left out): ``visible_text``
+# falls through to ``{{ content }}`` for anything neither string nor list (so a None would print
+# "None"), assistant content goes through it, a tool message's list content renders one
+# ``<response>`` per item and its string content one ``<response>``; tool_calls[-1].name is read.
+OFFICIAL_STYLE = (Path(__file__).parent / "official_style_template.jinja").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("null_content", [{"content": None}, {}], ids=["null", "missing"])
+def test_official_template_content_handling(null_content):  # issue 16 item 1, spec §2 normalisation
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "tool_calls": [call], **null_content},
+            {"role": "tool", "tool_call_id": "c1",
+             "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
+            {"role": "assistant", "content": "ok"}]
+    tpl = ChatTemplate(OFFICIAL_STYLE)
+    assert tpl.iterates_content
+    out = tpl.render(msgs, add_generation_prompt=False)
+    # hand-derived from the template text: no "None", one <response> per list item
+    assert out == ("]~b]user\nq[e~[\n"
+                   ']~b]ai\n\n<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">1</parameter>\n'
+                   "</invoke>\n</minimax:tool_call>[e~[\n"
+                   "]~b]tool\n<response>r1\n</response>\n<response>r2\n</response>[e~[\n"
+                   "]~b]ai\nok[e~[\n")
+    msgs[2]["content"] = "r"  # string content: the template's string branch
+    assert "]~b]tool\n<response>r</response>[e~[\n" in tpl.render(msgs, add_generation_prompt=False)
+
+
+def test_content_lists_joined_for_string_templates(template):  # issue 16 item 1
+    assert not template.iterates_content  # the embedded template reads content as a string
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert "]~b]tool\n<response>ab</response>[e~[\n" in template.render(msgs)
+    assert normalize_messages([{"role": "assistant"}]) == [{"role": "assistant", "content": ""}]
+    with pytest.raises(TemplateError, match=r"messages\[0\]\.content\[0\].*image_url"):
+        ChatTemplate(OFFICIAL_STYLE).render([{"role": "tool", "content": [{"type": "image_url"}]}])

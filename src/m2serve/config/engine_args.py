@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
+WEIGHT_DEQUANT_MODES = ("load", "runtime")
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -20,6 +23,11 @@ class EngineArgs:
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption).
     weight_dequant: "load" (dequantise at load) or "runtime" (keep quantised weights as stored — FP8
         linears, FP4 experts — and dequantise them when used; model/load.py).
+    kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
+        sequences of max_length tokens need); engine/planner.py). GPU pools follow
+        device_memory_utilization.
+    strict_tool_format: refuse to start when the chat template writes tool calls the tool parser
+        cannot read (text/tool_format.py); without it that is a warning.
     """
 
     model: str | None = None
@@ -38,6 +46,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_pages: int | None = None
     weight_dequant: str = "load"
+    kv_cache_memory_gib: float | None = None
+    strict_tool_format: bool = False
     seed: int = 0
 
 

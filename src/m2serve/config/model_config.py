@@ -119,7 +119,12 @@ class MiniMaxM2Config:
         def number(name: str, value: Any) -> float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise bad(name, value, "a number")
+            if not math.isfinite(value):
+                raise bad(name, value, "a finite number")
             return float(value)
+
+        def given(name: str, default: Any) -> Any:  # absent or null -> default; 0 stays 0 (refused)
+            return default if cfg.get(name) is None else cfg[name]
 
         def mapping(name: str) -> dict[str, Any] | None:
             value = cfg.get(name)
@@ -130,10 +135,10 @@ class MiniMaxM2Config:
         H = integer("hidden_size", req("hidden_size"))
         L = integer("num_hidden_layers", req("num_hidden_layers"))
         Hq = integer("num_attention_heads", req("num_attention_heads"))
-        Hkv = integer("num_key_value_heads", cfg.get("num_key_value_heads") or Hq)
+        Hkv = integer("num_key_value_heads", given("num_key_value_heads", Hq))
         V = integer("vocab_size", req("vocab_size"))
         I = integer("intermediate_size", req("intermediate_size"))
-        max_pos = integer("max_position_embeddings", cfg.get("max_position_embeddings") or 196608)
+        max_pos = integer("max_position_embeddings", given("max_position_embeddings", 196608))
         for name, val in (("hidden_size", H), ("num_hidden_layers", L), ("num_attention_heads", Hq),
                           ("num_key_value_heads", Hkv), ("vocab_size", V), ("intermediate_size", I),
                           ("max_position_embeddings", max_pos)):
@@ -150,8 +155,10 @@ class MiniMaxM2Config:
             D = H // Hq
             log.warning("%s: head_dim absent; using hidden_size // num_attention_heads = %d "
                         "(wrong for released MiniMax-M2 configs, which set head_dim=128)", source, D)
-        E = integer("num_local_experts", cfg.get("num_local_experts") or 256)
-        k = integer("num_experts_per_tok", cfg.get("num_experts_per_tok") or 8)
+        E = integer("num_local_experts", given("num_local_experts", 256))
+        k = integer("num_experts_per_tok", given("num_experts_per_tok", 8))
+        if E <= 0:
+            raise bad("num_local_experts", E, "a positive integer")
         if not 0 < k <= E:
             raise ValueError(f"{source}: num_experts_per_tok={k} must be in [1, num_local_experts={E}]")
 
@@ -196,7 +203,10 @@ class MiniMaxM2Config:
                        5e6, source)
         scale = cfg.get("attention_multiplier")
         scale = number("attention_multiplier", scale) if scale is not None else D ** -0.5
-        eps = number("rms_norm_eps", cfg.get("rms_norm_eps") or 1e-6)
+        eps = number("rms_norm_eps", given("rms_norm_eps", 1e-6))
+        for name, val in (("rope_theta", theta), ("attention_multiplier", scale), ("rms_norm_eps", eps)):
+            if not val > 0:
+                raise bad(name, val, "a finite number > 0")
 
         eos = gen.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -204,6 +214,10 @@ class MiniMaxM2Config:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"{source}: eos_token_id={eos!r} (generation_config.json) must be a "
                                  "token id (int >= 0) or a list of them")
+            if t >= V:
+                raise ValueError(f"{source}: eos_token_id={t} (generation_config.json) is outside the "
+                                 f"vocabulary (vocab_size={V}: ids 0..{V - 1}); set it to the id of the "
+                                 "tokenizer's end-of-message token")
 
         quant = mapping("quantization_config")
         if quant is not None:

@@ -209,9 +209,9 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
     tp = P if mode is not ParallelismMode.DP_EP else 1
     Hq, Hkv = config.num_attention_heads, config.num_key_value_heads
 
-    def ok_tp(t: int) -> bool:
-        return Hq % t == 0 and Hkv % t == 0 and (mode is not ParallelismMode.TP_TP or _expert_split_ok(
-            I, t, encoding))
+    def ok_tp(t: int) -> bool:  # every rule below, so that a suggested degree is never refused
+        return (Hq % t == 0 and Hkv % t == 0 and _attention_split_ok(config, t, encoding)
+                and (mode is not ParallelismMode.TP_TP or _expert_split_ok(I, t, encoding)))
 
     fits = [t for t in range(1, P + 1) if ok_tp(t)]
     hint = f"use a tensor parallel degree in {fits} or data_parallel_degree={P}"
@@ -234,7 +234,7 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
             alt = f" or tp ≤ {max(smaller)}" if smaller and max(smaller) > 1 else ""
             raise ValueError(f"{kind[0]} experts cannot be split {tp} ways ({I // tp} per rank is not a "
                              f"multiple of {kind[1]}); use ep_size={P}{alt}")
-    if _encoding_key(encoding) == "fp8" and tp > 1 and (Hkv // tp * config.head_dim) % 128:
+    if not _attention_split_ok(config, tp, encoding):
         raise ValueError(f"FP8 block-quantised attention cannot be split {tp} ways "
                          f"({Hkv // tp} KV heads × head_dim {config.head_dim} per rank is not a multiple "
                          f"of 128); {hint}")
@@ -249,6 +249,12 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
     return Deployment(mode=mode, world_size=P, tp_size=tp, ep_size=ep_size if ep_size > 1 else 1,
                       data_parallel_degree=dp, ep_use_allreduce=ep_use_allreduce,
                       max_batch_size=max_batch_size)
+
+
+def _attention_split_ok(config: MiniMaxM2Config, tp: int, encoding: str) -> bool:
+    """FP8 block-quantised K/V projections split by whole 128-row blocks: (Hkv/tp * D) % 128 == 0."""
+    return (_encoding_key(encoding) != "fp8" or tp == 1
+            or (config.num_key_value_heads // tp * config.head_dim) % 128 == 0)
 
 
 def _expert_split_ok(I: int, tp: int, encoding: str) -> bool:

@@ -4,8 +4,13 @@ Per device d (every device of a balanced deployment holds the same bytes; the fr
 smallest over the devices):
 
     static_d    = weights_d + activations_d + scratch_d
-    kv_budget_d = floor(free_d * device_memory_utilization - static_d)
+    kv_budget_d = floor(free_d * device_memory_utilization - static_d)       GPU
+    kv_budget_d = kv_cache_memory_gib, default min(4 GiB, max_batch_size     CPU (as vLLM's CPU
+                  x ceil(max_length / page_size) pages)                      KV-cache space)
     pages       = kv_budget_d // (page_size * kv_bytes_per_token_d)
+
+On CPU the pool is a fixed size, not "what RAM is free right now": RAM is shared with the rest of
+the machine, and a pool sized by MemAvailable changed from run to run and took most of the RAM.
 
 Nothing here reads weights. The mode and degrees come from config/parallel.py
 (``validate_deployment`` -> ``select_parallelism_mode``, rules V1–V10), the per-rank tensor bytes
@@ -21,9 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.parallel import ParallelismMode, shard_ranges, validate_deployment
+from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
 from m2serve.formats.detect import Encoding, detect_encoding
 from m2serve.parallel.shard import rank_weight_bytes
 
@@ -35,7 +40,9 @@ MiB = 1024 ** 2
 MULTI_DEVICE_RESERVE = 256 * MiB
 _ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
-_WEIGHT_DEQUANT = ("load", "runtime")
+#: Default ceiling of the CPU KV pool per rank (vLLM's CPU KV-cache space default is 4 GiB too).
+CPU_KV_DEFAULT_BYTES = 4 * GiB
+_GPU_KV_SOURCE = "free x device_memory_utilization - static"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,7 @@ class MemoryPlan:
       0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
     kv_bytes_per_token: K and V of all layers for the KV heads this device holds.
+    kv_source: how kv_budget_bytes was chosen (CPU: --kv-cache-memory-gib or its default rule).
     num_pages x page_size = kv_tokens: the longest context one replica can hold.
     max_length: the context limit requests get (max_position_embeddings or EngineArgs.max_length,
       lowered to kv_tokens with a warning when the default does not fit).
@@ -76,6 +84,7 @@ class MemoryPlan:
     page_size: int
     num_pages: int
     max_length: int
+    kv_source: str = _GPU_KV_SOURCE
 
     @property
     def static_bytes(self) -> int:
@@ -138,15 +147,12 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     """
     P = num_devices(args.devices)
     encoding = checkpoint_encoding(config)
-    dep = validate_deployment(
-        config, P, args.data_parallel_degree, args.ep_size, encoding=encoding.value,
-        ep_use_allreduce=args.ep_use_allreduce, device_memory_utilization=args.device_memory_utilization,
-        max_batch_size=args.max_batch_size, max_batch_input_tokens=args.max_batch_input_tokens)
+    dep = _deployment(config, args)
     act = _lookup(_ACT_BYTES, args.dtype, "dtype")
     kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
-    if args.weight_dequant not in _WEIGHT_DEQUANT:
+    if args.weight_dequant not in WEIGHT_DEQUANT_MODES:
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
-                         f"use one of {_WEIGHT_DEQUANT}")
+                         f"use one of {WEIGHT_DEQUANT_MODES}")
     S = check_page_and_length(args)
 
     state = dep.state(0)
@@ -184,6 +190,9 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     budget = math.floor(free_bytes * util - static)
     kv_per_token = kv_bytes_per_token(config, dep.tp_size, kv_elem)
     page = S * kv_per_token
+    kv_source = _GPU_KV_SOURCE
+    if args.devices.partition(":")[0] == "cpu":
+        budget, kv_source = _cpu_kv_budget(config, args, dep.max_batch_size, page, budget)
     if budget < page:
         raise RuntimeError(
             f"no room for KV cache: free {free_bytes / GiB:.2f} GiB x device_memory_utilization={util} "
@@ -200,7 +209,65 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
         weight_dequant=args.weight_dequant, weight_bytes=resident, checkpoint_bytes=stored,
         activation_bytes=activations, scratch_bytes=scratch, free_bytes=free_bytes, memory_source=source,
         device_memory_utilization=util, kv_cache_format=args.kv_cache_format, kv_budget_bytes=budget,
-        kv_bytes_per_token=kv_per_token, page_size=S, num_pages=pages, max_length=max_length)
+        kv_bytes_per_token=kv_per_token, page_size=S, num_pages=pages, max_length=max_length,
+        kv_source=kv_source)
+
+
+def cpu_kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: int,
+                      page_bytes: int) -> tuple[int, str]:
+    """The CPU KV pool per rank in bytes, and where the figure comes from (no memory is measured,
+    so two starts give the same pages).
+
+    ``args.kv_cache_memory_gib`` GiB when set, else min(4 GiB, ``max_batch_size`` sequences of
+    ``max_length`` tokens (args.max_length, else max_position_embeddings) in whole pages of
+    ``page_bytes``). Raises ValueError for a kv_cache_memory_gib that is not a positive number.
+    """
+    gib = args.kv_cache_memory_gib
+    if gib is not None:
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not (math.isfinite(gib) and gib > 0):
+            raise ValueError(f"kv_cache_memory_gib={gib!r} must be a positive number of GiB")
+        return int(gib * GiB), f"--kv-cache-memory-gib {gib:g}"
+    length = args.max_length or config.max_position_embeddings
+    need = max_batch_size * -(-length // args.kv_cache_page_size) * page_bytes
+    if need <= CPU_KV_DEFAULT_BYTES:
+        return need, f"max_batch_size {max_batch_size} x max_length {length} (under the 4 GiB default)"
+    return CPU_KV_DEFAULT_BYTES, "4 GiB CPU default (set --kv-cache-memory-gib for more)"
+
+
+def _cpu_kv_budget(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: int, page_bytes: int,
+                   room: int) -> tuple[int, str]:
+    """:func:`cpu_kv_pool_bytes`, checked against ``room`` (free RAM x utilisation - static bytes):
+    an explicit size that does not fit raises RuntimeError naming both figures; the default is
+    lowered to ``room`` with a warning (the only case where the page count follows free RAM)."""
+    want, source = cpu_kv_pool_bytes(config, args, max_batch_size, page_bytes)
+    if want <= room:
+        return want, source
+    if args.kv_cache_memory_gib is not None:
+        raise RuntimeError(f"kv_cache_memory_gib={args.kv_cache_memory_gib:g} does not fit: "
+                           f"{max(room, 0) / GiB:.2f} GiB of RAM is left for KV pages after the weights "
+                           f"(device_memory_utilization={args.device_memory_utilization}); "
+                           f"set kv_cache_memory_gib <= {max(room, 0) / GiB:.2f}")
+    log.warning("CPU KV pool lowered from %.2f GiB (%s) to the %.2f GiB of RAM left", want / GiB, source,
+                max(room, 0) / GiB)
+    return room, f"{source}, lowered to the RAM left"
+
+
+def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int, world_size: int) -> int:
+    """Bytes of a pool of ``num_pages`` pages per rank for ``args``'s deployment on ``world_size``
+    ranks (``args.devices``' count, or torchrun's WORLD_SIZE), for banners."""
+    elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    tp = _deployment(config, args, world_size).tp_size
+    return num_pages * args.kv_cache_page_size * kv_bytes_per_token(config, tp, elem)
+
+
+def _deployment(config: MiniMaxM2Config, args: EngineArgs, world_size: int | None = None) -> Deployment:
+    """config/parallel.py's validated deployment of ``args`` (rules V1–V10) on ``world_size``
+    ranks (default: the devices of ``args.devices``)."""
+    return validate_deployment(
+        config, world_size or num_devices(args.devices), args.data_parallel_degree, args.ep_size,
+        encoding=checkpoint_encoding(config).value, ep_use_allreduce=args.ep_use_allreduce,
+        device_memory_utilization=args.device_memory_utilization, max_batch_size=args.max_batch_size,
+        max_batch_input_tokens=args.max_batch_input_tokens)
 
 
 def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -> int:
@@ -331,7 +398,7 @@ def format_plan(plan: MemoryPlan) -> str:
         ("scratch / device", gib(plan.scratch_bytes)),
         ("device memory", f"{gib(plan.free_bytes)} [{plan.memory_source}]"),
         ("memory utilization", f"{plan.device_memory_utilization:g}"),
-        ("KV budget / device", gib(plan.kv_budget_bytes)),
+        ("KV budget / device", f"{gib(plan.kv_budget_bytes)} [{plan.kv_source}]"),
         ("KV bytes / token / device", f"{plan.kv_bytes_per_token:,} B ({plan.kv_cache_format})"),
         ("KV pages", f"{plan.num_pages:,} x {plan.page_size} tokens = {plan.kv_tokens:,} tokens"),
         ("max context (max_length)", f"{plan.max_length:,} tokens"),

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import atexit
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.parallel import Deployment, validate_deployment
+from m2serve.config.parallel import Deployment, ParallelState, validate_deployment
 from m2serve.formats.detect import detect_encoding
 from m2serve.parallel.launch import DEFAULT_TIMEOUT_S, init_from_env, spawn_workers
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
@@ -54,11 +55,16 @@ def _dtype(args: EngineArgs) -> torch.dtype:
     return _DTYPES[args.dtype]
 
 
-def _serve_rank(rank: int, world_size: int, path: str, dep: Deployment, dtype: torch.dtype,
-                devices: list[str]) -> None:
+def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str) -> Any:
+    """This rank's shard of ``args.model`` with ``args.dtype`` and ``args.weight_dequant``: the one
+    load every multi-rank path (spawned ranks, rank 0, torchrun ranks) goes through."""
+    return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant)
+
+
+def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str]) -> None:
     """A spawned rank: load its shard, serve steps until rank 0 says stop."""
     state = dep.state(rank)
-    model = load_rank_model(path, state, dtype, devices[rank])
+    model = load_rank(args, state, devices[rank])
     worker_loop(model, state, devices[rank])
 
 
@@ -71,11 +77,11 @@ def start_distributed_model(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT
     """
     devices = rank_devices(args.devices)
     config, dep = plan_deployment(args, len(devices))
-    dtype = _dtype(args)
-    workers = spawn_workers(len(devices), _serve_rank, (args.model, dep, dtype, devices),
+    _dtype(args)  # refuse a bad dtype before any process starts
+    workers = spawn_workers(len(devices), _serve_rank, (args, dep, devices),
                             devices=devices, timeout_s=timeout_s)
     state = dep.state(0)
-    model = DistributedModel(load_rank_model(args.model, state, dtype, devices[0]), state, workers)
+    model = DistributedModel(load_rank(args, state, devices[0]), state, workers)
     atexit.register(model.shutdown)
     return model
 
@@ -94,7 +100,7 @@ def join_torchrun(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT_S,
     nodes = num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")))
     _, dep = plan_deployment(args, world, nodes)
     state = dep.state(rank)
-    model = load_rank_model(args.model, state, _dtype(args), device)
+    model = load_rank(args, state, device)
     if rank == 0:
         dm = DistributedModel(model, state)
         atexit.register(dm.shutdown)

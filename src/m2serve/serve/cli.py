@@ -85,6 +85,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--device-memory-utilization", type=float)
     a("--kv-cache-page-size", type=int)
     a("--kv-cache-format", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    a("--kv-cache-memory-gib", type=float,
+      help="CPU: GiB of KV pages per rank (default: min(4, what max-batch-size x max-length needs))")
     a("--weight-dequant", choices=["load", "runtime"])
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -98,6 +100,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
     a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
     a("--tool-parser", choices=["minimax_m2", "none"])
+    a("--strict-tool-format", action=argparse.BooleanOptionalAction, default=None,
+      help="refuse to start when the chat template writes tool calls the tool parser cannot read")
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
 
@@ -262,7 +266,7 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
     from m2serve.config.parallel import select_parallelism_mode
-    from m2serve.engine.planner import checkpoint_encoding, num_devices
+    from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -272,7 +276,9 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
-        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}"
+        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}, "
+        f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total, world) / GiB:.2f} GiB) | "
+        f"max context {llm.max_length} | {url}"
     )
 
 

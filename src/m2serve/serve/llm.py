@@ -35,6 +35,7 @@ from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
 from m2serve.text.template import ChatTemplate, TemplateError
 from m2serve.text.tokenizer import Tokenizer
+from m2serve.text.tool_format import check_tool_format
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ class LLM:
             else ChatTemplate.from_pretrained(path)
         )
         self.tool_parser = tool_parser
+        check_tool_format(self.template, tool_parser, strict=self.args.strict_tool_format)
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.engine = engine if engine is not None else LLMEngine.from_args(self.args)

@@ -18,7 +18,7 @@ import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from m2serve.text.schema import coerce_value, is_string_only
@@ -56,13 +56,14 @@ class _State(enum.Enum):
     PLAIN = "plain"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class ToolCallDelta:
     """One OpenAI-style streamed tool-call fragment (P23/P24).
 
     The first delta of an index carries ``id`` (``call_`` + 24 lowercase hex), ``type="function"``,
     ``name`` and ``arguments=""``; later ones carry only ``arguments`` text (``id``/``type``/``name``
-    None). Concatenating an index's ``arguments`` gives its JSON arguments string.
+    None). Concatenating an index's ``arguments`` gives its JSON arguments string. Frozen: a
+    delta never changes once the parser has returned it.
     """
 
     index: int
@@ -72,17 +73,18 @@ class ToolCallDelta:
     name: str | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class ParserDelta:
     """What one ``feed``/``finish`` call adds: reasoning text, content text and tool-call fragments.
 
     Within one delta all reasoning precedes all content in the output text. ``chunks()`` splits it
-    into stream chunks that never mix reasoning and content, reasoning first (P25).
+    into stream chunks that never mix reasoning and content, reasoning first (P25). Immutable
+    (frozen, ``tool_calls`` a tuple of frozen deltas): later feeds never change a returned delta.
     """
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
     def is_empty(self) -> bool:
         """True when the delta carries nothing to send."""
@@ -94,7 +96,7 @@ class ParserDelta:
         if self.reasoning:
             parts.append(ParserDelta(reasoning=self.reasoning))
         if self.content or self.tool_calls:
-            parts.append(ParserDelta(content=self.content, tool_calls=list(self.tool_calls)))
+            parts.append(ParserDelta(content=self.content, tool_calls=self.tool_calls))
         return parts
 
 
@@ -309,10 +311,9 @@ class StreamingParser:
 
     # ---------------------------------------------------------------- emission
     def _take_delta(self) -> ParserDelta:
-        delta = ParserDelta(self._out_reasoning, self._out_content, self._out_calls)
+        delta = ParserDelta(self._out_reasoning, self._out_content, tuple(self._out_calls))
         self._out_reasoning = self._out_content = ""
-        if self._out_calls:
-            self._out_calls = []
+        self._out_calls = []
         return delta
 
     def _emit_content(self, text: str) -> None:
@@ -351,7 +352,7 @@ class StreamingParser:
     def _emit_args(self, text: str) -> None:
         last = self._out_calls[-1] if self._out_calls else None
         if last is not None and last.index == self._call.index and last.id is None:
-            last.arguments += text
+            self._out_calls[-1] = replace(last, arguments=last.arguments + text)
         else:
             self._out_calls.append(ToolCallDelta(self._call.index, text))
 

@@ -3,9 +3,12 @@
 The checkpoint's own template is rendered (``chat_template.jinja``, else ``tokenizer_config.json``
 ``chat_template``); the format is never hard-coded here. Messages are normalised first (§2
 "Message normalisation"): tool-call arguments given as JSON strings are parsed, each tool call gets
-top-level ``name``/``arguments`` copies, reasoning aliases become ``reasoning_content``, text-part
-lists are joined. Every error a request can cause is a :class:`TemplateError` naming the message
-index where known; the server answers it with 400.
+top-level ``name``/``arguments`` copies, reasoning aliases become ``reasoning_content``, null or
+missing content becomes ``""`` (never the text ``None``), text-part lists are joined — except a tool
+message's list when the template iterates over message content itself (the official template
+renders one ``<response>`` per item), decided per template as vLLM does. Every error a request
+can cause is a :class:`TemplateError` naming the message index where known; the server answers
+it with 400.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from m2serve.text.tokenizer import token_text
@@ -75,11 +79,13 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None,
                  unk_token: str | None = None, origin: str = "<string>") -> None:
+        env = make_environment()
         try:
-            self._template = make_environment().from_string(source)
+            self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"{origin}: chat template syntax error at line {exc.lineno}: "
                              f"{exc.message}") from exc
+        self.iterates_content = iterates_over_content(env.parse(source))
         self.source = source
         self.origin = origin
         self.tokens = {"bos_token": bos_token, "eos_token": eos_token, "unk_token": unk_token}
@@ -132,7 +138,7 @@ class ChatTemplate:
         if bad:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(bad)} "
                                 "(reserved template variables)")
-        msgs = normalize_messages(messages)
+        msgs = normalize_messages(messages, keep_tool_lists=self.iterates_content)
         tool_list = _normalize_tools(tools)
         variables = {**self.tokens, **chat_template_kwargs, "tools": tool_list}
         try:
@@ -181,8 +187,28 @@ class ChatTemplate:
         return hi - 1
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def iterates_over_content(ast: nodes.Template) -> bool:
+    """True when the template has a ``for`` loop directly over a message's content
+    (``for x in message.content`` / ``message['content']``), as the official MiniMax-M2 template
+    does for tool results: such a template is given a tool message's text-part list as a list.
+    vLLM makes the same per-template decision (its "openai" vs "string" content format)."""
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return True
+    return False
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]],
+                       keep_tool_lists: bool = False) -> list[dict[str, Any]]:
     """Spec §2 message normalisation; returns new dicts (the input is not modified).
+
+    Content that is null or missing becomes ``""``, as vLLM gives it to a string-content template
+    (a template printing ``{{ content }}`` would otherwise write ``None``). Text-part lists are
+    joined into one string, except a tool message's list when ``keep_tool_lists`` (the template
+    iterates over content, :func:`iterates_over_content`): it stays a list of its (validated) parts.
 
     Raises TemplateError naming ``messages[i]...`` for: a message that is not an object or has no
     string ``role``; non-text content parts; tool-call ``arguments`` that are not a JSON object.
@@ -196,16 +222,23 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         m = copy.deepcopy(dict(raw))
         if not isinstance(m.get("role"), str):
             raise TemplateError(f"messages[{i}].role must be a string", i)
-        m["content"] = _join_text(m.get("content"), i)
+        content = m.get("content")
+        if keep_tool_lists and m["role"] == "tool" and isinstance(content, list):
+            _join_text(content, i)  # validates: text parts only
+            m["content"] = list(content)
+        else:
+            m["content"] = _join_text(content, i)
         if m["role"] == "assistant":
             _normalize_assistant(m, i)
         out.append(m)
     return out
 
 
-def _join_text(content: Any, i: int) -> str | None:
-    """Text-part lists joined into one string; None stays None (rendered as nothing)."""
-    if content is None or isinstance(content, str):
+def _join_text(content: Any, i: int) -> str:
+    """Text-part lists joined into one string; None (null or missing) becomes ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if not isinstance(content, Sequence):
         raise TemplateError(f"messages[{i}].content must be a string, null or a list of text parts", i)
