@@ -45,8 +45,9 @@ def test_grouped_experts_match_per_token_formula():
     torch.testing.assert_close(out, _reference(h, ids, w, ws), rtol=1e-5, atol=1e-5)
 
 
-def test_expert_matmul_count_equals_distinct_chosen_experts(monkeypatch):
-    # issue 2 must-show: one expert_ffn (one matmul set) per ACTIVE expert, counted
+def test_loop_reference_matmul_count_equals_distinct_chosen_experts(monkeypatch):
+    # issue 2 must-show, now of the loop reference (forward_loop; issue 17 made the forward grouped):
+    # one expert_ffn (one matmul set) per ACTIVE expert, counted
     calls = []
     real = experts_mod.expert_ffn
 
@@ -58,13 +59,13 @@ def test_expert_matmul_count_equals_distinct_chosen_experts(monkeypatch):
     m, _ = _experts()
     h = torch.randn(3, H)
     ids = torch.tensor([[1, 6], [6, 1], [3, 1]])  # 3 distinct of 8 experts
-    m(h, ids, torch.full((3, 2), 0.5))
+    m.forward_loop(h, ids, torch.full((3, 2), 0.5))
     assert len(calls) == 3 and sorted(calls) == [1, 2, 3]
     calls.clear()
     g = torch.Generator().manual_seed(4)
     h = torch.randn(20, H, generator=g)
     w, ids = route(h, torch.randn(E, H, generator=g), None, K)
-    m(h, ids, w)
+    m.forward_loop(h, ids, w)
     assert len(calls) == len(set(ids.flatten().tolist())) and sum(calls) == 20 * K
 
 
