@@ -17,7 +17,8 @@ left uninitialised) and the combine zeroes them with a ``where`` (their weight b
 
 ``grouped_rows`` is the seam for other weight formats: it takes (rows sorted by expert [R, H],
 offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held; for packed
-(runtime dequantisation) experts it dequantises every local expert, then grouped_mm.
+(runtime dequantisation) experts it dequantises the active experts (one host read of the
+offsets), then grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
 :func:`expert_ffn` per expert hit, ``unique_consecutive`` + ``.tolist()``): the test reference,
@@ -104,9 +105,9 @@ class MiniMaxM2Experts(nn.Module):
     filled) dense parameters are dropped and the stored codes and scales become buffers
     ``{w1,w3,w2}_q`` — FP4: uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes),
     ``_s2`` f32 [E_loc] (NVFP4 only); FP8: float8_e4m3fn [E_loc, N, K], ``_s`` f32
-    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`stacked_weights` dequantises them per call
-    (:meth:`expert_weights` one expert, for the loop reference), with the same formula (and so the
-    same values) as dequantising at load.
+    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`grouped_rows` dequantises only the experts a step
+    activates (:meth:`expert_weights`), with the same formula (and so the same values) as
+    dequantising at load.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -185,11 +186,23 @@ class MiniMaxM2Experts(nn.Module):
         """THE grouped-expert seam: x [R, H] act sorted by local expert, offsets int32 [E_loc]
         (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
 
-        Dense experts: :func:`grouped_swiglu` on the parameters; packed experts: every local
-        expert dequantised (:meth:`stacked_weights`), then the same. :func:`loop_swiglu` where
-        grouped_mm does not run (:func:`has_grouped_mm`).
+        Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
+        (runtime dequantisation): the offsets are read on the host once (the layer's one sync in
+        this format, until a grouped kernel reads the codes in place) and only the ACTIVE experts
+        are dequantised, stacked and run by grouped_mm with their offsets (dequantising all E_loc
+        would hold every expert dense at once). :func:`loop_swiglu` where grouped_mm does not run
+        (:func:`has_grouped_mm`).
         """
-        w13, w2 = self.stacked_weights(x.dtype)
+        if self.scheme is None:
+            w13, w2 = self.w13, self.w2
+        else:
+            ends = offsets.tolist()
+            active = [e for e in range(self.num_local) if ends[e] > (ends[e - 1] if e else 0)]
+            if not active:
+                return torch.zeros_like(x)
+            pairs = [self.expert_weights(e, x.dtype) for e in active]
+            w13, w2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            offsets = torch.tensor([ends[e] for e in active], dtype=torch.int32, device=x.device)
         if has_grouped_mm(x.dtype, x.device):
             return grouped_swiglu(x, offsets, w13, w2)
         return loop_swiglu(x, offsets, w13, w2)
@@ -208,14 +221,6 @@ class MiniMaxM2Experts(nn.Module):
             out[sel] = expert_ffn(x[sel], w13, w2)
             s += c
         return out
-
-    def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E_loc, 2·I_loc, H], w2 [E_loc, H, I_loc]) in ``dtype``: the parameters, or every
-        local expert freshly dequantised from the packed buffers (runtime mode)."""
-        if self.scheme is None:
-            return self.w13, self.w2
-        pairs = [self.expert_weights(e, dtype) for e in range(self.num_local)]
-        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert ``e``'s (w13 [2·I_loc, H], w2 [H, I_loc]) in ``dtype``: the parameters'
