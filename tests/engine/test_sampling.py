@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2serve.config.model_config import GenerationDefaults
 from m2serve.engine.sampling import (
@@ -104,6 +106,19 @@ def test_top_p_smallest_set_reaching_p(top_p, kept):
     # probabilities 0.5, 0.25, 0.15, 0.1: mass of strictly more likely tokens 0, .5, .75, .9
     s = sum(P4[i] for i in kept)
     assert_dist(draw_dist(LOG_P4, top_p=top_p), {i: math.log(P4[i] / s) for i in kept})
+
+
+def test_top_k_ties_beyond_the_candidate_window_are_kept():
+    # 60 tokens tie at the top_k=2 boundary, more than the 2·2 + 16 = 20-wide window holds: the
+    # sampler redoes the step on whole rows. Kept: token 0 (logit 2) and all 60 ties (logit 1).
+    logits = [2.0] + [1.0] * 60 + [0.0] * 39
+    z = math.log(math.exp(2.0) + 60 * math.exp(1.0))
+    row = state(top_k=2, top_p=0.99, logprobs=MAX_LOGPROBS, seed=4)
+    lp = sample(torch.tensor([logits]), [row]).logprobs[0]
+    assert lp.top[0] == (0, pytest.approx(2.0 - z))
+    assert all(1 <= t <= 60 and v == pytest.approx(1.0 - z) for t, v in lp.top[1:]) and len(lp.top) == 20
+    assert lp.logprob == pytest.approx((2.0 if lp.token_id == 0 else 1.0) - z)
+    # top_p 0.99 keeps them too: token 0 has mass e^2 / e^z = .044 before the first tie
 
 
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
@@ -329,45 +344,60 @@ def test_allowed_bitmask_after_penalties_and_before_temperature():
 
 # --- pure, and one host sync ----------------------------------------------------------------------
 
-def test_sample_is_pure_and_syncs_once():
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+class HostReads(TorchFunctionMode):
+    """Records Python-level host reads of tensors (tolist, item, bool(), ...)."""
 
-    syncing = {"tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy", "nonzero"}
-    calls: list[str] = []
-    ops: list[str] = []
+    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"}
 
-    class Fn(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name in syncing:
-                calls.append(name)
-            return func(*args, **(kwargs or {}))
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
 
-    class Disp(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 300, generator=g)
-    rows = [state(seed=1, top_k=20, top_p=0.8, min_p=0.05, logprobs=3, repetition_penalty=1.2, prompt=[5]),
-            state(temperature=0, logit_bias={7: 3.0}, min_tokens=2, eos=(9,)),
-            state(seed=2, presence_penalty=0.5, output=[1, 1]), state(top_k=5)]
-    before = [(r.state.seed, r.state.in_reasoning, list(r.output)) for r in rows]
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every dispatched aten op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kws", [
+    # whole rows (a sampled row without top-k), penalties, bias, min_tokens, logprobs
+    [dict(seed=1, top_k=20, top_p=0.8, min_p=0.05, logprobs=3, repetition_penalty=1.2, prompt=[5]),
+     dict(temperature=0, logit_bias={7: 3.0}, min_tokens=2, eos=(9,)),
+     dict(seed=2, presence_penalty=0.5, output=[1, 1]), dict(top_k=0)],
+    # every sampled row with top-k: the candidate windows
+    [dict(seed=1, top_k=20, top_p=0.8), dict(top_k=3, logprobs=2), dict(top_k=40, min_p=0.1),
+     dict(temperature=0)],
+    [dict(seed=1, top_k=20), dict(top_k=3)],
+])
+def test_sample_is_pure_and_syncs_once(kws):
+    logits = torch.randn(len(kws), 300, generator=torch.Generator().manual_seed(0))
+    rows = [state(**kw) for kw in kws]
     pen = PenaltyState(300)
     for r in rows:
         r.state.penalty_row = pen.add(r.prompt, r.output) if r.state.needs_penalties else 0
     counts = pen.counts.clone()
+    before = [(r.state.seed, r.state.in_reasoning, list(r.output)) for r in rows]
     batch = SamplingBatch.build([r.state for r in rows], [len(r.output) for r in rows], 300)
-    with Fn(), Disp():
+    reads, names = HostReads(), OpNames()
+    with reads, names:
         first = sample_batch(logits, batch, pen)
-    second = sample_batch(logits, batch, pen)
-    assert first == second
+    assert first == sample_batch(logits, batch, pen)
     assert [(r.state.seed, r.state.in_reasoning, list(r.output)) for r in rows] == before
     assert torch.equal(pen.counts, counts)
-    assert calls == ["tolist"]                     # the packed ids (+ logprobs): one device->host copy
-    assert not {"nonzero", "_local_scalar_dense", "masked_select", "unique_dim", "_unique2"} & set(ops)
+    assert reads.calls == ["tolist"]              # the packed ids (+ logprobs): one device->host copy
+    assert not {"nonzero", "_local_scalar_dense", "masked_select", "unique_dim", "_unique2"} & names.ops
 
 
 # --- thinking_temperature switch (serving.md §10; state from chat-and-parsers.md P1) ----------

@@ -370,7 +370,7 @@ class SamplingBatch:
     repetition / presence / frequency f32 [B], penalty_rows int64 [B] (0 = none), seeds /
     positions int64 [B] (the uniform's key: stream seed and output position). bias: (rows, cols,
     values) of logit_bias; eos_mask: (rows, cols) masked by min_tokens. The Python-side flags
-    (kmax, any_*) pick which stages run, so no
+    (kmax, all_*, any_*) pick which stages run, so no
     stage needs to look at device data.
     """
 
@@ -389,6 +389,7 @@ class SamplingBatch:
     eos_mask: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
     kmax: int
+    all_top_k: bool
     all_greedy: bool
     any_greedy: bool
     any_top_p: bool
@@ -442,6 +443,7 @@ class SamplingBatch:
             eos_mask=(i64(mrows), i64(mcols)) if mrows else None,
             num_logprobs=[s.params.logprobs for s in states],
             kmax=max(ks, default=0),
+            all_top_k=all(k > 0 for k, q in zip(ks, sampled) if q) and any(sampled),
             all_greedy=all(greedy), any_greedy=any(greedy),
             any_top_p=any(s.params.top_p < 1 and q for s, q in zip(states, sampled)),  # type: ignore[operator]
             any_min_p=any(s.params.min_p > 0 and q for s, q in zip(states, sampled)),
@@ -457,20 +459,24 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     rank = (lp > chosen.unsqueeze(1)).sum(1) + 1                         # [N]
     kmax = min(max(num_top, default=0), lp.shape[1])
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
-    return _pack_logprobs(token_ids, chosen, rank, top_v, top_i, num_top)
+    return _pack_logprobs(token_ids, chosen, rank, top_v, top_i, num_top)[0]
 
 
 def _pack_logprobs(token_ids: torch.Tensor, chosen: torch.Tensor, rank: torch.Tensor, top_v: torch.Tensor,
-                   top_i: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
-    """One device->host copy of [N, 3 + 2k] f64 (ids < 2**53 are exact in f64)."""
+                   top_i: torch.Tensor, num_top: Sequence[int],
+                   flag: torch.Tensor | None = None) -> tuple[list[TokenLogprobs], bool]:
+    """One device->host copy of [N, 4 + 2k] f64 (ids < 2**53 are exact in f64): the entries, and
+    whether ``flag`` (bool, any shape) had any True."""
     k = top_v.shape[1]
+    f = (flag.any() if flag is not None else token_ids.new_zeros(())).double().expand(token_ids.shape[0])
     packed = torch.cat([token_ids.double().unsqueeze(1), chosen.double().unsqueeze(1),
-                        rank.double().unsqueeze(1), top_v.double(), top_i.double()], dim=1).tolist()
+                        rank.double().unsqueeze(1), f.unsqueeze(1), top_v.double(), top_i.double()],
+                       dim=1).tolist()
     out = []
     for row, n in zip(packed, num_top):
-        top = [(int(i), v) for v, i in zip(row[3:3 + k][:n], row[3 + k:][:n]) if v != -math.inf]
+        top = [(int(i), v) for v, i in zip(row[4:4 + k][:n], row[4 + k:][:n]) if v != -math.inf]
         out.append(TokenLogprobs(int(row[0]), row[1], int(row[2]), top))
-    return out
+    return out, bool(packed and packed[0][3])
 
 
 _FMAX = torch.finfo(torch.float32).max  # +inf logits are clamped here (-inf, a masked token, stays)
@@ -489,8 +495,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState |
     Draw: u = :func:`counter_uniforms` (seed, output position), all rows in one op; token = first
     id (in token-id order) whose cumulative probability exceeds u. Every stage is row-local and
     the filters are value cuts (tokens tied with the cut are kept or dropped together, never by
-    sort order), so a row gets the same token whatever else is in the batch. top-p sorts the whole
-    row (as vLLM's sampler does); top-k alone uses ``topk(max k)``.
+    sort order), so a row gets the same token whatever else is in the batch.
+
+    Cost: when every sampled row has top-k (MiniMax's default 40), filters and draw run on a
+    window of the W = 2 max(k) + 16 largest values per row ([B, W]); if more tokens tie at a row's
+    top-k boundary than the window holds (seen in the one host copy), the step is redone on whole
+    rows (a second sync, exact). Otherwise they run on [B, V]; top-p then sorts whole rows (as
+    vLLM's sampler does).
 
     Logprobs (when requested) are those of the distribution the token was drawn from: log-softmax
     after bias, masks, penalties, temperature and top-k/top-p/min-p (filtered tokens -inf); for
@@ -505,55 +516,59 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState |
     if logits.dim() != 2 or logits.shape[0] != B:
         raise ValueError(f"sample: logits {tuple(logits.shape)} must be [B, V] with B = {B} "
                          "(one row per request)")
-    V = logits.shape[1]
+    if batch.any_penalty and penalties is None:
+        raise ValueError("sample: a row has penalties but penalties=None; pass the PenaltyState")
+    out = _sample(logits, batch, penalties, allowed, window=batch.all_top_k)
+    return out if out is not None else _sample(logits, batch, penalties, allowed, window=False)  # type: ignore[return-value]
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None,
+            allowed: torch.Tensor | None, window: bool) -> SamplerOutput | None:
+    """:func:`sample` on top-k windows (``window``) or whole rows; None when a window overflowed."""
+    B, V = logits.shape
     x = logits.float()
     if batch.bias is not None:
         x = x.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
     if batch.eos_mask is not None:
         x = x.index_put(batch.eos_mask, torch.tensor(-math.inf, device=x.device))
     if batch.any_penalty:
-        if penalties is None:
-            raise ValueError("sample: a row has penalties but penalties=None; pass the PenaltyState")
-        x = _apply_penalties(x, batch, penalties)
+        x = _apply_penalties(x, batch, penalties)  # type: ignore[arg-type]
     if allowed is not None:
         x = apply_allowed_bitmask(x, allowed)
     x = x.clamp(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
 
     greedy_tok = x.argmax(dim=-1) if batch.any_greedy else None                 # [B]
+    overflow = None
     if batch.all_greedy:
-        tokens, dist = greedy_tok, x
+        tokens, vals, ids = greedy_tok, x, None
     else:
-        v = (x / batch.temperature.unsqueeze(1)).clamp(max=_FMAX)               # a tiny temperature: no +inf
-        v = _top_k_top_p(v, batch)
-        if batch.any_min_p:
-            cut = v.max(dim=1, keepdim=True).values + torch.log(batch.min_p).unsqueeze(1)  # log 0 = -inf
-            v = v.masked_fill(v < cut, -math.inf)
         u = counter_uniforms(batch.seeds, batch.positions)                      # [B], one op for all rows
-        w = torch.exp(v - v.max(dim=1, keepdim=True).values)                    # [B, V] token-id order
-        cdf = w.cumsum(dim=1)
-        total = cdf[:, -1:]
-        target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=V - 1).squeeze(1)  # NaN: in range
+        if window:
+            tokens, vals, ids, overflow = _draw_window(x, batch, u)
+        else:
+            tokens, vals, ids = _draw_rows(_scale(x, batch), batch, u)
         if greedy_tok is not None:
             tokens = torch.where(batch.greedy, greedy_tok, tokens)
-            dist = torch.where(batch.greedy.unsqueeze(1), x, v)
-        else:
-            dist = v
 
     want = [b for b, n in enumerate(batch.num_logprobs) if n is not None]
     if not want:
-        return SamplerOutput(tokens.tolist(), [None] * B)
+        flag = overflow.any() if overflow is not None else tokens.new_zeros(())
+        packed = torch.cat([tokens, flag.long().view(1)]).tolist()             # the one host copy
+        return None if packed[-1] else SamplerOutput(packed[:-1], [None] * B)
+    if ids is not None:                                                         # window -> whole rows
+        vals = torch.full_like(x, -math.inf).scatter_(1, ids, vals)
+    dist = torch.where(batch.greedy.unsqueeze(1), x, vals) if batch.any_greedy else vals
     ns = [n if n is not None else 0 for n in batch.num_logprobs]
     lp = torch.log_softmax(dist, dim=-1)                                        # [B, V]
     chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     rank = (lp > chosen.unsqueeze(1)).sum(1) + 1
     kmax = min(max(ns), V)
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
-    packed = _pack_logprobs(tokens, chosen, rank, top_v, top_i, ns)
-    lps: list[TokenLogprobs | None] = [None] * B
-    for b in want:
-        lps[b] = packed[b]
-    return SamplerOutput([p.token_id for p in packed], lps)
+    entries, overflowed = _pack_logprobs(tokens, chosen, rank, top_v, top_i, ns, overflow)
+    if overflowed:
+        return None
+    return SamplerOutput([e.token_id for e in entries],
+                         [e if n is not None else None for e, n in zip(entries, batch.num_logprobs)])
 
 
 def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -582,26 +597,69 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch, penalties: PenaltySt
     return x - out * batch.presence.unsqueeze(1) - counts * batch.frequency.unsqueeze(1)
 
 
-def _top_k_top_p(v: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """top-k then top-p on v [B, V] (temperature applied) as value cuts; rows with k = 0 / p = 1
-    are untouched. top-k keeps tokens >= the row's k-th largest value (ties at the boundary kept);
-    top-p then keeps a token iff the mass of strictly more likely tokens (renormalised after
-    top-k) is < p."""
+def _top_p_cut(sv: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Value cut [B, 1] of top-p on values ``sv`` [B, W] sorted descending (top-k already -inf):
+    a token is kept iff the mass of strictly more likely tokens is < p, so the cut is the
+    smallest kept value (ties kept together); -inf for p = 1."""
+    w = torch.exp(sv - sv[:, :1])
+    cum = w.cumsum(dim=1)
+    before = (cum - w) / cum[:, -1:]                                            # mass strictly before
+    p = top_p.unsqueeze(1)
+    keep = (before < p) | (p >= 1)
+    keep[:, 0] = True
+    return sv.masked_fill(~keep, math.inf).min(dim=1, keepdim=True).values
+
+
+def _scale(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """x [B, W] / each row's temperature, clamped to finite (a tiny temperature: no +inf)."""
+    return (x / batch.temperature.unsqueeze(1)).clamp(max=_FMAX)
+
+
+def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: first position whose cumulative weight exceeds u · total; w [B, W] >= 0 in the
+    draw order, u [B] -> positions int64 [B, 1]."""
+    cdf = w.cumsum(dim=1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=w.shape[1] - 1)  # NaN: in range
+
+
+def _draw_rows(v: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """top-k -> top-p -> min-p -> draw on whole rows v [B, V]; rows with k = 0 / p = 1 / min_p = 0
+    untouched. Returns tokens [B] and the filtered values [B, V]."""
     k = batch.top_k.unsqueeze(1)                                                # [B, 1]
-    if batch.any_top_p:
-        sv = v.sort(dim=-1, descending=True).values                             # [B, V]
-        kth = torch.where(k > 0, sv.gather(1, (k - 1).clamp(min=0)), -math.inf)
-        sv = sv.masked_fill(sv < kth, -math.inf)
-        w = torch.exp(sv - sv[:, :1])
-        cum = w.cumsum(dim=1)
-        before = (cum - w) / cum[:, -1:]                                        # mass strictly before
-        p = batch.top_p.unsqueeze(1)
-        keep = (before < p) | (p >= 1)
-        keep[:, 0] = True
-        cut = torch.maximum(kth, sv.masked_fill(~keep, math.inf).min(dim=1, keepdim=True).values)
-        return v.masked_fill(v < cut, -math.inf)
     if batch.kmax:
         top = v.topk(batch.kmax, dim=-1).values                                 # [B, kmax] desc
-        kth = torch.where(k > 0, top.gather(1, (k - 1).clamp(min=0)), -math.inf)
-        return v.masked_fill(v < kth, -math.inf)
-    return v
+        v = v.masked_fill(v < torch.where(k > 0, top.gather(1, (k - 1).clamp(min=0)), -math.inf), -math.inf)
+    if batch.any_top_p:
+        v = v.masked_fill(v < _top_p_cut(v.sort(dim=-1, descending=True).values, batch.top_p), -math.inf)
+    if batch.any_min_p:
+        v = v.masked_fill(v < v.max(dim=1, keepdim=True).values + torch.log(batch.min_p).unsqueeze(1),
+                          -math.inf)                                            # log 0 = -inf
+    tokens = _draw(torch.exp(v - v.max(dim=1, keepdim=True).values), u).squeeze(1)  # token-id order
+    return tokens, v, None
+
+
+def _draw_window(x: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_draw_rows` on the W = 2 max(k) + 16 largest values of each row of x [B, V] (before
+    temperature, which keeps the order; every sampled row has top-k). Returns tokens [B], window
+    values [B, W] (scaled, filtered, -inf past the kept set), their token ids [B, W] and overflow
+    bool [B]: the window may miss tokens tied at the top-k boundary. Same values, cuts and sums
+    in the same order as on whole rows, so the same tokens."""
+    V = x.shape[1]
+    W = min(V, 2 * batch.kmax + 16)
+    cv, ci = x.topk(W, dim=-1)                                                  # [B, W] desc
+    cv = _scale(cv, batch)
+    k = batch.top_k.unsqueeze(1)
+    kth = cv.gather(1, (k - 1).clamp(min=0))                                    # greedy rows: k = 0
+    overflow = (cv[:, -1] >= kth.squeeze(1)) & (k.squeeze(1) > 0) & (W < V)
+    cv = cv.masked_fill(cv < kth, -math.inf)
+    if batch.any_top_p:
+        cv = cv.masked_fill(cv < _top_p_cut(cv, batch.top_p), -math.inf)
+    if batch.any_min_p:
+        cv = cv.masked_fill(cv < cv[:, :1] + torch.log(batch.min_p).unsqueeze(1), -math.inf)
+    order = torch.where(cv > -math.inf, ci, ci + V).argsort(dim=1)             # token-id order, dropped last
+    pos = order.gather(1, _draw(torch.exp(cv.gather(1, order) - cv[:, :1]), u))
+    return ci.gather(1, pos).squeeze(1), cv, ci, overflow
