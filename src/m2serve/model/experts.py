@@ -45,11 +45,14 @@ def _scheme_name(scheme: FP4Scheme | str) -> str:
 
 
 def has_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``F.grouped_mm`` runs for ``dtype`` on ``device`` in this torch: CPU any float
-    dtype (torch >= 2.13 ships the CPU kernel), CUDA bfloat16 (the CUTLASS grouped GEMM, SM >= 80)."""
+    """Whether ``F.grouped_mm`` runs for ``dtype`` on ``device`` in this torch: CPU any float dtype
+    from torch 2.13 (the first release with the CPU kernel), CUDA bfloat16 (the CUTLASS grouped
+    GEMM, SM >= 80; benchmarks/gpu_check.py probes fp32 on the GPU it runs on)."""
     if not hasattr(F, "grouped_mm"):
         return False
-    return device.type == "cpu" or (device.type == "cuda" and dtype == torch.bfloat16)
+    if device.type == "cpu":
+        return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    return device.type == "cuda" and dtype == torch.bfloat16
 
 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
