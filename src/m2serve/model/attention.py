@@ -18,11 +18,13 @@ is the fused flash kernel (GQA native via ``enable_gqa``; fp32 accumulation for 
 request folds its G query heads of a KV head into the query axis (no mask); a chunk starting at
 position 0 uses ``is_causal``; any other chunk takes the additive mask the step context built
 once per step (never per layer). Chosen by measurement (benchmarks/attention.py, one layer of
-the bench config's heads, fp32, 1 thread, best of 3 on the shared 2-core box): per-request SDPA
-beat a chunked loop (per request, 512-key chunks read page by page with an online softmax in
-torch ops) 1.08x on decode of 1 x 8,192 + 31 x 64, 1.6x on decode of 32 x 512 and 3.6x on a
-512-token chunk after 1,024 cached; the old padded gather was 20x slower on the first case and
-1.7x on the second, but 0.82x (faster) on the one-request prefill chunk.
+the bench config's heads, fp32, 1 thread, best of 2-6, three runs on the shared 2-core box at
+load ~10, so noisy): against a chunked loop (per request, 512-key chunks read page by page with
+an online softmax in torch ops) the chunked/SDPA time ratio was 0.72-1.08 on decode of
+1 x 8,192 + 31 x 64 (a tie), 0.85-1.62 on decode of 32 x 512 and 3.0-3.6 on a 512-token chunk
+after 1,024 cached, so SDPA: never clearly slower, one fused op per request. The old padded
+gather took 20-28x SDPA's time on the first case and 1.25-2.4x on the second, 0.82-0.92x on the
+one-request prefill chunk.
 
 GPU choice (documented, not built here; the loop above also runs on CUDA, correct but one SDPA
 launch per request): ``torch.nn.attention.flex_attention`` over the concatenated queries [T]
