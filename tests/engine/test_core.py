@@ -8,6 +8,7 @@ layout), §8 (token budget, chunked prefill, preemption), issue 4 items 1–3.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -206,3 +207,98 @@ def test_non_positive_max_length_is_refused(toy_model, toy_config, max_length):
     # it rather than serve with a negative context (serving.md §7, bad input names the field)
     with pytest.raises(ValueError, match=f"max_length={max_length} must be a positive integer"):
         make_engine(toy_model, toy_config, num_kv_pages=8, kv_cache_page_size=4, max_length=max_length)
+
+
+def splitmix64_uniform(seed: int, position: int) -> float:
+    """Reference uniform: output position + 1 of SplitMix64 (Steele, Lea, Flood 2014) seeded with
+    ``seed``, top 24 bits / 2**24 (the sampler's documented stream), in Python ints."""
+    M = 2 ** 64 - 1
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+    return ((z ^ (z >> 31)) >> 40) / 2 ** 24
+
+
+def reference_seeded(model, config, prompt: list[int], seed: int, n: int, top_k: int) -> list[int]:
+    """Full-forward reference of a seeded top-k draw (serving.md §10): keep the k largest logits,
+    take the first token id whose cumulative probability exceeds u(seed, output position)."""
+    seq = list(prompt)
+    for i in range(n):
+        row = full_logits(model, config, seq)[-1].tolist()
+        kth = sorted(row, reverse=True)[top_k - 1]
+        w = [math.exp(x - max(row)) if x >= kth else 0.0 for x in row]
+        u, acc = splitmix64_uniform(seed, i) * sum(w), 0.0
+        seq.append(next(t for t, x in enumerate(w) if (acc := acc + x) > u))
+    return seq[len(prompt):]
+
+
+def test_seeded_request_same_tokens_alone_and_in_a_mixed_batch(toy_model, toy_config):
+    prompt = [5, 9, 2, 7, 1, 3]
+    target = SamplingParams(seed=1234, top_k=20, max_tokens=8, ignore_eos=True)
+    alone = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=32)
+    alone.add_request("t", prompt, target)
+    got_alone = run_all(alone)["t"]
+    assert got_alone == reference_seeded(toy_model, toy_config, prompt, 1234, 8, 20)
+    # crowd: prefill chunks next to decodes, penalties, greedy, unseeded and other-seed rows, and
+    # a late arrival, under a budget that splits prompts
+    mixed = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=32,
+                        max_batch_input_tokens=12)
+    mixed.add_request("long", list(range(20)), SamplingParams(max_tokens=6, ignore_eos=True, seed=1))
+    mixed.add_request("g", [4, 4, 4], SamplingParams(max_tokens=9, ignore_eos=True, **GREEDY))
+    mixed.add_request("t", prompt, target)
+    mixed.add_request("pen", [1, 2, 3, 4], SamplingParams(max_tokens=7, ignore_eos=True, presence_penalty=1.5,
+                                                          frequency_penalty=0.5, repetition_penalty=1.3))
+    got: dict[str, list[int]] = {}
+    for o in mixed.step():
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    mixed.add_request("late", list(range(30, 41)), SamplingParams(max_tokens=5, ignore_eos=True, top_p=0.5))
+    for rid, toks in run_all(mixed).items():
+        got.setdefault(rid, []).extend(toks)
+    assert mixed.stats.chunked_prefill_steps > 0
+    assert got["t"] == got_alone
+
+
+class OnlyThenEos:
+    """A hand-written constraint (engine/constraint.py): tokens from ``allowed`` for ``n`` draws,
+    then only ``eos``; terminated once eos was accepted. Records what it accepted."""
+
+    def __init__(self, allowed: set[int], n: int, eos: int):
+        self.allowed, self.n, self.eos = allowed, n, eos
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        ok = self.allowed if len(self.accepted) < self.n else {self.eos}
+        words = [0] * bitmask.shape[1]
+        for t in ok:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor([w - 2 ** 32 if w >= 2 ** 31 else w for w in words], dtype=torch.int32)
+
+    def accept_token(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == self.eos
+
+
+def test_constraint_masks_draws_and_finishes_the_request(toy_model, toy_config):
+    prompt = [3, 1, 4, 1, 5]
+    free = reference_greedy(toy_model, toy_config, prompt, 4)
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16)
+    c = OnlyThenEos({3, 5}, 2, eos=63)
+    eng.add_request("c", prompt, SamplingParams(max_tokens=10, logprobs=5, **GREEDY), constraint=c)
+    eng.add_request("free", prompt, SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+    finals: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            finals.setdefault(o.request_id, []).append(o)
+    toks = [t for o in finals["c"] for t in o.new_token_ids]
+    # greedy within {3, 5}: the larger of the two full-forward logits, twice; then eos (63)
+    seq = list(prompt)
+    for _ in range(2):
+        row = full_logits(toy_model, toy_config, seq)[-1]
+        seq.append(3 if row[3] >= row[5] else 5)
+    assert toks == seq[len(prompt):] + [63] and c.accepted == toks
+    assert finals["c"][-1].finish_reason == "stop"
+    lps = [lp for o in finals["c"] for lp in o.new_logprobs]
+    assert {t for t, _ in lps[0].top} <= {3, 5} and lps[2].logprob == 0.0   # constrained distribution
+    assert [t for o in finals["free"] for t in o.new_token_ids] == free   # its neighbour is unconstrained

@@ -2,36 +2,63 @@
 
 Every expected value is derived by hand in the test from the fixed logits (math module only), never
 recorded from the sampler. The returned logprobs are those of the distribution the token was drawn
-from, so they expose the mask: filtered tokens are absent from the top list.
+from, so they expose the mask: filtered tokens are absent from the top list. ``sample`` is pure:
+the post-model update (tokens appended, penalties counted, reasoning state, finish) is
+``Scheduler.update_from_output``'s and is tested in test_scheduler.py.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2serve.config.model_config import GenerationDefaults
 from m2serve.engine.sampling import (
     MAX_LOGPROBS,
+    PenaltyState,
+    SamplerOutput,
+    SamplingBatch,
     SamplingParams,
     SamplingState,
     compute_logprobs,
-    sample,
+    counter_uniforms,
 )
+from m2serve.engine.sampling import sample as sample_batch
 
 NO_DEFAULTS = GenerationDefaults()
 MINIMAX = GenerationDefaults(temperature=1.0, top_p=0.95, top_k=40)  # spec/model.md §1
 
 
-def state(prompt=(), eos=(), output=(), **kw) -> SamplingState:
-    """A state with resolved params (temperature 1, top_p 1, top_k off unless given)."""
-    st = SamplingState.new(SamplingParams(**kw).resolved(NO_DEFAULTS), list(prompt), eos)
-    st.output_token_ids.extend(output)
-    return st
+@dataclass
+class Row:
+    """One request as the sampler sees it: its state, prompt and output tokens so far."""
+
+    state: SamplingState
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+
+
+def state(prompt=(), eos=(), output=(), generator=None, **kw) -> Row:
+    """A row with resolved params (temperature 1, top_p 1, top_k off unless given)."""
+    st = SamplingState.new(SamplingParams(**kw).resolved(NO_DEFAULTS), eos, generator)
+    return Row(st, list(prompt), list(output))
+
+
+def sample(logits: torch.Tensor, rows: list[Row], allowed: torch.Tensor | None = None) -> SamplerOutput:
+    """The engine's sampler call: penalty rows holding each row's prompt and output, the step's
+    SamplingBatch (output position = tokens so far), then the pure sampler."""
+    pen = PenaltyState(logits.shape[1])
+    for r in rows:
+        r.state.penalty_row = pen.add(r.prompt, r.output) if r.state.needs_penalties else 0
+    batch = SamplingBatch.build([r.state for r in rows], [len(r.output) for r in rows], logits.shape[1])
+    return sample_batch(logits, batch, pen, allowed)
 
 
 def log_softmax(xs: list[float]) -> list[float]:
@@ -44,7 +71,7 @@ def log_softmax(xs: list[float]) -> list[float]:
 def draw_dist(logits: list[float], **kw) -> dict[int, float]:
     """{token id: logprob} of the distribution one draw uses, as the sampler reports it."""
     st = state(logprobs=MAX_LOGPROBS, **kw)
-    out = sample(torch.tensor([logits]), [st], torch.Generator().manual_seed(0))
+    out = sample(torch.tensor([logits]), [st])
     return dict(out.logprobs[0].top)
 
 
@@ -79,6 +106,19 @@ def test_top_p_smallest_set_reaching_p(top_p, kept):
     # probabilities 0.5, 0.25, 0.15, 0.1: mass of strictly more likely tokens 0, .5, .75, .9
     s = sum(P4[i] for i in kept)
     assert_dist(draw_dist(LOG_P4, top_p=top_p), {i: math.log(P4[i] / s) for i in kept})
+
+
+def test_top_k_ties_beyond_the_candidate_window_are_kept():
+    # 60 tokens tie at the top_k=2 boundary, more than the 2·2 + 16 = 20-wide window holds: the
+    # sampler redoes the step on whole rows. Kept: token 0 (logit 2) and all 60 ties (logit 1).
+    logits = [2.0] + [1.0] * 60 + [0.0] * 39
+    z = math.log(math.exp(2.0) + 60 * math.exp(1.0))
+    row = state(top_k=2, top_p=0.99, logprobs=MAX_LOGPROBS, seed=4)
+    lp = sample(torch.tensor([logits]), [row]).logprobs[0]
+    assert lp.top[0] == (0, pytest.approx(2.0 - z))
+    assert all(1 <= t <= 60 and v == pytest.approx(1.0 - z) for t, v in lp.top[1:]) and len(lp.top) == 20
+    assert lp.logprob == pytest.approx((2.0 if lp.token_id == 0 else 1.0) - z)
+    # top_p 0.99 keeps them too: token 0 has mass e^2 / e^z = .044 before the first tie
 
 
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
@@ -128,15 +168,6 @@ def test_frequency_penalty_scales_with_count():
                 dict(enumerate(want)))
 
 
-def test_penalty_counts_follow_drawn_tokens():
-    # greedy with a strong frequency penalty must alternate between two equal-ish tokens
-    st = state(temperature=0, frequency_penalty=2.0)
-    logits = torch.tensor([[1.0, 0.9, -5.0]])
-    toks = [sample(logits, [st]).token_ids[0] for _ in range(4)]
-    assert toks == [0, 1, 0, 1]  # 1.0 > .9; then -1.0 < .9; then -1.0 > -1.1; then -3.0 < -1.1
-    assert st.output_token_ids == toks
-
-
 def test_greedy_ignores_filters_and_returns_unscaled_logprobs():
     logits = [0.2, 1.5, 1.4]
     st = state(temperature=0.0, top_k=1, top_p=0.1, logprobs=3)
@@ -149,24 +180,9 @@ def test_greedy_ignores_filters_and_returns_unscaled_logprobs():
 def test_min_tokens_masks_eos_and_stop_ids_then_releases():
     eos, stop = 4, 3
     logits = torch.tensor([[0.0, 1.0, 0.5, 8.0, 9.0]])  # eos then stop id most likely
-    st = state(eos=(eos,), temperature=0, min_tokens=2, stop_token_ids=[stop])
-    toks = [sample(logits, [st]).token_ids[0] for _ in range(3)]
-    assert toks == [1, 1, eos]
-
-
-def test_finish_reasons_eos_stop_ids_ignore_eos_and_max_tokens():
-    st = state(eos=(7,), stop_token_ids=[5], max_tokens=3)
-    st.append(1)
-    assert st.finish_reason(1) is None
-    st.append(7)
-    assert st.finish_reason(7) == "stop"
-    ign = state(eos=(7,), stop_token_ids=[5], max_tokens=3, ignore_eos=True)
-    ign.append(7)
-    assert ign.finish_reason(7) is None  # eos does not stop ...
-    ign.append(5)
-    assert ign.finish_reason(5) == "stop"  # ... stop ids still do
-    ign.append(2)
-    assert ign.finish_reason(2) == "length"
+    toks = [sample(logits, [state(eos=(eos,), output=[1] * n, temperature=0, min_tokens=2,
+                                  stop_token_ids=[stop])]).token_ids[0] for n in range(3)]
+    assert toks == [1, 1, eos]  # 0 and 1 tokens so far: both masked; 2 tokens: released
 
 
 def test_logprobs_rank_and_filtered_tokens_not_listed():
@@ -213,8 +229,9 @@ def test_chi_square_20k_draws_temperature_1():
     probs = [0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02]
     N = 20_000
     logits = torch.tensor([math.log(p) for p in probs]).repeat(N, 1)
-    states = [state() for _ in range(N)]
-    toks = torch.tensor(sample(logits, states, torch.Generator().manual_seed(1234)).token_ids)
+    g = torch.Generator().manual_seed(1234)
+    states = [state(generator=g) for _ in range(N)]   # unseeded: stream seeds drawn from g
+    toks = torch.tensor(sample(logits, states).token_ids)
     assert chi_square(toks, probs) < CHI2_999[7]
     # the same statistic rejects a wrong hypothesis (power check): uniform over 8
     assert chi_square(toks, [1 / 8] * 8) > CHI2_999[7]
@@ -245,8 +262,10 @@ def _run(target_kw, others: list[dict], position: int, steps: int, seed_logits: 
         rows = torch.randn(len(others), 512, generator=neigh_g) * 3
         batch = torch.cat([rows[:position], row, rows[position:]])
         states = neigh[:position] + [target] + neigh[position:]
-        out = sample(batch, states, torch.Generator().manual_seed(len(others)))
+        out = sample(batch, states)
         toks.append(out.token_ids[position])
+        for r, t in zip(states, out.token_ids):  # the next draw is at the next output position
+            r.output.append(t)
     return toks
 
 
@@ -264,6 +283,123 @@ def test_seeded_sampling_same_whatever_else_is_in_the_batch(target):
     assert _run(other_seed, [], 0, 24, seed_logits=3) != alone  # the seed matters
 
 
+# --- the counter-based stream -----------------------------------------------------------------
+
+def splitmix64_outputs(seed: int, n: int) -> list[int]:
+    """Reference: SplitMix64 (Steele, Lea, Flood 2014; Vigna's splitmix64.c) in Python ints."""
+    state, out, M = seed % 2 ** 64, [], 2 ** 64 - 1
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & M
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_counter_uniforms_are_splitmix64_outputs():
+    # position p of seed s = output p + 1 of SplitMix64 seeded with s, top 24 bits / 2**24
+    seeds = [0, 1, 7, 2 ** 63 - 1, -(2 ** 63), -5, 2 ** 64 - 1, 123456789123456789]
+    n = 6
+    s_t = torch.tensor([s - 2 ** 64 if s >= 2 ** 63 else s for s in seeds for _ in range(n)])  # int64
+    p_t = torch.arange(n).repeat(len(seeds))
+    got = counter_uniforms(s_t, p_t).tolist()
+    want = [(z >> 40) / 2 ** 24 for s in seeds for z in splitmix64_outputs(s, n)]
+    assert got == want
+
+
+def test_seeded_draw_depends_on_seed_and_position_only():
+    # the same (seed, output position) gives the same token in any batch, at any row; the next
+    # position is a fresh uniform (hand check: u = splitmix output / 2**24 against the CDF .5/.75/1)
+    logits = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)]])
+    for seed in (3, 11, 2 ** 64 - 2):
+        for n_out in (0, 5):
+            u = (splitmix64_outputs(seed, n_out + 1)[-1] >> 40) / 2 ** 24
+            want = 0 if u < 0.5 else (1 if u < 0.75 else 2)
+            alone = sample(logits, [state(seed=seed, output=[0] * n_out)]).token_ids
+            crowd = sample(logits.repeat(3, 1), [state(seed=1), state(seed=seed, output=[0] * n_out),
+                                                  state(temperature=0)]).token_ids
+            assert alone == [want] and crowd[1] == want
+
+
+# --- constrained decoding: the allowed-token bitmask -------------------------------------------
+
+def test_allowed_bitmask_after_penalties_and_before_temperature():
+    # V = 40, two words; allow 0, 31 (sign bit of word 0) and 33: bits 0 and 31 of word 0, bit 1 of
+    # word 1. Presence penalty on output token 33 first, then the mask, then temperature 0.5.
+    V = 40
+    logits = [0.1 * i for i in range(V)]
+    allowed = torch.tensor([[1 | (1 << 31) - 2 ** 32, 1 << 1]], dtype=torch.int32)
+    row = state(output=[33], presence_penalty=1.0, temperature=0.5, logprobs=MAX_LOGPROBS)
+    got = dict(sample(torch.tensor([logits]), [row], allowed).logprobs[0].top)
+    x = [logits[0] / 0.5, logits[31] / 0.5, (logits[33] - 1.0) / 0.5]
+    assert_dist(got, dict(zip([0, 31, 33], log_softmax(x))))
+    greedy = sample(torch.tensor([logits]), [state(temperature=0)], allowed)
+    assert greedy.token_ids == [33]  # the best allowed one, not 39
+    all_bits = torch.full((1, 2), -1, dtype=torch.int32)
+    assert sample(torch.tensor([logits]), [state(temperature=0)], all_bits).token_ids == [39]
+    with pytest.raises(ValueError, match=r"int32 \[1, 2\]"):
+        sample(torch.tensor([logits]), [state()], torch.zeros(1, 1, dtype=torch.int32))
+
+
+# --- pure, and one host sync ----------------------------------------------------------------------
+
+class HostReads(TorchFunctionMode):
+    """Records Python-level host reads of tensors (tolist, item, bool(), ...)."""
+
+    NAMES = {"tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every dispatched aten op."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kws", [
+    # whole rows (a sampled row without top-k), penalties, bias, min_tokens, logprobs
+    [dict(seed=1, top_k=20, top_p=0.8, min_p=0.05, logprobs=3, repetition_penalty=1.2, prompt=[5]),
+     dict(temperature=0, logit_bias={7: 3.0}, min_tokens=2, eos=(9,)),
+     dict(seed=2, presence_penalty=0.5, output=[1, 1]), dict(top_k=0)],
+    # every sampled row with top-k: the candidate windows
+    [dict(seed=1, top_k=20, top_p=0.8), dict(top_k=3, logprobs=2), dict(top_k=40, min_p=0.1),
+     dict(temperature=0)],
+    [dict(seed=1, top_k=20), dict(top_k=3)],
+])
+def test_sample_is_pure_and_syncs_once(kws):
+    logits = torch.randn(len(kws), 300, generator=torch.Generator().manual_seed(0))
+    rows = [state(**kw) for kw in kws]
+    pen = PenaltyState(300)
+    for r in rows:
+        r.state.penalty_row = pen.add(r.prompt, r.output) if r.state.needs_penalties else 0
+    counts = pen.counts.clone()
+    before = [(r.state.seed, r.state.in_reasoning, list(r.output)) for r in rows]
+    batch = SamplingBatch.build([r.state for r in rows], [len(r.output) for r in rows], 300)
+    reads, names = HostReads(), OpNames()
+    with reads, names:
+        first = sample_batch(logits, batch, pen)
+    assert first == sample_batch(logits, batch, pen)
+    assert [(r.state.seed, r.state.in_reasoning, list(r.output)) for r in rows] == before
+    assert torch.equal(pen.counts, counts)
+    assert reads.calls == ["tolist"]              # the packed ids (+ logprobs): one device->host copy
+    assert not {"nonzero", "_local_scalar_dense", "masked_select", "unique_dim", "_unique2"} & names.ops
+
+
 # --- thinking_temperature switch (serving.md §10; state from chat-and-parsers.md P1) ----------
 
 THINK_END, TOOL_START = 11, 12
@@ -272,24 +408,25 @@ THINK_END, TOOL_START = 11, 12
 def thinking_state(**kw) -> SamplingState:
     kw = dict(temperature=0.5, thinking_temperature=2.0, start_in_reasoning=True,
               reasoning_end_token_ids=[THINK_END, TOOL_START]) | kw
-    return state(**kw)
+    return state(**kw).state
 
 
 def test_thinking_temperature_until_an_end_token_id():
     st = thinking_state()
     assert st.in_reasoning and st.temperature == 2.0
     for t in (1, 2, 200):  # ordinary ids keep reasoning
-        st.append(t)
+        st.observe(t)
     assert st.temperature == 2.0
-    st.append(THINK_END)
+    st.observe(THINK_END)
     assert not st.in_reasoning and st.temperature == 0.5
-    st.append(1)
+    st.observe(1)
     assert st.temperature == 0.5  # never switches back
+    assert st.num_reasoning_tokens == 4  # 1, 2, 200 and the end id itself
 
 
 def test_tool_call_start_also_ends_reasoning():
     st = thinking_state()
-    st.append(TOOL_START)
+    st.observe(TOOL_START)
     assert st.temperature == 0.5
 
 
@@ -299,14 +436,16 @@ def test_no_thinking_temperature_without_start_in_reasoning_or_field():
 
 
 def test_sampler_uses_thinking_temperature_then_temperature():
-    # greedy while thinking (thinking_temperature 0) picks the end id; the next draw is at T=0.5,
-    # visible in the returned logprobs (distribution of logits / 0.5)
+    # greedy while thinking (thinking_temperature 0) picks the end id; after it, the draw is at
+    # T=0.5, visible in the returned logprobs (distribution of logits / 0.5)
     logits = [0.0] * 16
     logits[THINK_END] = 1.0
-    st = thinking_state(thinking_temperature=0.0, logprobs=MAX_LOGPROBS, seed=3)
-    first = sample(torch.tensor([logits]), [st])
-    assert first.token_ids == [THINK_END] and not st.in_reasoning
-    second = sample(torch.tensor([logits]), [st])
+    row = state(temperature=0.5, thinking_temperature=0.0, start_in_reasoning=True,
+                reasoning_end_token_ids=[THINK_END, TOOL_START], logprobs=MAX_LOGPROBS, seed=3)
+    first = sample(torch.tensor([logits]), [row])
+    assert first.token_ids == [THINK_END] and row.state.in_reasoning  # sample() changes nothing
+    row.state.observe(THINK_END)
+    second = sample(torch.tensor([logits]), [row])
     want = log_softmax([x / 0.5 for x in logits])
     assert_dist(dict(second.logprobs[0].top), dict(enumerate(want)))
 
@@ -367,8 +506,9 @@ def test_bad_logits_shape():
 
 
 def test_top_k_candidates_and_whole_row_paths_agree():
-    # alone, a top-k row is filtered on its top-k candidates; next to a row without top-k the whole
-    # batch is filtered on [B, V]. Same kept set and logprobs either way, ties included (bf16 logits).
+    # alone, the batch's widest top-k is the row's own; next to a row without top-k (and, with
+    # top_p, through the sorted path) the cuts are the same values: same kept set and logprobs,
+    # ties included (bf16 logits).
     g = torch.Generator().manual_seed(5)
     for kw in (dict(top_k=7), dict(top_k=20, top_p=0.6), dict(top_k=12, min_p=0.3, temperature=0.8)):
         row = (torch.randn(1, 300, generator=g) * 2).bfloat16().float()
@@ -428,7 +568,7 @@ def test_sampler_matches_plain_python_reference(logits, prompt, output, temperat
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
               presence_penalty=pres, frequency_penalty=freq, logit_bias=bias, min_tokens=min_tokens)
     st_ = state(prompt=prompt, eos=(V_SMALL - 1,), output=output, logprobs=MAX_LOGPROBS, seed=0, **kw)
-    want = reference_distribution(logits, prompt, output, (V_SMALL - 1,), st_.params)
+    want = reference_distribution(logits, prompt, output, (V_SMALL - 1,), st_.state.params)
     rows = torch.tensor([logits, logits[::-1]] if in_batch else [logits])  # neighbour without top-k
     states = [st_, state()] if in_batch else [st_]
     out = sample(rows, states)
@@ -446,6 +586,7 @@ def test_extreme_penalty_or_temperature_cannot_overflow_the_draw(rep, temperatur
     logits = [1.0, 2.0, 4.0, 5.0, -1.0]  # 4 / 1e-38 and 4 / 1e-34 / 1e-5 exceed the float32 range
     for seed in range(5):
         st = state(prompt=[2], repetition_penalty=rep, temperature=temperature, top_k=top_k, logprobs=2)
-        out = sample(torch.tensor([logits]), [st], torch.Generator().manual_seed(seed))
+        st.state.seed = seed
+        out = sample(torch.tensor([logits]), [st])
         assert out.token_ids == [2]
         assert out.logprobs[0].logprob == 0.0 and math.isfinite(out.logprobs[0].top[0][1])

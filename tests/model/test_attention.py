@@ -17,6 +17,7 @@ from m2serve.model.load import load_model
 from m2serve.model.norm import rms_norm
 from m2serve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from m2serve.model.simple_cache import SimpleKVCache
+from m2serve.model.step import RopeCache, StepContext
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,9 +37,9 @@ def test_cache_holds_roped_normed_k_and_raw_v():
     cache = SimpleKVCache(KVStorage.allocate(1, 4, 4, 2, 16, torch.float32), [2, 0, 3, 1])
     batch = cache.batch([("s", [1, 2, 3, 4, 5, 6])])
     inv = rope_inv_freq(8, 1e4)
-    meta = AttentionMetadata.from_batch(batch, 4, inv)
+    step = StepContext.build(batch, 4, RopeCache(8, 1e4), torch.float32)
     h = torch.randn(6, 32)
-    a(h, meta, cache.storage, 0)
+    a(h, step, cache.storage, 0)
     k = rms_norm(h @ a.k_proj.weight.T, a.k_norm.weight, 1e-6).view(6, 2, 16)
     cos, sin = rope_cos_sin(torch.arange(6), inv)
     flat_k = cache.storage.k[0].view(-1, 2, 16)[batch.slot_mapping]

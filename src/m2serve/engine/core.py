@@ -1,8 +1,9 @@
 """`LLMEngine`: the step loop over scheduler, runner and sampler (token ids only).
 
-``step()`` = apply queued adds/aborts → ``Scheduler.schedule`` → ``ModelRunner.run`` → sample the
-requests whose chunk completed their sequence → stop checks → free finished requests' pages →
-``RequestOutput`` per request that produced something. The engine is driven by one thread calling
+``step()`` = apply queued adds/aborts → ``Scheduler.schedule`` → ``ModelRunner.run`` → prompt
+logprobs → sample the requests whose chunk completed their sequence (constraint bitmasks filled
+first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
+request that produced something. The engine is driven by one thread calling
 ``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
 validate and append to an inbox under a lock, which ``step()`` drains first (docs/architecture.md,
 engine contract).
@@ -20,12 +21,21 @@ import torch
 
 from m2serve.config.engine_args import EngineArgs, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput
 from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
-from m2serve.engine.sampling import SamplingParams, SamplingState, compute_logprobs, sample
-from m2serve.engine.scheduler import ScheduledRequest, Scheduler
+from m2serve.engine.sampling import (
+    PenaltyState,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingParams,
+    SamplingState,
+    compute_logprobs,
+    sample,
+)
+from m2serve.engine.scheduler import Scheduler
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
@@ -84,7 +94,6 @@ class LLMEngine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     live_ids: set[str] = field(default_factory=set)
     arrivals: int = 0
-    generated_tokens: int = 0
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -136,14 +145,20 @@ class LLMEngine:
                                    dtype, device, k_scale, v_scale)
         caching = args.enable_prefix_caching and not getattr(model, "splits_batch", False)
         kv = KVCacheManager(num_pages, S, caching)
-        scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size)
+        scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size,
+                              PenaltyState(config.vocab_size, device))
         return cls(config=config, scheduler=scheduler, runner=ModelRunner(model, storage, device),
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams | None = None) -> None:
+                    sampling_params: SamplingParams | None = None, *,
+                    constraint: TokenConstraint | None = None) -> None:
         """Queue a request; thread-safe. It joins the batch at the next ``step()``.
+
+        ``constraint``: an optional `TokenConstraint` (engine/constraint.py) that masks every draw
+        of this request and is told each drawn token. An unseeded request draws its stream seed
+        from the engine's generator (EngineArgs.seed) here, in call order.
 
         Raises ValueError for an empty prompt, a token id outside the vocabulary (prompt or
         params), a prompt longer than the max context (stating both numbers), n != 1, or a
@@ -169,8 +184,9 @@ class LLMEngine:
             if request_id in self.live_ids:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.live_ids.add(request_id)
-            state = SamplingState.new(params, ids, self.config.eos_token_ids)
-            req = Request(request_id, ids, state, arrival=self.arrivals, max_length=self.max_length)
+            state = SamplingState.new(params, self.config.eos_token_ids, self.generator)
+            req = Request(request_id, ids, state, arrival=self.arrivals, max_length=self.max_length,
+                          constraint=constraint)
             self.arrivals += 1
             self.inbox.append(("add", req))
 
@@ -212,7 +228,7 @@ class LLMEngine:
             kv_pages_used=kv.num_used_pages, kv_pages_free=kv.num_free_pages, kv_page_size=kv.page_size,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             chunked_prefill_steps=s.stats.chunked_prefill_steps, preemptions=s.stats.preemptions,
-            generated_tokens=self.generated_tokens, steps=s.stats.steps)
+            generated_tokens=s.stats.generated_tokens, steps=s.stats.steps)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -222,33 +238,35 @@ class LLMEngine:
         if not out.scheduled:
             return outputs
         logits = self.runner.run(out.scheduled, self.scheduler.kv)
-        sampling: list[ScheduledRequest] = []
+        reqs: list[Request] = []
         rows: list[torch.Tensor] = []
         for s, lg in zip(out.scheduled, logits, strict=True):
-            r = s.request
-            completes = s.completes        # read before num_computed_tokens moves
             if wants_prompt_logprobs(s):
-                self._add_prompt_logprobs(r, lg)
-            r.num_computed_tokens += s.num_new_tokens
-            self.scheduler.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
-            if completes:
-                sampling.append(s)
+                self._add_prompt_logprobs(s.request, lg)
+            if s.completes:
+                reqs.append(s.request)
                 rows.append(lg[-1])
-        if sampling:
-            reqs = [s.request for s in sampling]
-            drawn = sample(torch.stack(rows), [r.state for r in reqs], self.generator)   # [B, V] in
-            for r, t, lp in zip(reqs, drawn.token_ids, drawn.logprobs, strict=True):
-                r.all_token_ids.append(t)   # the sampler state already appended it to the output
-                if r.sampling_params.logprobs is not None:
-                    r.logprobs.append(lp)
-                self.generated_tokens += 1
-                reason = r.state.finish_reason(t)
-                if reason is None and r.num_tokens >= r.max_length:
-                    reason = "length"
-                if reason is not None:
-                    self._finish(r, reason)
-                outputs.append(self._output(r))
+        sampled = self._sample(torch.stack(rows), reqs) if reqs else SamplerOutput([], [])
+        for r in self.scheduler.update_from_output(out.scheduled, sampled):
+            if r.is_finished:
+                self._forget(r)
+            outputs.append(self._output(r))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """Draw the next token of ``reqs`` from their rows ``logits`` [B, V]; constraints fill the
+        allowed-token bitmask first (all bits set for rows without one)."""
+        B, V = logits.shape
+        allowed = None
+        if any(r.constraint is not None for r in reqs):
+            bitmask = torch.full((B, -(-V // 32)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
+            for b, r in enumerate(reqs):
+                if r.constraint is not None:
+                    r.constraint.fill_bitmask(bitmask, b)
+            allowed = bitmask.to(logits.device)
+        batch = SamplingBatch.build([r.state for r in reqs], [r.num_output_tokens for r in reqs], V,
+                                    logits.device)
+        return sample(logits, batch, self.scheduler.penalties, allowed)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self.lock:
@@ -267,6 +285,10 @@ class LLMEngine:
 
     def _finish(self, r: Request, reason: str) -> None:
         self.scheduler.finish(r, reason)
+        self._forget(r)
+
+    def _forget(self, r: Request) -> None:
+        """Drop a finished request from the engine's tables (its id becomes free again)."""
         del self.requests[r.request_id]
         with self.lock:
             self.live_ids.discard(r.request_id)
@@ -280,7 +302,8 @@ class LLMEngine:
             finish_reason=r.finish_reason,
             new_logprobs=r.logprobs[r.num_sent_tokens:] if p.logprobs is not None else None,
             prompt_logprobs=r.prompt_logprobs if first and p.prompt_logprobs is not None else None,
-            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0))
+            num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+            num_reasoning_tokens=r.state.num_reasoning_tokens)
         r.num_sent_tokens = r.num_output_tokens
         return out
 

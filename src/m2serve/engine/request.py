@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams, SamplingState, TokenLogprobs
 
 
@@ -26,11 +27,13 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence (n = 1) in the engine.
 
-    prompt_token_ids: the prompt; all_token_ids: prompt + generated tokens; state: the sampler's
-    per-request state (resolved params, output tokens for penalties, seeded generator, reasoning
-    flag; engine/sampling.py), which survives preemption; num_computed_tokens: tokens whose K/V
-    are in the cache; num_cached_tokens: prompt tokens served from the prefix cache at the first
-    admission (-1 before it); arrival: admission order (the newest running request is preempted
+    prompt_token_ids: the prompt; all_token_ids: prompt + generated tokens, the request's one
+    token list (``Scheduler.update_from_output`` appends to it); state: the sampler's
+    per-request state (resolved params, stream seed, reasoning state, penalty row;
+    engine/sampling.py), which survives preemption; constraint: an optional `TokenConstraint`
+    (engine/constraint.py); num_computed_tokens: tokens whose K/V are in the cache;
+    num_cached_tokens: prompt tokens served from the prefix cache at the first admission (-1
+    before it); arrival: admission order (the newest running request is preempted
     first); max_length: the max context in tokens; logprobs / prompt_logprobs: accumulated
     entries; num_sent_tokens: output tokens already returned in a RequestOutput.
     """
@@ -40,6 +43,7 @@ class Request:
     state: SamplingState
     arrival: int
     max_length: int
+    constraint: TokenConstraint | None = None
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -60,8 +64,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """Tokens generated so far (kept by the sampler state)."""
-        return self.state.output_token_ids
+        """Tokens generated so far (a copy of the tail of ``all_token_ids``)."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +80,7 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
-        return len(self.state.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -89,11 +93,12 @@ class RequestOutput:
     """What one step produced for one request (token ids only; text lives in serve/).
 
     new_token_ids: tokens generated since the previous output of this request;
-    finished / finish_reason: "stop" (EOS or a stop token id), "length" (max_tokens or the
-    max context), "abort"; new_logprobs: one `TokenLogprobs` per new token (None unless
-    requested); prompt_logprobs: one entry per prompt token, first entry None
+    finished / finish_reason: "stop" (EOS, a stop token id or a terminated constraint), "length"
+    (max_tokens or the max context), "abort"; new_logprobs: one `TokenLogprobs` per new token
+    (None unless requested); prompt_logprobs: one entry per prompt token, first entry None
     (only in the first output of a request that asked for them); num_prompt_tokens,
-    num_cached_tokens: prompt length and the prompt tokens served by the prefix cache.
+    num_cached_tokens: prompt length and the prompt tokens served by the prefix cache;
+    num_reasoning_tokens: output tokens generated in reasoning so far (`SamplingState.observe`).
     """
 
     request_id: str
@@ -104,3 +109,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_reasoning_tokens: int = 0

@@ -5,6 +5,11 @@ contributes tokens [c_b, c_b + n_b) of its sequence (c_b = num_computed_tokens),
 c_b + i, written to slots ``table[p // S] * S + p % S``; attention sees its cached pages plus the
 causal part of its own chunk (context_lens = c_b + n_b).
 
+The batch is built once per step on the host from the scheduler's Python lists: the tensors are
+copied to the device through pinned memory with ``non_blocking=True`` on CUDA, and the same
+lists travel with the batch (model/batch.py ``StepHost``), so the model sizes and indexes the
+step without reading anything back from the device (issue 17 item 3).
+
 Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
 """
 
@@ -17,7 +22,7 @@ import torch
 
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.scheduler import ScheduledRequest
-from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
 
 
 def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
@@ -62,18 +67,17 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
         context_lens.append(c + n)
         n_logits.append(logits_rows(s))
         tables.append(table)
-    width = max((len(t) for t in tables), default=0)
-    block_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)  # [B, max_pages]
-    for b, t in enumerate(tables):
-        block_tables[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    width = max(max((len(t) for t in tables), default=0), 1)
+    padded = [t + [0] * (width - len(t)) for t in tables]
     return ForwardBatch(
-        tokens=torch.tensor(tokens, dtype=torch.int64, device=device),            # [T]
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),      # [T]
-        input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),  # [B+1]
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),       # [T]
-        block_tables=block_tables.to(device),                                     # [B, max_pages]
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),  # [B]
-        return_n_logits=torch.tensor(n_logits, dtype=torch.int64, device=device),  # [B]
+        tokens=host_tensor(tokens, torch.int64, device),                # [T]
+        positions=host_tensor(positions, torch.int64, device),          # [T]
+        input_row_offsets=host_tensor(offsets, torch.int32, device),    # [B+1]
+        slot_mapping=host_tensor(slots, torch.int64, device),           # [T]
+        block_tables=host_tensor(padded, torch.int32, device),          # [B, max_pages]
+        context_lens=host_tensor(context_lens, torch.int32, device),    # [B]
+        return_n_logits=host_tensor(n_logits, torch.int64, device),     # [B]
+        host=StepHost.build(offsets, context_lens, tables, n_logits),
     )
 
 
@@ -111,12 +115,12 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> list[torch.Tensor]:
         """Run one step; returns each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
         batch = build_batch(scheduled, kv, self.device)
-        top = int(batch.block_tables.max()) + 1
+        top = max((p for t in batch.host.block_tables for p in t), default=0) + 1
         if top > self.zeroed_pages:
             for t in (*self.kv_storage.k, *self.kv_storage.v):
                 t[self.zeroed_pages:top].zero_()
             self.zeroed_pages = top
-        counts = batch.return_n_logits.tolist()
+        counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)
             return [torch.empty(0) for _ in scheduled]

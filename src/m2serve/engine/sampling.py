@@ -5,10 +5,15 @@ top-k -> top-p -> min-p -> draw"); logit_bias and the min_tokens mask are applie
 penalties, as vLLM v1 does:
 
     logit_bias -> min_tokens mask -> repetition / presence / frequency penalties
-    -> temperature (0 = greedy: argmax here, the filters below are skipped)
-    -> top-k -> top-p -> min-p -> draw (inverse CDF over token ids, one uniform per request)
+    -> allowed-token bitmask (constrained decoding, engine/constraint.py)
+    -> temperature (0 = greedy: argmax here, the filters below do not change its token)
+    -> top-k -> top-p -> min-p -> draw (inverse CDF over token ids, one counter-based uniform per
+    request, keyed by (seed, output position))
 
-Legend: B requests in the step, V vocabulary, K candidates kept by the widest top-k / top-p sort.
+`sample` is pure; the engine's post-model update (``Scheduler.update_from_output``) appends the
+drawn ids to the request and to the `PenaltyState` counts.
+
+Legend: B requests in the step, V vocabulary.
 """
 
 from __future__ import annotations
@@ -42,12 +47,12 @@ class SamplingParams:
     Consumed by the engine (sampler + scheduler, token ids only):
       temperature (0 = greedy), top_p, top_k (<= 0 disables), min_p, repetition_penalty (prompt and
       output tokens), presence_penalty and frequency_penalty (output tokens), logit_bias {token id:
-      bias in [-100, 100]}, seed (per-request generator: same seed, same output whatever else is in
-      the batch), stop_token_ids, ignore_eos, min_tokens (eos and stop ids masked until this many
-      tokens exist), max_tokens (None = up to the context limit), logprobs (None = none, 0 = the
-      chosen token only, N = also the top N), prompt_logprobs (same counts, for prompt positions),
-      thinking_temperature (used instead of temperature while the request is in reasoning),
-      reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051 and
+      bias in [-100, 100]}, seed (key of the request's counter-based uniform stream: same seed,
+      same output whatever else is in the batch), stop_token_ids, ignore_eos, min_tokens (eos and
+      stop ids masked until this many tokens exist), max_tokens (None = up to the context limit),
+      logprobs (None = none, 0 = the chosen token only, N = also the top N), prompt_logprobs (same
+      counts, for prompt positions), thinking_temperature (used instead of temperature while the
+      request is in reasoning), reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051 and
       ``<minimax:tool_call>`` 200052 in the release tokenizer; the serve layer looks them up)
       and start_in_reasoning (the prompt ends in ``<think>``, chat-and-parsers.md P1).
 
@@ -197,41 +202,39 @@ def _bias_dict(v: object) -> dict[int, float]:
 
 @dataclass(slots=True)
 class SamplingState:
-    """Per-request sampler state, created by the engine when a request is admitted and kept with it
-    (also across preemption: recompute does not replay draws, so the output is unchanged).
+    """Per-request sampler state, created when a request is added and kept with it (also across
+    preemption: recompute replays no draws, so the output is unchanged).
 
     params: the request's params already :meth:`SamplingParams.resolved` (temperature etc. not None).
-    prompt_token_ids: the prompt (repetition penalty looks at prompt and output tokens).
     eos_token_ids: the checkpoint's eos ids (generation_config.json), masked while min_tokens applies.
-    output_token_ids: tokens drawn so far; :func:`sample` appends each drawn token (do not append
-    it again). in_reasoning: starts as ``params.start_in_reasoning`` and turns False for good once a
-    ``reasoning_end_token_ids`` token is drawn; while True, ``thinking_temperature`` (if set) is used.
-    generator: CPU ``torch.Generator`` seeded with ``params.seed`` (None = the batch's shared one).
+    seed: key of the request's counter-based uniform stream (:func:`counter_uniforms`):
+    ``params.seed`` when set, else a number drawn once from the engine's generator.
+    in_reasoning / num_reasoning_tokens: starts as ``params.start_in_reasoning``; every token
+    generated while in reasoning counts, and a ``reasoning_end_token_ids`` token (counted) ends it
+    for good (:meth:`observe`). While True, ``thinking_temperature`` (if set) is used.
+    penalty_row: the request's row in the `PenaltyState` (0 = none: no penalties asked).
     """
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
-    output_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
     in_reasoning: bool = False
-    generator: torch.Generator | None = None
-    _seen: dict[int, None] | None = None      # prompt + output ids, insertion order (repetition)
-    _seen_t: torch.Tensor | None = None       # the same as an int64 tensor, rebuilt when it grows
-    _counts: dict[int, int] | None = None     # output id -> count (presence / frequency)
+    num_reasoning_tokens: int = 0
+    penalty_row: int = 0
 
     @classmethod
-    def new(cls, params: SamplingParams, prompt_token_ids: Sequence[int],
-            eos_token_ids: Sequence[int] = ()) -> SamplingState:
-        """State for a new request. Raises ValueError if ``params`` is not resolved."""
+    def new(cls, params: SamplingParams, eos_token_ids: Sequence[int] = (),
+            generator: torch.Generator | None = None) -> SamplingState:
+        """State for a new request; an unseeded one draws its stream key from ``generator`` (None =
+        torch's default CPU generator). Raises ValueError if ``params`` is not resolved."""
         if params.temperature is None or params.top_p is None or params.top_k is None:
             raise ValueError("SamplingState.new needs resolved params: "
                              "call params.resolved(config.generation) first")
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed)
-        return cls(params=params, prompt_token_ids=prompt_token_ids, eos_token_ids=tuple(eos_token_ids),
-                   in_reasoning=params.start_in_reasoning, generator=gen)
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+        return cls(params=params, eos_token_ids=tuple(eos_token_ids), seed=seed,
+                   in_reasoning=params.start_in_reasoning)
 
     @property
     def temperature(self) -> float:
@@ -247,40 +250,96 @@ class SamplingState:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
-    def append(self, token_id: int) -> None:
-        """Record a drawn token: output list, penalty bookkeeping, reasoning switch."""
-        self.output_token_ids.append(token_id)
-        if self._counts is not None:
-            self._counts[token_id] = self._counts.get(token_id, 0) + 1
-            self._seen.setdefault(token_id)  # type: ignore[union-attr]
-        if self.in_reasoning and token_id in self.params.reasoning_end_token_ids:
-            self.in_reasoning = False
+    def observe(self, token_id: int) -> None:
+        """The reasoning state after ``token_id`` was generated (called once per token, by
+        ``Scheduler.update_from_output``; chat-and-parsers.md P1)."""
+        if self.in_reasoning:
+            self.num_reasoning_tokens += 1
+            if token_id in self.params.reasoning_end_token_ids:
+                self.in_reasoning = False
 
-    def finish_reason(self, token_id: int) -> str | None:
-        """Why the request stops after ``token_id`` was appended: "stop" (eos unless ignore_eos, or a
-        stop_token_id), "length" (max_tokens reached), or None. The context limit and stop strings
-        are checked elsewhere (scheduler, output processor)."""
-        p = self.params
-        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if p.max_tokens is not None and len(self.output_token_ids) >= p.max_tokens:
-            return "length"
-        return None
 
-    def _penalty_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(seen ids [S], output ids [U], their counts [U] f32) on ``device``; sparse, so a step costs
-        O(distinct tokens), not O(V)."""
-        if self._counts is None:
-            self._counts = {}
-            for t in self.output_token_ids:
-                self._counts[t] = self._counts.get(t, 0) + 1
-            self._seen = dict.fromkeys(self.prompt_token_ids)
-            self._seen.update(dict.fromkeys(self.output_token_ids))
-        if self._seen_t is None or self._seen_t.numel() != len(self._seen) or self._seen_t.device != device:
-            self._seen_t = torch.tensor(list(self._seen), dtype=torch.long, device=device)  # type: ignore[arg-type]
-        out = torch.tensor(list(self._counts), dtype=torch.long, device=device)
-        cnt = torch.tensor(list(self._counts.values()), dtype=torch.float32, device=device)
-        return self._seen_t, out, cnt
+@dataclass(slots=True)
+class PenaltyState:
+    """Batched penalty bookkeeping as device tensors, one row per request with penalties.
+
+    counts: int32 [R, V] output-token counts; prompt: bool [R, V] prompt tokens (repetition looks
+    at prompt and output tokens). Row 0 is all zero and never given out (requests without
+    penalties point at it). Rows are added at admission (:meth:`add`), grown by
+    :meth:`append` (one vectorised op per step) and released when the request finishes; the pool
+    doubles when full. Memory: R · V · 5 bytes.
+    """
+
+    vocab_size: int
+    device: torch.device | str = "cpu"
+    counts: torch.Tensor = field(init=False)
+    prompt: torch.Tensor = field(init=False)
+    free_rows: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counts = torch.zeros((1, self.vocab_size), dtype=torch.int32, device=self.device)
+        self.prompt = torch.zeros((1, self.vocab_size), dtype=torch.bool, device=self.device)
+
+    def add(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()) -> int:
+        """A fresh row for a request with these tokens so far; returns its index (>= 1)."""
+        if not self.free_rows:
+            R = self.counts.shape[0]
+            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            self.prompt = torch.cat([self.prompt, torch.zeros_like(self.prompt)])
+            self.free_rows = list(range(2 * R - 1, R - 1, -1))
+        row = self.free_rows.pop()
+        self.counts[row].zero_()
+        self.prompt[row].zero_()
+        if prompt_token_ids:
+            self.prompt[row, torch.tensor(list(prompt_token_ids), device=self.device)] = True
+        if output_token_ids:
+            ids = torch.tensor(list(output_token_ids), device=self.device)
+            self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return row
+
+    def release(self, row: int) -> None:
+        """Give a row back (its contents are cleared when it is handed out again)."""
+        if row > 0:
+            self.free_rows.append(row)
+
+    def append(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+        """counts[rows[i], token_ids[i]] += 1 for all i, in one op (host lists, one copy each)."""
+        if not rows:
+            return
+        r = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        t = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        self.counts.index_put_((r, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+
+
+# ---- counter-based uniforms: SplitMix64 (Steele, Lea, Flood 2014) on int64 tensors --------------
+def _i64(c: int) -> int:
+    return c - 2 ** 64 if c >= 2 ** 63 else c
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (seed, position): f32 [B].
+
+    seeds, positions: int64 [B] (a seed >= 2**63 is passed as its two's-complement int64). The
+    value is output number ``position + 1`` of SplitMix64 seeded with ``seed``
+    (z = seed + (position + 1) · 0x9E3779B97F4A7C15 mod 2**64, then the SplitMix64 finaliser),
+    top 24 bits / 2**24. No generator state: a row's draw does not depend on the other rows,
+    the step or the device. int64 products wrap mod 2**64 in torch, which is what the mix needs.
+    """
+    z = seeds + (positions + 1) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 40).float() * (1.0 / 2 ** 24)
 
 
 @dataclass(slots=True)
@@ -302,6 +361,95 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(slots=True)
+class SamplingBatch:
+    """One step's sampling inputs, built once on the host from the rows' states (:meth:`build`).
+
+    Per row b (all on the logits' device): temperature f32 [B] (1.0 on greedy rows), greedy
+    bool [B], top_k int64 [B] (0 = off, also on greedy rows), top_p / min_p f32 [B],
+    repetition / presence / frequency f32 [B], penalty_rows int64 [B] (0 = none), seeds /
+    positions int64 [B] (the uniform's key: stream seed and output position). bias: (rows, cols,
+    values) of logit_bias; eos_mask: (rows, cols) masked by min_tokens. The Python-side flags
+    (kmax, all_*, any_*) pick which stages run, so no
+    stage needs to look at device data.
+    """
+
+    temperature: torch.Tensor
+    greedy: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    penalty_rows: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    eos_mask: tuple[torch.Tensor, torch.Tensor] | None
+    num_logprobs: list[int | None]
+    kmax: int
+    all_top_k: bool
+    all_greedy: bool
+    any_greedy: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+
+    @property
+    def num_rows(self) -> int:
+        """B."""
+        return len(self.num_logprobs)
+
+    @classmethod
+    def build(cls, states: Sequence[SamplingState], num_output_tokens: Sequence[int], vocab_size: int,
+              device: torch.device | str = "cpu") -> SamplingBatch:
+        """Inputs for rows ``states`` whose requests have generated ``num_output_tokens[b]`` tokens
+        (the output position of this draw). A top_k >= vocab_size is off. Host lists only."""
+        temps = [s.temperature for s in states]
+        greedy = [t < GREEDY_EPS for t in temps]
+        ks = [s.params.top_k if 0 < s.params.top_k < vocab_size and not g else 0  # type: ignore[operator]
+              for s, g in zip(states, greedy)]
+        brows, bcols, bvals, mrows, mcols = [], [], [], [], []
+        for b, (s, n) in enumerate(zip(states, num_output_tokens, strict=True)):
+            p = s.params
+            for tid, bias in (p.logit_bias or {}).items():
+                brows.append(b)
+                bcols.append(tid)
+                bvals.append(bias)
+            if n < p.min_tokens:
+                ids = sorted(set(s.eos_token_ids) | set(p.stop_token_ids))
+                mrows += [b] * len(ids)
+                mcols += ids
+
+        def f32(v: list[float]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.float32, device=device)
+
+        def i64(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64, device=device)
+
+        sampled = [not g for g in greedy]
+        return cls(
+            temperature=f32([1.0 if g else t for g, t in zip(greedy, temps)]),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=i64(ks), top_p=f32([s.params.top_p for s in states]),  # type: ignore[misc]
+            min_p=f32([s.params.min_p for s in states]),
+            repetition=f32([s.params.repetition_penalty for s in states]),
+            presence=f32([s.params.presence_penalty for s in states]),
+            frequency=f32([s.params.frequency_penalty for s in states]),
+            penalty_rows=i64([s.penalty_row for s in states]),
+            seeds=i64([_i64(s.seed % 2 ** 64) for s in states]), positions=i64(list(num_output_tokens)),
+            bias=(i64(brows), i64(bcols), f32(bvals)) if brows else None,
+            eos_mask=(i64(mrows), i64(mcols)) if mrows else None,
+            num_logprobs=[s.params.logprobs for s in states],
+            kmax=max(ks, default=0),
+            all_top_k=all(k > 0 for k, q in zip(ks, sampled) if q) and any(sampled),
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            any_top_p=any(s.params.top_p < 1 and q for s, q in zip(states, sampled)),  # type: ignore[operator]
+            any_min_p=any(s.params.min_p > 0 and q for s, q in zip(states, sampled)),
+            any_penalty=any(s.needs_penalties for s in states))
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_top: Sequence[int]) -> list[TokenLogprobs]:
     """Log-softmax of ``logits`` [N, V] f32 at ``token_ids`` [N] int64, with each row's top
@@ -311,237 +459,207 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     rank = (lp > chosen.unsqueeze(1)).sum(1) + 1                         # [N]
     kmax = min(max(num_top, default=0), lp.shape[1])
     top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
-    return _pack_logprobs(token_ids, chosen, rank, top_v, top_i, num_top)
+    return _pack_logprobs(token_ids, chosen, rank, top_v, top_i, num_top)[0]
 
 
 def _pack_logprobs(token_ids: torch.Tensor, chosen: torch.Tensor, rank: torch.Tensor, top_v: torch.Tensor,
-                   top_i: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
-    ids, chosen_l, rank_l = token_ids.tolist(), chosen.tolist(), rank.tolist()
-    tv, ti = top_v.tolist(), top_i.tolist()
+                   top_i: torch.Tensor, num_top: Sequence[int],
+                   flag: torch.Tensor | None = None) -> tuple[list[TokenLogprobs], bool]:
+    """One device->host copy of [N, 4 + 2k] f64 (ids < 2**53 are exact in f64): the entries, and
+    whether ``flag`` (bool, any shape) had any True."""
+    k = top_v.shape[1]
+    f = (flag.any() if flag is not None else token_ids.new_zeros(())).double().expand(token_ids.shape[0])
+    packed = torch.cat([token_ids.double().unsqueeze(1), chosen.double().unsqueeze(1),
+                        rank.double().unsqueeze(1), f.unsqueeze(1), top_v.double(), top_i.double()],
+                       dim=1).tolist()
     out = []
-    for n, k in enumerate(num_top):
-        top = [(i, v) for i, v in zip(ti[n][:k], tv[n][:k]) if v != -math.inf]
-        out.append(TokenLogprobs(ids[n], chosen_l[n], rank_l[n], top))
-    return out
+    for row, n in zip(packed, num_top):
+        top = [(int(i), v) for v, i in zip(row[4:4 + k][:n], row[4 + k:][:n]) if v != -math.inf]
+        out.append(TokenLogprobs(int(row[0]), row[1], int(row[2]), top))
+    return out, bool(packed and packed[0][3])
 
 
 _FMAX = torch.finfo(torch.float32).max  # +inf logits are clamped here (-inf, a masked token, stays)
 
 
-def sample(logits: torch.Tensor, states: Sequence[SamplingState],
-           generator: torch.Generator | None = None) -> SamplerOutput:
-    """Draw one token per request from ``logits`` [B, V] f32 and append it to ``states[b]``.
+def sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None = None,
+           allowed: torch.Tensor | None = None) -> SamplerOutput:
+    """Draw one token per row from ``logits`` [B, V] f32; pure (no state changes).
 
-    Row b uses ``states[b]``: its params, output tokens (penalties, min_tokens), reasoning flag
-    (thinking_temperature) and generator. Unseeded rows draw their uniform from ``generator`` (the
-    engine's, seeded from EngineArgs.seed; None = torch's default CPU generator).
+    Order (serving.md §10, logit_bias and min_tokens first as in vLLM v1): logit_bias -> min_tokens
+    mask (eos + stop ids -inf) -> repetition / presence / frequency penalties (``penalties``
+    rows) -> ``allowed`` bitmask -> temperature (greedy rows: argmax here) -> top-k -> top-p ->
+    min-p -> draw. ``allowed``: int32 [B, ceil(V / 32)], bit j of word i allows token 32 i + j
+    (llguidance's layout; all bits set = no constraint).
 
-    Draw: one uniform u from the row's generator, token = first id (in token-id order) whose
-    cumulative probability exceeds u. A seeded row's generator advances by exactly one number per
-    step and its filters are computed on its own row, so a seeded request gets the same tokens
-    whatever else is in the batch (given the same logits rows; a different result needs u to fall
-    within float rounding of a CDF step). Ties between equal logits are resolved by value (all tied
-    tokens kept or dropped together), never by sort order.
+    Draw: u = :func:`counter_uniforms` (seed, output position), all rows in one op; token = first
+    id (in token-id order) whose cumulative probability exceeds u. Every stage is row-local and
+    the filters are value cuts (tokens tied with the cut are kept or dropped together, never by
+    sort order), so a row gets the same token whatever else is in the batch.
 
-    Cost: when every sampled row has top_k > 0 (MiniMax's default 40) the filters and the draw run
-    on the top-k candidates only ([B, K]); without top-k they run on [B, V].
+    Cost: when every sampled row has top-k (MiniMax's default 40), filters and draw run on a
+    window of the W = 2 max(k) + 16 largest values per row ([B, W]); if more tokens tie at a row's
+    top-k boundary than the window holds (seen in the one host copy), the step is redone on whole
+    rows (a second sync, exact). Otherwise they run on [B, V]; top-p then sorts whole rows (as
+    vLLM's sampler does).
 
-    Logprobs (when requested) are those of the distribution the token was drawn from: log-softmax of
-    the processed logits after bias, min_tokens mask, penalties, temperature and top-k/top-p/min-p
-    (filtered tokens -inf). For greedy rows (temperature 0) the same without temperature and
-    filters. vLLM instead returns the raw model distribution by default; prompt logprobs here are
-    raw (:func:`compute_logprobs`).
+    Logprobs (when requested) are those of the distribution the token was drawn from: log-softmax
+    after bias, masks, penalties, temperature and top-k/top-p/min-p (filtered tokens -inf); for
+    greedy rows the same without temperature and filters. Prompt logprobs are raw
+    (:func:`compute_logprobs`).
 
-    Raises ValueError if logits is not 2-D or its row count differs from len(states).
+    Host syncs: one, the copy of the token ids (with the logprobs packed into it when asked).
+    Raises ValueError if logits is not [B, V] with B = batch.num_rows, if a row has penalties and
+    ``penalties`` is None, or if ``allowed`` is not int32 [B, ceil(V / 32)].
     """
-    if logits.dim() != 2 or logits.shape[0] != len(states):
-        raise ValueError(f"sample: logits {tuple(logits.shape)} must be [B, V] with B = {len(states)} "
+    B = batch.num_rows
+    if logits.dim() != 2 or logits.shape[0] != B:
+        raise ValueError(f"sample: logits {tuple(logits.shape)} must be [B, V] with B = {B} "
                          "(one row per request)")
-    B = logits.shape[0]
+    if batch.any_penalty and penalties is None:
+        raise ValueError("sample: a row has penalties but penalties=None; pass the PenaltyState")
+    out = _sample(logits, batch, penalties, allowed, window=batch.all_top_k)
+    return out if out is not None else _sample(logits, batch, penalties, allowed, window=False)  # type: ignore[return-value]
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None,
+            allowed: torch.Tensor | None, window: bool) -> SamplerOutput | None:
+    """:func:`sample` on top-k windows (``window``) or whole rows; None when a window overflowed."""
+    B, V = logits.shape
     x = logits.float()
-    if any(s.params.logit_bias or len(s.output_token_ids) < s.params.min_tokens or s.needs_penalties
-           for s in states):
-        x = x.clone()
-        _apply_bias_and_masks(x, states)
-        _apply_penalties(x, states)
-        x.clamp_(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
+    if batch.bias is not None:
+        x = x.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
+    if batch.eos_mask is not None:
+        x = x.index_put(batch.eos_mask, torch.tensor(-math.inf, device=x.device))
+    if batch.any_penalty:
+        x = _apply_penalties(x, batch, penalties)  # type: ignore[arg-type]
+    if allowed is not None:
+        x = apply_allowed_bitmask(x, allowed)
+    x = x.clamp(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
 
-    temps = [s.temperature for s in states]
-    g_rows = [b for b, t in enumerate(temps) if t < GREEDY_EPS]
-    s_rows = [b for b, t in enumerate(temps) if t >= GREEDY_EPS]
-    tokens = x.argmax(dim=-1) if g_rows else torch.empty(B, dtype=torch.long, device=x.device)
-    lps: list[TokenLogprobs | None] = [None] * B
-    if s_rows:
-        sub = [states[b] for b in s_rows]
-        xs = x if len(s_rows) == B else x[s_rows]
-        tok_s, lp_s = _sample_rows(xs, sub, generator)
-        tokens[s_rows] = tok_s
-        for b, lp in zip(s_rows, lp_s):
-            lps[b] = lp
-    g_lp = [b for b in g_rows if states[b].params.logprobs is not None]
-    if g_lp:
-        got = compute_logprobs(x[g_lp], tokens[g_lp], [states[b].params.logprobs for b in g_lp])
-        for b, lp in zip(g_lp, got):
-            lps[b] = lp
-
-    token_list = tokens.tolist()
-    for s, t in zip(states, token_list):
-        s.append(t)
-    return SamplerOutput(token_list, lps)
-
-
-def _sample_rows(x: torch.Tensor, states: Sequence[SamplingState],
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-    """Temperature -> top-k -> top-p -> min-p -> draw for rows with temperature > 0.
-
-    Works on candidates ``vals`` [b, K] (descending, -inf past each row's set) with their token
-    ids ``idx`` [b, K] when every row has top-k; else on the whole row (idx None, K = V).
-    Returns token ids [b] and the logprobs entries.
-    """
-    b, V = x.shape
-    dev = x.device
-    ks = [s.params.top_k if 0 < s.params.top_k < V else 0 for s in states]
-    if all(ks):
-        vals, idx = _top_k_candidates(x, ks)
+    greedy_tok = x.argmax(dim=-1) if batch.any_greedy else None                 # [B]
+    overflow = None
+    if batch.all_greedy:
+        tokens, vals, ids = greedy_tok, x, None
     else:
-        vals, idx = x, None
-    temps = torch.tensor([s.temperature for s in states], dtype=torch.float32, device=dev).unsqueeze(1)
-    vals = (vals / temps).clamp_(max=_FMAX)                                  # a tiny temperature: no +inf
-    if idx is None and any(ks):
-        _top_k_mask(vals, ks)
-    _top_p(vals, states, presorted=idx is not None)
-    _min_p(vals, states)
+        u = counter_uniforms(batch.seeds, batch.positions)                      # [B], one op for all rows
+        if window:
+            tokens, vals, ids, overflow = _draw_window(x, batch, u)
+        else:
+            tokens, vals, ids = _draw_rows(_scale(x, batch), batch, u)
+        if greedy_tok is not None:
+            tokens = torch.where(batch.greedy, greedy_tok, tokens)
 
-    # draw: one uniform per row, inverse CDF over the candidates in token-id order
-    u = torch.rand(b, generator=generator)                                    # shared, cpu
-    for i, s in enumerate(states):
-        if s.generator is not None:
-            u[i] = torch.rand(1, generator=s.generator)[0]
-    if idx is not None:
-        order = torch.where(vals > -math.inf, idx, idx + V).argsort(dim=1)    # [b, K], dropped last
-        w = torch.exp(vals.gather(1, order) - vals[:, :1])                    # vals[:, 0] = row max
-    else:
-        order = None
-        w = torch.exp(vals - vals.max(dim=1, keepdim=True).values)            # [b, V]
+    want = [b for b, n in enumerate(batch.num_logprobs) if n is not None]
+    if not want:
+        flag = overflow.any() if overflow is not None else tokens.new_zeros(())
+        packed = torch.cat([tokens, flag.long().view(1)]).tolist()             # the one host copy
+        return None if packed[-1] else SamplerOutput(packed[:-1], [None] * B)
+    if ids is not None:                                                         # window -> whole rows
+        vals = torch.full_like(x, -math.inf).scatter_(1, ids, vals)
+    dist = torch.where(batch.greedy.unsqueeze(1), x, vals) if batch.any_greedy else vals
+    ns = [n if n is not None else 0 for n in batch.num_logprobs]
+    lp = torch.log_softmax(dist, dim=-1)                                        # [B, V]
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    rank = (lp > chosen.unsqueeze(1)).sum(1) + 1
+    kmax = min(max(ns), V)
+    top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
+    entries, overflowed = _pack_logprobs(tokens, chosen, rank, top_v, top_i, ns, overflow)
+    if overflowed:
+        return None
+    return SamplerOutput([e.token_id for e in entries],
+                         [e if n is not None else None for e, n in zip(entries, batch.num_logprobs)])
+
+
+def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """x [B, V] with tokens whose bit is 0 in ``allowed`` int32 [B, ceil(V / 32)] set to -inf
+    (bit j of word i = token 32 i + j, llguidance's layout). ValueError on a wrong shape / dtype."""
+    B, V = x.shape
+    W = -(-V // 32)
+    if allowed.dtype != torch.int32 or tuple(allowed.shape) != (B, W):
+        raise ValueError(f"allowed bitmask {allowed.dtype} {tuple(allowed.shape)} must be int32 [{B}, {W}] "
+                         f"(B rows, ceil(V / 32) words for V = {V})")
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    bits = (allowed.to(x.device).unsqueeze(-1) >> shifts) & 1                  # [B, W, 32]
+    return x.masked_fill(bits.flatten(1)[:, :V] == 0, -math.inf)
+
+
+def _apply_penalties(x: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState) -> torch.Tensor:
+    """Repetition (prompt + output tokens: positive logits / r, negative * r), presence and
+    frequency (output tokens: x -= presence * [count > 0] + frequency * count), on [B, V] from the
+    rows' device counts (serving.md §10; OpenAI / vLLM definitions). Rows without penalties read
+    the zero row with r = 1, presence = frequency = 0, which leaves them unchanged."""
+    counts = penalties.counts.index_select(0, batch.penalty_rows)             # [B, V] int32
+    out = counts > 0
+    seen = penalties.prompt.index_select(0, batch.penalty_rows) | out
+    r = batch.repetition.unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - out * batch.presence.unsqueeze(1) - counts * batch.frequency.unsqueeze(1)
+
+
+def _top_p_cut(sv: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Value cut [B, 1] of top-p on values ``sv`` [B, W] sorted descending (top-k already -inf):
+    a token is kept iff the mass of strictly more likely tokens is < p, so the cut is the
+    smallest kept value (ties kept together); -inf for p = 1."""
+    w = torch.exp(sv - sv[:, :1])
+    cum = w.cumsum(dim=1)
+    before = (cum - w) / cum[:, -1:]                                            # mass strictly before
+    p = top_p.unsqueeze(1)
+    keep = (before < p) | (p >= 1)
+    keep[:, 0] = True
+    return sv.masked_fill(~keep, math.inf).min(dim=1, keepdim=True).values
+
+
+def _scale(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """x [B, W] / each row's temperature, clamped to finite (a tiny temperature: no +inf)."""
+    return (x / batch.temperature.unsqueeze(1)).clamp(max=_FMAX)
+
+
+def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: first position whose cumulative weight exceeds u · total; w [B, W] >= 0 in the
+    draw order, u [B] -> positions int64 [B, 1]."""
     cdf = w.cumsum(dim=1)
     total = cdf[:, -1:]
-    target = torch.minimum(u.to(dev).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    pos = torch.searchsorted(cdf, target, right=True)                         # [b, 1] first cdf > target
-    pos.clamp_(max=cdf.shape[1] - 1)                                          # NaN weights: stay in range
-    if order is not None:
-        pos = order.gather(1, pos)                                            # position in vals
-        tokens = idx.gather(1, pos).squeeze(1)
-    else:
-        tokens = pos.squeeze(1)
-
-    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    lps: list[TokenLogprobs | None] = [None] * b
-    if not want:
-        return tokens, lps
-    ns = [states[i].params.logprobs for i in want]
-    if idx is None:
-        got = compute_logprobs(vals[want], tokens[want], ns)
-    else:
-        lp = vals[want] - torch.logsumexp(vals[want], dim=1, keepdim=True)   # [w, K] desc
-        chosen = lp.gather(1, pos[want]).squeeze(1)
-        rank = (lp > chosen.unsqueeze(1)).sum(1) + 1
-        kmax = min(max(ns), lp.shape[1])
-        got = _pack_logprobs(tokens[want], chosen, rank, lp[:, :kmax], idx[want][:, :kmax], ns)
-    for i, g in zip(want, got):
-        lps[i] = g
-    return tokens, lps
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=w.shape[1] - 1)  # NaN: in range
 
 
-def _apply_bias_and_masks(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """logit_bias (added) and the min_tokens mask (eos + stop ids -> -inf), in place on x [B, V]."""
-    rows, cols, vals = [], [], []
-    mrows, mcols = [], []
-    for b, s in enumerate(states):
-        p = s.params
-        for tid, bias in (p.logit_bias or {}).items():
-            rows.append(b)
-            cols.append(tid)
-            vals.append(bias)
-        if len(s.output_token_ids) < p.min_tokens:
-            ids = set(s.eos_token_ids) | set(p.stop_token_ids)
-            mrows += [b] * len(ids)
-            mcols += sorted(ids)
-    if rows:
-        x.index_put_((torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)),
-                     torch.tensor(vals, dtype=x.dtype, device=x.device), accumulate=True)
-    if mrows:
-        x[torch.tensor(mrows, device=x.device), torch.tensor(mcols, device=x.device)] = -math.inf
+def _draw_rows(v: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """top-k -> top-p -> min-p -> draw on whole rows v [B, V]; rows with k = 0 / p = 1 / min_p = 0
+    untouched. Returns tokens [B] and the filtered values [B, V]."""
+    k = batch.top_k.unsqueeze(1)                                                # [B, 1]
+    if batch.kmax:
+        top = v.topk(batch.kmax, dim=-1).values                                 # [B, kmax] desc
+        v = v.masked_fill(v < torch.where(k > 0, top.gather(1, (k - 1).clamp(min=0)), -math.inf), -math.inf)
+    if batch.any_top_p:
+        v = v.masked_fill(v < _top_p_cut(v.sort(dim=-1, descending=True).values, batch.top_p), -math.inf)
+    if batch.any_min_p:
+        v = v.masked_fill(v < v.max(dim=1, keepdim=True).values + torch.log(batch.min_p).unsqueeze(1),
+                          -math.inf)                                            # log 0 = -inf
+    tokens = _draw(torch.exp(v - v.max(dim=1, keepdim=True).values), u).squeeze(1)  # token-id order
+    return tokens, v, None
 
 
-def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Repetition (prompt + output tokens: positive logits / r, negative * r), presence and
-    frequency (output tokens: x -= presence * [count > 0] + frequency * count), in place, on the
-    seen ids only (serving.md §10; OpenAI / vLLM definitions)."""
-    for b, s in enumerate(states):
-        if not s.needs_penalties:
-            continue
-        p = s.params
-        seen, out, cnt = s._penalty_ids(x.device)
-        row = x[b]                                                             # view [V]
-        if p.repetition_penalty != 1.0 and seen.numel():
-            v = row[seen]
-            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if out.numel() and (p.presence_penalty or p.frequency_penalty):
-            row.index_add_(0, out, -(p.presence_penalty + p.frequency_penalty * cnt))
-
-
-def _top_k_candidates(x: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k candidates of every row: (values [b, K] descending, ids [b, K]); each row keeps all
-    tokens >= its k-th largest logit (ties at the boundary kept), the rest of its K slots -inf."""
-    kmax = max(ks)
-    vals, idx = x.topk(kmax + 1, dim=-1)                                      # [b, kmax+1] desc
-    k_t = torch.tensor(ks, device=x.device).unsqueeze(1)
-    kth = vals.gather(1, k_t - 1)                                             # [b, 1]
-    if bool((vals.gather(1, k_t) == kth).any()):                              # a tie at some boundary
-        count = (x >= kth).sum(dim=1, keepdim=True)
-        vals, idx = x.topk(int(count.max()), dim=-1)
-    else:
-        count = k_t
-        vals, idx = vals[:, :kmax], idx[:, :kmax]
-    keep = torch.arange(vals.shape[1], device=x.device).unsqueeze(0) < count
-    return vals.masked_fill(~keep, -math.inf), idx
-
-
-def _top_k_mask(x: torch.Tensor, ks: list[int]) -> None:
-    """Whole-row top-k: logits below the row's k-th largest -> -inf (k = 0 rows untouched)."""
-    kmax = max(ks)
-    top = x.topk(kmax, dim=-1).values
-    k_t = torch.tensor(ks, device=x.device)
-    kth = top.gather(1, (k_t.clamp(min=1) - 1).unsqueeze(1))
-    kth = torch.where(k_t.unsqueeze(1) > 0, kth, torch.full_like(kth, -math.inf))
-    x.masked_fill_(x < kth, -math.inf)
-
-
-def _top_p(x: torch.Tensor, states: Sequence[SamplingState], presorted: bool) -> None:
-    """Keep the most likely tokens until their probability reaches top_p: token kept iff the
-    probability of strictly more likely tokens is < top_p (ties kept together); others -inf.
-    ``presorted``: x is already in descending order along the row."""
-    ps = torch.tensor([s.params.top_p for s in states], dtype=torch.float32, device=x.device).unsqueeze(1)
-    if bool((ps >= 1).all()):
-        return
-    if presorted:
-        vals = x
-    else:
-        width = int((x > -math.inf).sum(1).max())
-        vals = x.topk(width, dim=-1).values                                   # [b, K] desc
-    w = torch.exp(vals - vals[:, :1])
-    cum = w.cumsum(dim=1)
-    before = (cum - w) / cum[:, -1:]                                          # mass strictly before
-    keep = (before < ps) | (ps >= 1)
-    keep[:, 0] = True
-    cut = vals.masked_fill(~keep, math.inf).min(dim=1, keepdim=True).values   # [b, 1]
-    x.masked_fill_(x < cut, -math.inf)
-
-
-def _min_p(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Drop tokens with p < min_p * p_max, i.e. logit < max logit + log(min_p); in place."""
-    mp = [s.params.min_p for s in states]
-    if not any(mp):
-        return
-    log_mp = torch.log(torch.tensor(mp, dtype=torch.float32, device=x.device)).unsqueeze(1)  # log 0 = -inf
-    x.masked_fill_(x < x.max(dim=1, keepdim=True).values + log_mp, -math.inf)
+def _draw_window(x: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_draw_rows` on the W = 2 max(k) + 16 largest values of each row of x [B, V] (before
+    temperature, which keeps the order; every sampled row has top-k). Returns tokens [B], window
+    values [B, W] (scaled, filtered, -inf past the kept set), their token ids [B, W] and overflow
+    bool [B]: the window may miss tokens tied at the top-k boundary. Same values, cuts and sums
+    in the same order as on whole rows, so the same tokens."""
+    V = x.shape[1]
+    W = min(V, 2 * batch.kmax + 16)
+    cv, ci = x.topk(W, dim=-1)                                                  # [B, W] desc
+    cv = _scale(cv, batch)
+    k = batch.top_k.unsqueeze(1)
+    kth = cv.gather(1, (k - 1).clamp(min=0))                                    # greedy rows: k = 0
+    overflow = (cv[:, -1] >= kth.squeeze(1)) & (k.squeeze(1) > 0) & (W < V)
+    cv = cv.masked_fill(cv < kth, -math.inf)
+    if batch.any_top_p:
+        cv = cv.masked_fill(cv < _top_p_cut(cv, batch.top_p), -math.inf)
+    if batch.any_min_p:
+        cv = cv.masked_fill(cv < cv[:, :1] + torch.log(batch.min_p).unsqueeze(1), -math.inf)
+    order = torch.where(cv > -math.inf, ci, ci + V).argsort(dim=1)             # token-id order, dropped last
+    pos = order.gather(1, _draw(torch.exp(cv.gather(1, order) - cv[:, :1]), u))
+    return ci.gather(1, pos).squeeze(1), cv, ci, overflow

@@ -8,6 +8,13 @@ ALL tokens of the step stay within ``max_batch_input_tokens`` (spec/serving.md ย
 When the KV pool runs out, the newest running request is preempted: its pages are freed and it goes
 back to the front of the waiting queue with ``num_computed_tokens = 0`` (recompute; its generated
 tokens are kept, so the final output is unchanged).
+
+After the model, :meth:`Scheduler.update_from_output` is the one place that moves a request on
+(as vLLM v1's and nano-vllm's schedulers): it advances ``num_computed_tokens``, registers full
+pages in the prefix cache, appends each drawn token to the request's token list and to the
+penalty counts, updates the reasoning state and the constraint, decides finish (eos,
+stop_token_ids, a terminated constraint, max_tokens, the max context) and frees finished
+requests. Stop strings are matched above the engine (serve/output.py), which aborts the request.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass, field
 
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.request import Request, RequestStatus
+from m2serve.engine.sampling import PenaltyState, SamplerOutput
 
 
 @dataclass(slots=True)
@@ -48,11 +56,12 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """Counters: steps that split a prompt, preemptions, scheduled steps."""
+    """Counters: steps that split a prompt, preemptions, scheduled steps, generated tokens."""
 
     chunked_prefill_steps: int = 0
     preemptions: int = 0
     steps: int = 0
+    generated_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -60,12 +69,15 @@ class Scheduler:
     """Waiting and running queues over a `KVCacheManager` (spec/serving.md ยง8).
 
     max_batch_input_tokens: budget of tokens per step (prefill chunks and decodes alike);
-    max_batch_size: most running requests (clamped to the token budget, as in MAX).
+    max_batch_size: most running requests (clamped to the token budget, as in MAX);
+    penalties: the sampler's batched penalty counts (rows taken at :meth:`add` for requests with
+    penalties, released at :meth:`finish`); None = no request may ask for penalties.
     """
 
     kv: KVCacheManager
     max_batch_input_tokens: int
     max_batch_size: int
+    penalties: PenaltyState | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -78,7 +90,13 @@ class Scheduler:
         self.max_batch_size = min(self.max_batch_size, self.max_batch_input_tokens)
 
     def add(self, request: Request) -> None:
-        """Queue a new request (validated by the engine)."""
+        """Queue a new request (validated by the engine); a request with penalties gets its row.
+        Raises ValueError for penalties without a `PenaltyState`."""
+        if request.state.needs_penalties:
+            if self.penalties is None:
+                raise ValueError(f"request {request.request_id!r} asks for penalties but the scheduler "
+                                 "has no PenaltyState; build it with penalties=PenaltyState(vocab_size)")
+            request.state.penalty_row = self.penalties.add(request.prompt_token_ids, request.output_token_ids)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -134,8 +152,55 @@ class Scheduler:
             self.stats.chunked_prefill_steps += 1
         return SchedulerOutput(scheduled, preempted)
 
+    def update_from_output(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput) -> list[Request]:
+        """Apply one step's results (see the module docstring); returns the requests that got a
+        token, in batch order (finished ones have ``is_finished`` set and are already freed).
+
+        ``scheduled`` is the step's `SchedulerOutput.scheduled` as run, with ``num_computed_tokens``
+        not yet advanced; ``sampled`` holds one token (and logprobs entry) per scheduled request
+        whose chunk completed its sequence, in the same order. Raises ValueError when the counts
+        differ.
+        """
+        done = [s.request for s in scheduled if s.completes]   # read before num_computed moves
+        if len(done) != len(sampled.token_ids):
+            raise ValueError(f"update_from_output: {len(sampled.token_ids)} sampled tokens for "
+                             f"{len(done)} requests whose chunk completed; sample exactly those rows")
+        for s in scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
+        if self.penalties is not None:
+            pen = [(r.state.penalty_row, t) for r, t in zip(done, sampled.token_ids) if r.state.penalty_row]
+            self.penalties.append([p for p, _ in pen], [t for _, t in pen])
+        for r, t, lp in zip(done, sampled.token_ids, sampled.logprobs, strict=True):
+            r.all_token_ids.append(t)
+            if r.sampling_params.logprobs is not None:
+                r.logprobs.append(lp)
+            r.state.observe(t)
+            if r.constraint is not None:
+                r.constraint.accept_token(t)
+            reason = self._finish_reason(r, t)
+            if reason is not None:
+                self.finish(r, reason)
+        self.stats.generated_tokens += len(done)
+        return done
+
+    @staticmethod
+    def _finish_reason(r: Request, token_id: int) -> str | None:
+        """Why ``r`` stops after ``token_id`` was appended: "stop" (a stop_token_id, eos unless
+        ignore_eos, or its constraint terminated), "length" (max_tokens or the max context), else
+        None. The one place finish is decided (stop strings aside, serve/output.py)."""
+        p = r.sampling_params
+        if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in r.state.eos_token_ids):
+            return "stop"
+        if r.constraint is not None and r.constraint.is_terminated():
+            return "stop"
+        if (p.max_tokens is not None and r.num_output_tokens >= p.max_tokens) or r.num_tokens >= r.max_length:
+            return "length"
+        return None
+
     def finish(self, request: Request, reason: str) -> None:
-        """Mark finished, drop it from its queue and free its pages at once."""
+        """Mark finished, drop it from its queue and free its pages and penalty row at once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -143,6 +208,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv.free(request.request_id)
+        if self.penalties is not None:
+            self.penalties.release(request.state.penalty_row)
+        request.state.penalty_row = 0
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)

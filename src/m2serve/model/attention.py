@@ -1,20 +1,44 @@
 """Paged GQA attention with cross-head QK norm and partial RoPE (spec/model.md §3 steps 2-8).
 
-Legend: T new tokens in the step, B requests, Tq most new tokens of one request, Lk longest
-context (cached + new), P pages, S page size, Hq / Hkv query / KV heads on this rank,
-G = Hq / Hkv, D head_dim, H hidden.
+Legend: T new tokens in the step, B requests, n_b / L_b new tokens / context (cached + new) of
+request b, Tq most new tokens of one request, Lk longest context, P pages, S page size,
+Hq / Hkv query / KV heads on this rank, G = Hq / Hkv, D head_dim, H hidden.
 
 The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]); K is written
 after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
-causally. Mixed prefill chunks and decodes run in one call: requests are padded to [B, Tq]
-queries x [B, Lk] keys and masked (padding queries see key 0 and are dropped).
+causally.
 
-Speed (CPU, measured with benchmarks/throughput.py): the step gathers every request's context
-into [B, Lk, Hkv, D] once per layer. Fresh tensors that large are mmap-ed and page-faulted on
-every allocation (several times the cost of the copy), so the gather writes into
-:class:`GatherScratch` buffers the model keeps across steps; and the G query heads of a KV head
-are folded into the query-length axis so SDPA reads each K/V row once instead of expanding
-K/V G times (``enable_gqa``).
+:func:`attend` (issue 17 item 2) is the one attention seam: ``attend(q, kv, layer, step, scale)``
+reads each request's REAL context from its pages (varlen over the block tables and context
+lengths of the step context, model/step.py), never a [B, Lk_max] padded copy, so one layer's
+scratch is the K/V rows of the requests, Σ_b ceil(L_b / S)·S, not B × Lk. CPU implementation:
+a loop over the requests (host ints from the step context), each gathering its pages
+(``index_select`` of its page ids) and calling ``F.scaled_dot_product_attention``, which on CPU
+is the fused flash kernel (GQA native via ``enable_gqa``; fp32 accumulation for bf16). A decode
+request folds its G query heads of a KV head into the query axis (no mask); a chunk starting at
+position 0 uses ``is_causal``; any other chunk takes the additive mask the step context built
+once per step (never per layer). Chosen by measurement (benchmarks/attention.py, one layer of
+the bench config's heads, fp32, 1 thread, best of 2-6, three runs on the shared 2-core box at
+load ~10, so noisy): against a chunked loop (per request, 512-key chunks read page by page with
+an online softmax in torch ops) the chunked/SDPA time ratio was 0.72-1.08 on decode of
+1 x 8,192 + 31 x 64 (a tie), 0.85-1.62 on decode of 32 x 512 and 3.0-3.6 on a 512-token chunk
+after 1,024 cached, so SDPA: never clearly slower, one fused op per request. The old padded
+gather took 20-28x SDPA's time on the first case and 1.25-2.4x on the second, 0.82-0.92x on the
+one-request prefill chunk.
+
+GPU choice (documented, not built here; the loop above also runs on CUDA, correct but one SDPA
+launch per request): ``torch.nn.attention.flex_attention`` over the concatenated queries [T]
+and the pool viewed as one key axis, with a ``BlockMask`` built ONCE per step from the page
+ids and context lengths (document mask + causal offset; the paged block mask of torch's
+``PagedAttention`` helper), so every layer reuses it and the step has no per-request launches
+(capturable by CUDA graphs for a fixed padded T). A paged varlen kernel (FlashAttention's
+``flash_attn_varlen_func`` with ``block_table``, or FlashInfer) is the drop-in alternative
+behind the same seam.
+
+The previous path, :func:`paged_attention` over :class:`AttentionMetadata` (every request's
+context gathered padded to [B, Lk, Hkv, D] into :class:`GatherScratch` buffers, one [B, 1, Tq, Lk]
+mask), stays as the test reference and the benchmark-only legacy switch (``legacy_path`` on the
+model, model/decoder.py).
 """
 
 from __future__ import annotations
@@ -22,12 +46,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from m2serve.model.batch import ForwardBatch, KVStorage
+
+if TYPE_CHECKING:
+    from m2serve.model.step import StepContext
 from m2serve.model.linear import Linear
 from m2serve.model.norm import RMSNorm, qk_norm_pair
 from m2serve.model.rope import apply_rope, rope_cos_sin
@@ -58,7 +86,7 @@ class GatherScratch:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step indices shared by every layer, built once from a ForwardBatch.
+    """Per-step indices of the padded legacy path, built once from a ForwardBatch.
 
     cos, sin:     [T, R/2] f32 RoPE angles of each new token.
     slot_mapping: int64 [T] cache slot (page * S + offset) each new token's K/V is written to.
@@ -175,23 +203,78 @@ class MiniMaxM2Attention(nn.Module):
         self.q_norm = RMSNorm(q, eps, dtype)  # γ only: applied by qk_norm with the global width
         self.k_norm = RMSNorm(kv, eps, dtype)
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, step: StepContext, kv: KVStorage, layer: int) -> torch.Tensor:
         """h [T, H] act -> attention output [T, H] act (after o_proj; a partial sum under TP)."""
         T = h.shape[0]
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k = qk_norm_pair(self.q_proj(h), self.k_proj(h), self.q_norm.weight, self.k_norm.weight,
                             self.eps, self.q_width, self.k_width, self.reduce_qk)  # [T, Hq·D], [T, Hkv·D]
         v = self.v_proj(h).view(T, Hkv, D)
-        q = apply_rope(q.view(T, Hq, D), meta.cos, meta.sin)
-        k = apply_rope(k.view(T, Hkv, D), meta.cos, meta.sin)
-        write_kv(kv, layer, k, v, meta.slot_mapping)
-        o = paged_attention(q, kv, layer, meta, self.scale)  # [T, Hq·D]
-        return self.o_proj(o)
+        q = apply_rope(q.view(T, Hq, D), step.cos, step.sin)
+        k = apply_rope(k.view(T, Hkv, D), step.cos, step.sin)
+        write_kv(kv, layer, k, v, step.slot_mapping)
+        if step.legacy is not None:
+            return self.o_proj(paged_attention(q, kv, layer, step.legacy, self.scale))
+        return self.o_proj(attend(q, kv, layer, step, self.scale))  # [T, Hq·D] -> [T, H]
+
+
+def read_pages(kv: KVStorage, layer: int, pages: torch.Tensor, length: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of the first ``length`` tokens held in ``pages`` (int64 [p], in order) of layer
+    ``layer`` -> two [length, Hkv, D] tensors of ``dtype`` (fp8 pages: e4m3 x scale, exact).
+
+    Allocates p·S rows per tensor (the gathered pages; the tail of the last page is sliced off).
+    """
+    out = []
+    for pool, scale in ((kv.k[layer], kv.k_scale[layer]), (kv.v[layer], kv.v_scale[layer])):
+        x = pool.index_select(0, pages).flatten(0, 1)[:length]  # [length, Hkv, D]
+        if pool.dtype == torch.float8_e4m3fn:
+            x = x.to(dtype)
+            if scale != 1.0:
+                x.mul_(scale)
+        elif x.dtype != dtype:
+            x = x.to(dtype)
+        out.append(x)
+    return out[0], out[1]
+
+
+def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale: float) -> torch.Tensor:
+    """Causal GQA of each request's new tokens over its pages (spec/model.md §3 step 7).
+
+    q [T, Hq, D] act (request order, spans ``step.host.query_starts``) -> [T, Hq·D] act. Query
+    head h reads KV head h // G; ``softmax(q·kᵀ · scale + causal) · v`` per request, through
+    F.scaled_dot_product_attention (module docstring: varlen over pages, masks from the step
+    context). One request: its SDPA output is returned as is (no copy); several: concatenated.
+    """
+    T, Hq, D = q.shape
+    qs, ctx = step.host.query_starts, step.host.context_lens
+    parts = []
+    for b, L in enumerate(ctx):
+        s, e = qs[b], qs[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        K, V = read_pages(kv, layer, step.request_pages(b), L, q.dtype)  # [L, Hkv, D]
+        Hkv = K.shape[1]
+        k, v = K.permute(1, 0, 2)[None], V.permute(1, 0, 2)[None]  # [1, Hkv, L, D] views
+        if n == 1:  # the G query heads of KV head h as G query rows: [1, Hkv, G, D]
+            o = F.scaled_dot_product_attention(q[s].view(1, Hkv, Hq // Hkv, D), k, v, scale=scale)
+        else:
+            mask = step.masks[b]
+            o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k, v, attn_mask=mask,
+                                               is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)  # [1, Hq, n, D]
+            o = o[0].transpose(0, 1)  # [n, Hq, D]
+        parts.append(o.reshape(n, Hq * D))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else q.new_empty(0, Hq * D)
 
 
 def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Causal GQA over each request's cached + new tokens (spec/model.md §3 step 7).
+    """Causal GQA over each request's cached + new tokens, padded: the legacy path and test
+    reference of :func:`attend` (spec/model.md §3 step 7).
 
     q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G (heads folded, see
     the module docstring);

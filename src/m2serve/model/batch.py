@@ -2,7 +2,14 @@
 
 This file is the contract between the engine (which schedules, allocates pages and builds these)
 and the model (which reads and writes them). Legend: T new tokens in the step, B requests,
-P pages in the pool, S page size (tokens per page), Hkv KV heads on this rank, D head_dim.
+N returned logit rows, P pages in the pool, S page size (tokens per page), Hkv KV heads on this
+rank, D head_dim.
+
+A batch carries its layout twice: as tensors (on the model's device) and as Python lists
+(:class:`StepHost`), so the model sizes and indexes everything from the host copy and never reads
+a device tensor back (no host sync inside ``model.forward``; issue 17 item 3). Builders that
+have the lists (engine/runner.py, model/simple_cache.py) pass them; otherwise the lists are read
+from the tensors once, when the batch is built.
 """
 
 from __future__ import annotations
@@ -10,6 +17,65 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A Python list as a tensor on ``device``; on CUDA through pinned host memory with
+    ``non_blocking=True`` (the copy is queued, the host does not wait)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(slots=True)
+class StepHost:
+    """The step's ragged layout as Python ints (what the model sizes and indexes from).
+
+    query_starts: [B+1] prefix sums of new-token counts (= input_row_offsets).
+    context_lens: [B] tokens visible to each request after the step (cached + new).
+    block_tables: [B] lists of page ids (at least ceil(context_lens[b] / S) each).
+    logit_rows:   [N] indices into [T] of the returned logit rows, request order.
+    logit_counts: [B] how many of those rows each request returns.
+    """
+
+    query_starts: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logit_rows: list[int]
+    logit_counts: list[int]
+
+    @classmethod
+    def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
+              return_n_logits: int | list[int]) -> StepHost:
+        """From the lists; ``return_n_logits`` per request (or one int for all): the last
+        min(n, new tokens) positions of each request return logits."""
+        B = len(query_starts) - 1
+        ns = [return_n_logits] * B if isinstance(return_n_logits, int) else return_n_logits
+        rows: list[int] = []
+        counts: list[int] = []
+        for b in range(B):
+            start, end = query_starts[b], query_starts[b + 1]
+            k = min(int(ns[b]), end - start)
+            rows.extend(range(end - k, end))
+            counts.append(k)
+        return cls(list(query_starts), list(context_lens), [list(t) for t in block_tables], rows, counts)
+
+    @property
+    def query_lens(self) -> list[int]:
+        """[B] new tokens of each request."""
+        q = self.query_starts
+        return [q[b + 1] - q[b] for b in range(len(q) - 1)]
+
+    def check(self, page_size: int) -> None:
+        """Raise ValueError naming the request if its context is shorter than its new tokens or
+        its block table holds fewer pages than its context needs."""
+        for b, (n, c) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
+            if c < n:
+                raise ValueError(f"request {b}: context_lens={c} is shorter than its {n} new tokens")
+            if -(-c // page_size) > len(self.block_tables[b]):
+                raise ValueError(f"request {b}: context_lens={c} needs {-(-c // page_size)} pages of "
+                                 f"{page_size}, its block table has {len(self.block_tables[b])}")
 
 
 @dataclass(slots=True)
@@ -26,6 +92,8 @@ class ForwardBatch:
                        positions of each request (default 1 = last token; a large n = every new
                        position, for prompt logprobs). Honoured, unlike MAX (spec/serving.md §11.3).
     data_parallel_splits: int64 [dp+1] (DP only) prefix sums of requests per replica.
+    host:              the same layout as Python lists (:class:`StepHost`); read from the tensors
+                       at construction when not given (one device read, outside the model).
     """
 
     tokens: torch.Tensor
@@ -36,22 +104,23 @@ class ForwardBatch:
     context_lens: torch.Tensor
     return_n_logits: int | torch.Tensor = 1
     data_parallel_splits: torch.Tensor | None = None
+    host: StepHost | None = None
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            n = self.return_n_logits
+            self.host = StepHost.build(
+                self.input_row_offsets.tolist(), self.context_lens.tolist(), self.block_tables.tolist(),
+                n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else int(n))
 
     @property
     def num_requests(self) -> int:
         """B."""
-        return int(self.input_row_offsets.numel()) - 1
+        return len(self.host.query_starts) - 1
 
     def logit_row_indices(self) -> torch.Tensor:
         """int64 [N]: indices into [T] of the positions whose logits are returned, request order."""
-        offs = self.input_row_offsets.tolist()
-        n = self.return_n_logits
-        ns = n.tolist() if isinstance(n, torch.Tensor) else [n] * (len(offs) - 1)
-        idx: list[int] = []
-        for b in range(len(offs) - 1):
-            start, end = offs[b], offs[b + 1]
-            idx.extend(range(max(start, end - int(ns[b])), end))
-        return torch.tensor(idx, dtype=torch.int64, device=self.tokens.device)
+        return host_tensor(self.host.logit_rows, torch.int64, self.tokens.device)
 
 
 @dataclass(slots=True)

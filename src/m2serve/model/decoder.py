@@ -7,6 +7,14 @@ stacked per rank (experts.py). The model takes a ParallelState (config/parallel.
 counts and the expert range come from :func:`local_dims`; the cross-rank steps (the QK-norm
 statistics, the attention and MoE residual paths, the EP dispatch/combine) are
 model/collectives.py (no collective runs on one rank).
+
+The forward builds one :class:`~m2serve.model.step.StepContext` per step (model/step.py) and runs
+without a host sync on one rank (issue 17 item 3): grouped experts (experts.py), varlen paged
+attention (attention.py :func:`attend`), logit rows and page ids from the batch's host lists. The
+EP exchange's counts all_to_all is the one read-back (model/collectives.py :func:`ep_moe`).
+
+Benchmark-only switch: ``model.legacy_path = True`` runs the previous path (the per-active-expert
+loop and the padded [B, Lk] K/V gather) so benchmarks compare before and after in one run.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
 from m2serve.formats.fp4 import PackedFP4
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.model.attention import AttentionMetadata, GatherScratch, MiniMaxM2Attention
+from m2serve.model.attention import GatherScratch, MiniMaxM2Attention
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.collectives import (
     attention_residual,
@@ -36,8 +44,8 @@ from m2serve.model.collectives import (
 from m2serve.model.experts import MiniMaxM2Experts
 from m2serve.model.linear import Linear
 from m2serve.model.norm import RMSNorm
-from m2serve.model.rope import rope_inv_freq
 from m2serve.model.router import MiniMaxM2Router
+from m2serve.model.step import RopeCache, StepContext
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -87,14 +95,16 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
         self.experts = MiniMaxM2Experts(cfg.hidden_size, dims.intermediate_size, dims.expert_start,
                                         dims.num_local_experts, dtype)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, legacy: bool = False) -> torch.Tensor:
         """h [T, H] act -> [T, H] act: route, grouped experts (here, or on their owners' ranks via
-        the EP exchange), fp32 combine, partial sums reduced, one cast (serving.md §3)."""
+        the EP exchange), fp32 combine, partial sums reduced, one cast (serving.md §3).
+        ``legacy``: the per-active-expert loop (benchmark switch)."""
         weights, ids = self.gate(h, self.e_score_correction_bias)
         if uses_ep_exchange(self.parallel):
-            m = ep_moe(h, ids, weights, self.experts.num_local, self.experts.rows, self.parallel)
+            rows = self.experts.rows_loop if legacy else self.experts.rows
+            m = ep_moe(h, ids, weights, self.experts.num_local, rows, self.parallel)
         else:
-            m = reduce_moe_partial(self.experts(h, ids, weights), self.parallel)  # [T, H] f32
+            m = reduce_moe_partial(self.experts(h, ids, weights, legacy), self.parallel)  # [T, H] f32
         return m.to(h.dtype)
 
 
@@ -113,12 +123,13 @@ class MiniMaxM2DecoderLayer(nn.Module):
             reduce_qk=partial(reduce_qk_stats, parallel=parallel), dtype=dtype)
         self.block_sparse_moe = MiniMaxM2SparseMoeBlock(cfg, dims, parallel, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVStorage, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext, kv: KVStorage, layer: int) -> torch.Tensor:
         """x [T, H] act -> [T, H] act. Under TP_EP default the MoE runs on this rank's rows of the
         tokens, between a reduce_scatter and an all_gather (serving.md §3)."""
         T = x.shape[0]
-        x = attention_residual(x, self.self_attn(self.input_layernorm(x), meta, kv, layer), self.parallel)
-        return moe_residual(x, self.block_sparse_moe(self.post_attention_layernorm(x)), self.parallel, T)
+        x = attention_residual(x, self.self_attn(self.input_layernorm(x), step, kv, layer), self.parallel)
+        moe = self.block_sparse_moe(self.post_attention_layernorm(x), step.legacy is not None)
+        return moe_residual(x, moe, self.parallel, T)
 
 
 class MiniMaxM2Model(nn.Module):
@@ -151,7 +162,9 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.model = MiniMaxM2Model(cfg, self.dims, parallel, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.kv_scales: tuple[list[float], list[float]] | None = None  # checkpoint fp8 KV scales
-        self.kv_scratch = GatherScratch()  # K/V gather buffers reused across steps (model/attention.py)
+        self.rope = RopeCache(cfg.rotary_dim, cfg.rope_theta)  # cos/sin table, grown as positions grow
+        self.legacy_path = False  # benchmark-only: the loop experts + padded K/V gather (module docstring)
+        self.kv_scratch = GatherScratch()  # the legacy path's padded K/V buffers, reused across steps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,14 +176,15 @@ class MiniMaxM2ForCausalLM(nn.Module):
         """Run one ragged step; writes the new tokens' K/V into ``kv``.
 
         Returns fp32 logits [N, V] for the rows ``batch.logit_row_indices()`` (request order).
+        Raises ValueError (naming the request) for a context shorter than its new tokens or a
+        block table too short for its context.
         """
-        cfg = self.config
-        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device=batch.tokens.device)
-        meta = AttentionMetadata.from_batch(batch, kv.page_size, inv_freq, self.kv_scratch)
+        step = StepContext.build(batch, kv.page_size, self.rope, self.dtype,
+                                 self.kv_scratch if self.legacy_path else None)
         x = F.embedding(batch.tokens, self.model.embed_tokens.weight)  # [T, H] act
         for layer, block in enumerate(self.model.layers):
-            x = block(x, meta, kv, layer)
-        x = self.model.norm(x[batch.logit_row_indices()])  # [N, H]
+            x = block(x, step, kv, layer)
+        x = self.model.norm(x.index_select(0, step.logit_rows))  # [N, H]
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
         return F.linear(x, head).float()  # [N, V] f32
 

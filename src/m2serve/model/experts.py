@@ -1,10 +1,30 @@
 """Grouped SwiGLU experts over an expert range (spec/model.md §3 step 11, precision trap 2).
 
 Legend: T tokens, k top-k, H hidden, E_loc experts held on this rank ([start, start + E_loc)
-of the global E), I_loc this rank's intermediate size, N pairs routed to one expert.
+of the global E), I_loc this rank's intermediate size, R (token, slot) rows (T·k, or the rows an
+EP rank received), N rows routed to one expert.
 
-(token, expert) pairs are sorted by expert and each ACTIVE expert runs one
-:func:`expert_ffn` on its gathered tokens: no loop over all experts, no dense product.
+Grouped execution (issue 17 item 1): every (token, slot) row of the layer is sorted by its
+local expert (stable), ``offsets`` int32 [E_loc] are the end of each expert's run
+(a scatter-add count, then cumsum), and ONE :meth:`MiniMaxM2Experts.grouped_rows` call runs all
+experts: ``torch.nn.functional.grouped_mm`` for w13, SwiGLU, ``grouped_mm`` for w2. The number
+of dispatched ops does not depend on which or how many experts are hit, and nothing syncs with
+the host. Rows whose expert lives on another rank (TP_EP with ``ep_use_allreduce``) are sorted
+after the last local expert, past ``offsets[-1]``: grouped_mm skips them (their output rows are
+left uninitialised) and the combine zeroes them with a ``where`` (their weight becomes 0), so no
+``nonzero`` and no data-dependent shape. The counts use ``scatter_add_`` rather than
+``bincount``: bincount sizes its output from max(ids), a host read on CUDA.
+
+``grouped_rows`` is the seam for other weight formats: it takes (rows sorted by expert [R, H],
+offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held; for packed
+(runtime dequantisation) experts it dequantises the active experts (one host read of the
+offsets), then grouped_mm.
+
+:meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
+:func:`expert_ffn` per expert hit, ``unique_consecutive`` + ``.tolist()``): the test reference,
+the fallback where ``grouped_mm`` is missing or does not take the dtype on the device (CUDA
+grouped_mm takes bf16 only), and the benchmark-only legacy path (``legacy_path`` on the model,
+model/decoder.py).
 """
 
 from __future__ import annotations
@@ -24,6 +44,42 @@ def _scheme_name(scheme: FP4Scheme | str) -> str:
     return scheme.value if isinstance(scheme, FP4Scheme) else scheme
 
 
+def has_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``F.grouped_mm`` runs for ``dtype`` on ``device`` in this torch: CPU any float dtype
+    from torch 2.13 (the first release with the CPU kernel), CUDA bfloat16 (the CUTLASS grouped
+    GEMM, SM >= 80; benchmarks/gpu_check.py probes fp32 on the GPU it runs on)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+    return device.type == "cuda" and dtype == torch.bfloat16
+
+
+def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """All experts' SwiGLU in two grouped GEMMs: rows [offsets[e-1], offsets[e]) go through expert e.
+
+    x [R, H] act sorted by expert, offsets int32 [E_loc] (end of each expert's rows; rows past
+    offsets[-1] are skipped and come back uninitialised), w13 [E_loc, 2·I_loc, H], w2 [E_loc, H,
+    I_loc] -> [R, H] act. ``grouped_mm`` takes mat_b as [E, K, N]: the transposed views of the
+    [E, N, K] weights (the column-major layout the CUDA kernel wants).
+    """
+    gate, up = F.grouped_mm(x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [R, I_loc] each
+    return F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+
+
+def loop_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_swiglu` as a Python loop of :func:`expert_ffn` over the experts (host reads
+    of ``offsets``): the fallback where grouped_mm does not run. Rows past offsets[-1] are zero."""
+    out = torch.zeros_like(x)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = expert_ffn(x[start:end], w13[e], w2[e])
+        start = end
+    return out
+
+
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU: ``w2 · (silu(w1·x) ⊙ (w3·x))``.
 
@@ -31,6 +87,14 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     """
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w2)
+
+
+def expert_offsets(key: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """key [R] int64 in [0, num_experts] (num_experts = not held here) -> int32 [num_experts]:
+    the end of each expert's run once rows are sorted by key (counts by scatter_add_, cumsum)."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return counts[:num_experts].cumsum(0).to(torch.int32)
 
 
 class MiniMaxM2Experts(nn.Module):
@@ -44,8 +108,9 @@ class MiniMaxM2Experts(nn.Module):
     filled) dense parameters are dropped and the stored codes and scales become buffers
     ``{w1,w3,w2}_q`` — FP4: uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes),
     ``_s2`` f32 [E_loc] (NVFP4 only); FP8: float8_e4m3fn [E_loc, N, K], ``_s`` f32
-    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`expert_weights` dequantises only the experts a
-    step activates, with the same formula (and so the same values) as dequantising at load.
+    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`grouped_rows` dequantises only the experts a step
+    activates (:meth:`expert_weights`), with the same formula (and so the same values) as
+    dequantising at load.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -80,23 +145,75 @@ class MiniMaxM2Experts(nn.Module):
                              f"expected {list(dst.shape)}")
         dst.copy_(w)
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                legacy: bool = False) -> torch.Tensor:
         """h [T, H] act, ids [T, k] global expert ids, weights [T, k] f32 -> [T, H] f32.
 
         Combine: ``Σ_slots w_slot · y_slot`` in fp32 (no cast here; the caller reduces across
         ranks, then casts once). Slots routed to experts outside this rank's range add 0.
+        ``legacy`` runs :meth:`forward_loop` (the benchmark-only previous path).
         """
+        if legacy:
+            return self.forward_loop(h, ids, weights)
+        T, k = ids.shape
+        E = self.num_local
+        local = ids.reshape(-1) - self.start                       # [T·k]
+        held = (local >= 0) & (local < E)                          # [T·k] bool
+        key = torch.where(held, local, E)                          # other ranks' experts sort last
+        order = torch.argsort(key, stable=True)                    # [T·k]
+        offsets = expert_offsets(key, E)                           # int32 [E_loc]
+        y = self.grouped_rows(h.index_select(0, order // k), offsets)          # [T·k, H] sorted
+        y = torch.empty_like(y).index_copy_(0, order, y)           # back to (token, slot) order
+        y = torch.where(held[:, None], y, 0.0)                     # not held here: weight 0
+        return (y.view(T, k, h.shape[1]).float() * weights[..., None]).sum(1)
+
+    def forward_loop(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through :meth:`rows_loop` (``nonzero`` of the held slots, a loop over
+        the active experts): the previous path, kept as the reference and the legacy switch."""
         T, k = ids.shape
         flat = ids.reshape(-1) - self.start  # [T·k]
         pairs = torch.nonzero((flat >= 0) & (flat < self.num_local)).squeeze(1)
         y = h.new_zeros(T * k, h.shape[1])  # [T·k, H] act
-        y[pairs] = self.rows(h[pairs // k], flat[pairs])
+        y[pairs] = self.rows_loop(h[pairs // k], flat[pairs])
         return (y.view(T, k, h.shape[1]).float() * weights[..., None]).sum(1)
 
     def rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [N, H] act, local_ids [N] int64 in [0, E_loc) -> [N, H] act: row n through expert
-        ``start + local_ids[n]``; rows grouped by expert, one :func:`expert_ffn` per ACTIVE expert
-        (also the receiving side of the EP exchange, model/collectives.py)."""
+        """x [R, H] act, local_ids [R] int64 in [0, E_loc) -> [R, H] act: row r through expert
+        ``start + local_ids[r]``, grouped (the receiving side of the EP exchange,
+        model/collectives.py)."""
+        order = torch.argsort(local_ids, stable=True)
+        y = self.grouped_rows(x.index_select(0, order), expert_offsets(local_ids, self.num_local))
+        return torch.empty_like(y).index_copy_(0, order, y)
+
+    def grouped_rows(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """THE grouped-expert seam: x [R, H] act sorted by local expert, offsets int32 [E_loc]
+        (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
+
+        Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
+        (runtime dequantisation): the offsets are read on the host once (the layer's one sync in
+        this format, until a grouped kernel reads the codes in place) and only the ACTIVE experts
+        are dequantised, stacked and run by grouped_mm with their offsets (dequantising all E_loc
+        would hold every expert dense at once). :func:`loop_swiglu` where grouped_mm does not run
+        (:func:`has_grouped_mm`).
+        """
+        if self.scheme is None:
+            w13, w2 = self.w13, self.w2
+        else:
+            ends = offsets.tolist()
+            active = [e for e in range(self.num_local) if ends[e] > (ends[e - 1] if e else 0)]
+            if not active:
+                return torch.zeros_like(x)
+            pairs = [self.expert_weights(e, x.dtype) for e in active]
+            w13, w2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            offsets = torch.tensor([ends[e] for e in active], dtype=torch.int32, device=x.device)
+        if has_grouped_mm(x.dtype, x.device):
+            return grouped_swiglu(x, offsets, w13, w2)
+        return loop_swiglu(x, offsets, w13, w2)
+
+    def rows_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`rows` as the previous loop: one :func:`expert_ffn` per ACTIVE expert
+        (``unique_consecutive`` and ``.tolist()``: host syncs; packed experts dequantised one by
+        one). The reference of the grouped path and the legacy switch's path."""
         order = torch.argsort(local_ids, stable=True)
         experts, counts = torch.unique_consecutive(local_ids[order], return_counts=True)
         out = torch.empty_like(x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
 
 
 @dataclass(slots=True)
@@ -68,13 +68,14 @@ class SimpleKVCache:
         width = max(len(self.pages[s]) for s, _ in requests)
         table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s, _ in requests]
         return ForwardBatch(
-            tokens=torch.tensor(tokens, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            input_row_offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-            return_n_logits=return_n_logits)
+            tokens=host_tensor(tokens, torch.int64, device),
+            positions=host_tensor(positions, torch.int64, device),
+            input_row_offsets=host_tensor(offsets, torch.int32, device),
+            slot_mapping=host_tensor(slots, torch.int64, device),
+            block_tables=host_tensor(table, torch.int32, device),
+            context_lens=host_tensor(ctx, torch.int32, device),
+            return_n_logits=return_n_logits,
+            host=StepHost.build(offsets, ctx, [self.pages[s] for s, _ in requests], return_n_logits))
 
     def free(self, seq: object) -> None:
         """Return a sequence's pages to the pool."""

@@ -98,7 +98,7 @@ def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
         input_row_offsets=batch.input_row_offsets.to(device), slot_mapping=batch.slot_mapping.to(device),
         block_tables=batch.block_tables.to(device), context_lens=batch.context_lens.to(device),
         return_n_logits=n.to(device) if isinstance(n, torch.Tensor) else n,
-        data_parallel_splits=splits.to(device) if splits is not None else None)
+        data_parallel_splits=splits.to(device) if splits is not None else None, host=batch.host)
 
 
 def logit_counts(batch: ForwardBatch) -> list[int]:

@@ -1,0 +1,331 @@
+"""Prepared GPU check of the serving-scale forward (issue 17 item 5): one script, one GPU, < 4 min.
+
+    PYTHONPATH=src python3 benchmarks/gpu_check.py            # on the GPU machine
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --cpu-smoke  # its CPU-runnable parts, tiny dims
+
+Needs torch only (any torch with CUDA; written for torch 2.11 / Python 3.12): it imports the
+model layers (config, formats, model) and nothing from serve/, text/ or engine/, builds both
+models in process with seeded random weights (no checkpoint files, no tokenizer), and:
+
+(a) correctness: CUDA bf16 logits vs CPU fp32 logits (the same weights) on the tiny-random dims
+    and the bench config, for a ragged prefill (3 prompts, every position) and 4 decode steps.
+    bf16 tolerance: >= 95% of the logit rows within max |Δ| <= 0.05 * max |logit| and top-1
+    agreement >= 0.9 (a bf16 router input can flip a near-tied expert choice, which moves a few
+    rows by more: on CPU tiny dims 3 of 184 rows, the same rows with the previous loop path);
+    also the new path vs the previous one (``legacy_path``) in bf16 on the GPU, same rule. Then
+    CUDA fp32 (grouped_mm in fp32 where the GPU's torch accepts it, else the loop fallback; which
+    one is printed), every row within 1e-3 * max(1, max |logit|).
+(b) speed (bench config, bf16): decode tokens/s at batch 1, 32 and 128 (each request 128 tokens
+    of context; the step includes building the batch on the host), a 512-token prefill, and
+    ``torch.compile(mode="reduce-overhead")`` of the decode step at batch 32 (compile time, step
+    time, recompiles; a failure is reported, not fatal).
+(c) what ran: the top CUDA kernels of one batch-32 decode step (torch.profiler), whether
+    grouped_mm ran, the host syncs of one forward counted two ways (CUDA sync debug mode
+    warnings; dispatched ops that read back: nonzero, _local_scalar_dense, unique*), and the
+    dispatched ops per forward.
+
+Figures are printed and, when ``$OUT`` is set, written to ``$OUT/gpu_check.json``. Without a
+CUDA device (and without --cpu-smoke) it prints that and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.model.decoder import MiniMaxM2ForCausalLM
+from m2serve.model.experts import has_grouped_mm
+from m2serve.model.simple_cache import SimpleKVCache
+
+# = m2serve/checkpoints/tiny_random.py TINY_DIMS (importing it needs `tokenizers`; a test checks
+# they are equal) and benchmarks/forward.py BENCH_DIMS
+TINY = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=128, rotary_dim=64,
+            intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+            max_position_embeddings=4096, vocab_size=2048)
+BENCH = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128, rotary_dim=64,
+             intermediate_size=1536, num_local_experts=32, num_experts_per_tok=8, num_hidden_layers=2,
+             vocab_size=32000, max_position_embeddings=4096)
+PROMPT_LENS = (5, 37, 130)
+BF16_TOL, FP32_TOL, TOP1_MIN = 0.05, 1e-3, 0.9
+PAGE = 16
+READ_BACK_OPS = ("aten::nonzero", "aten::_local_scalar_dense", "aten::unique", "aten::_unique",
+                 "aten::masked_select")
+
+
+def config(dims: dict) -> MiniMaxM2Config:
+    """A MiniMax-M2 config with ``dims`` (everything else the release's defaults)."""
+    return MiniMaxM2Config.from_dict({"architectures": ["MiniMaxM2ForCausalLM"], **dims})
+
+
+def random_state(model: MiniMaxM2ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded fp32 CPU values for every parameter: matrices ~ N(0, 1/fan_in), norm gammas
+    1 + N(0, 0.1²), router bias N(0, 0.01²), embedding N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 and "embed_tokens" not in name:
+            v = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+        elif p.dim() >= 2:
+            v = torch.randn(p.shape, generator=g)
+        elif "bias" in name:
+            v = torch.randn(p.shape, generator=g) * 0.01
+        else:
+            v = 1 + 0.1 * torch.randn(p.shape, generator=g)
+        state[name] = v
+    return state
+
+
+def build(cfg: MiniMaxM2Config, state: dict[str, torch.Tensor], dtype: torch.dtype,
+          device: str) -> MiniMaxM2ForCausalLM:
+    """The model on ``device`` in ``dtype`` (router gate and bias stay fp32) holding ``state``."""
+    with torch.device(device):
+        model = MiniMaxM2ForCausalLM(cfg, dtype=dtype)
+    for name, p in model.named_parameters():
+        p.data.copy_(state[name])
+    return model.eval()
+
+
+def prompts(cfg: MiniMaxM2Config) -> list[list[int]]:
+    return [[(7919 * i + 13 * n) % cfg.vocab_size for i in range(n)] for n in PROMPT_LENS]
+
+
+def run_logits(model: MiniMaxM2ForCausalLM, cfg: MiniMaxM2Config, kv_dtype: torch.dtype,
+               device: str) -> torch.Tensor:
+    """fp32 CPU logits of a ragged prefill (every position) + 4 teacher-forced decode steps
+    (the same fixed tokens for every model, so the rows are comparable)."""
+    cache = SimpleKVCache.create(cfg, num_pages=64, page_size=PAGE, dtype=kv_dtype, device=device)
+    ps = prompts(cfg)
+    out = [model(cache.batch([(i, p) for i, p in enumerate(ps)], return_n_logits=10**6), cache.storage)]
+    for step in range(4):
+        out.append(model(cache.batch([(i, [(i + 3 * step) % cfg.vocab_size]) for i in range(len(ps))]),
+                         cache.storage))
+    return torch.cat(out).float().cpu()
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    """max |Δ|, max |ref|, their ratio, the fraction of rows whose max |Δ| <= tol * max(1,
+    max |ref|), and the top-1 agreement of two logit sets [rows, V]."""
+    scale = max(float(ref.abs().max()), 1.0)
+    rows = (got - ref).abs().amax(-1)
+    return {"max_abs_diff": float(rows.max()), "max_abs_logit": float(ref.abs().max()),
+            "rel": float(rows.max()) / scale, "rows_within": float((rows <= tol * scale).float().mean()),
+            "top1_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()), "tolerance": tol}
+
+
+def within(c: dict, bf16: bool) -> bool:
+    """The tolerance rule of the module docstring (a)."""
+    if bf16:
+        return c["rows_within"] >= 0.95 and c["top1_agree"] >= TOP1_MIN
+    return c["rows_within"] == 1.0
+
+
+class ReadBacks(TorchDispatchMode):
+    """Counts dispatched ops and the ones that read a device value back to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.read_backs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.name().startswith(READ_BACK_OPS):
+            self.read_backs.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_setup(model, cfg, batch: int, context: int, dtype, device):
+    """A pool with ``batch`` requests of ``context`` prefilled tokens; returns (cache, step fn)."""
+    pages = batch * (-(-(context + 64) // PAGE))
+    cache = SimpleKVCache.create(cfg, num_pages=pages, page_size=PAGE, dtype=dtype, device=device)
+    for i in range(batch):
+        model(cache.batch([(i, [(i + j) % cfg.vocab_size for j in range(context)])]), cache.storage)
+
+    def step(tok: int = 1):
+        return model(cache.batch([(i, [tok]) for i in range(batch)]), cache.storage)
+    return cache, step
+
+
+def time_decode(model, cfg, batch: int, dtype, device, steps: int) -> float:
+    """Decode tokens/s at ``batch`` (host batch building included)."""
+    _, step = decode_setup(model, cfg, batch, 128, dtype, device)
+    step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return batch * steps / (time.perf_counter() - t)
+
+
+def time_prefill(model, cfg, n: int, dtype, device) -> float:
+    """Prefill tokens/s of one ``n``-token prompt (best of 3)."""
+    best = 0.0
+    for r in range(4):
+        cache = SimpleKVCache.create(cfg, num_pages=n // PAGE + 2, page_size=PAGE, dtype=dtype, device=device)
+        sync(device)
+        t = time.perf_counter()
+        model(cache.batch([(r, [(r + j) % cfg.vocab_size for j in range(n)])]), cache.storage)
+        sync(device)
+        if r:
+            best = max(best, n / (time.perf_counter() - t))
+    return best
+
+
+def count_syncs(model, cfg, dtype, device) -> dict:
+    """One batch-32 decode forward: CUDA sync-debug warnings and read-back ops, dispatched ops."""
+    _, step = decode_setup(model, cfg, 32, 64, dtype, device)
+    step()
+    sync(device)
+    audit = ReadBacks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with audit:
+                step()
+        finally:
+            if device.startswith("cuda"):
+                torch.cuda.set_sync_debug_mode("default")
+    sync_warnings = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    return {"dispatched_ops": audit.ops, "read_back_ops": audit.read_backs,
+            "cuda_sync_warnings": len(sync_warnings), "cuda_sync_examples": sync_warnings[:5]}
+
+
+def top_kernels(model, cfg, dtype, device, n: int = 15) -> list[dict]:
+    """The ``n`` CUDA kernels taking the most time in one batch-32 decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, step = decode_setup(model, cfg, 32, 64, dtype, device)
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if getattr(e, "device_time_total", 0) > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [{"kernel": k[:140], "us": round(t, 1), "calls": c} for k, t, c in rows[:n]]
+
+
+def compiled_decode(model, cfg, dtype, device) -> dict:
+    """torch.compile(mode="reduce-overhead") of the batch-32 decode step: compile + step times."""
+    try:
+        import torch._dynamo as dynamo
+
+        name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo.config, name, 8)
+        compiled = torch.compile(model.forward, mode="reduce-overhead")
+        cache, _ = decode_setup(model, cfg, 32, 64, dtype, device)
+        t = time.perf_counter()
+        compiled(cache.batch([(i, [1]) for i in range(32)]), cache.storage)
+        sync(device)
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            compiled(cache.batch([(i, [1]) for i in range(32)]), cache.storage)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        counters = {k: dict(v) for k, v in dynamo.utils.counters.items() if k in ("stats", "graph_break")}
+        return {"ok": True, "first_call_s": first, "step_ms": [round(x * 1e3, 2) for x in times],
+                "tok_s_last": 32 / times[-1], "dynamo_counters": counters}
+    except Exception as e:  # reported, not fatal: the point is to learn what breaks
+        return {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def check(device: str, smoke: bool) -> dict:
+    """Every figure of the module docstring (``smoke``: tiny dims only, small batches, CPU)."""
+    out: dict = {"torch": torch.__version__, "device": device,
+                 "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None}
+    sets = {"tiny": TINY} if smoke else {"tiny": TINY, "bench": BENCH}
+    for name, dims in sets.items():
+        cfg = config(dims)
+        with torch.device("meta"):
+            shape_model = MiniMaxM2ForCausalLM(cfg)
+        state = random_state(shape_model, seed=0)
+        ref = run_logits(build(cfg, state, torch.float32, "cpu"), cfg, torch.float32, "cpu")
+        res = {}
+        for label, dtype, tol in (("bf16", torch.bfloat16, BF16_TOL), ("fp32", torch.float32, FP32_TOL)):
+            model = build(cfg, state, dtype, device)
+            got = run_logits(model, cfg, dtype, device)
+            res[label] = compare(got, ref, tol)
+            if label == "bf16":
+                model.legacy_path = True
+                res["bf16_vs_legacy_bf16"] = compare(got, run_logits(model, cfg, dtype, device), tol)
+                res["bf16_vs_legacy_bf16"]["ok"] = within(res["bf16_vs_legacy_bf16"], True)
+            res[label]["grouped_mm"] = has_grouped_mm(dtype, torch.device(device))
+            res[label]["ok"] = within(res[label], label == "bf16")
+            del model
+        out[f"logits_{name}"] = res
+        print(f"[a] {name}: " + "; ".join(
+            f"{k} rel {v['rel']:.2e} rows {v['rows_within']:.3f} top1 {v['top1_agree']:.3f} "
+            f"grouped_mm {v.get('grouped_mm')} ok {v['ok']}" for k, v in res.items()))
+    cfg = config(TINY if smoke else BENCH)
+    with torch.device("meta"):
+        shape_model = MiniMaxM2ForCausalLM(cfg)
+    dtype = torch.bfloat16
+    model = build(cfg, random_state(shape_model, seed=1), dtype, device)
+    batches, steps = ((1, 4), 2) if smoke else ((1, 32, 128), 20)
+    speed = {f"decode_b{b}_tok_s": time_decode(model, cfg, b, dtype, device, steps) for b in batches}
+    n = 64 if smoke else 512
+    speed[f"prefill_{n}_tok_s"] = time_prefill(model, cfg, n, dtype, device)
+    b = batches[-1] if smoke else 32
+    model.legacy_path = True  # the previous path (loop experts, padded gather), same run
+    speed[f"legacy_decode_b{b}_tok_s"] = time_decode(model, cfg, b, dtype, device, steps)
+    model.legacy_path = False
+    out["speed_bf16"] = speed
+    print("[b] " + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
+    out["syncs"] = count_syncs(model, cfg, dtype, device)
+    print(f"[c] syncs: {out['syncs']}")
+    if device.startswith("cuda"):
+        out["compile_reduce_overhead_b32"] = compiled_decode(model, cfg, dtype, device)
+        print(f"[b] compile: {out['compile_reduce_overhead_b32']}")
+        out["top_kernels_b32"] = top_kernels(model, cfg, dtype, device)
+        for k in out["top_kernels_b32"]:
+            print(f"[c] {k['us']:>10.1f} us x{k['calls']:<4} {k['kernel']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-runnable parts on tiny dims")
+    args = ap.parse_args(argv)
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif args.cpu_smoke:
+        device = "cpu"
+    else:
+        print("gpu_check: no CUDA device visible; nothing to check here (use --cpu-smoke for the "
+              "CPU-runnable parts)")
+        return 0
+    t = time.perf_counter()
+    out = check(device, smoke=args.cpu_smoke and device == "cpu")
+    out["wall_s"] = time.perf_counter() - t
+    ok = all(v["ok"] for k, r in out.items() if k.startswith("logits_") for v in r.values())
+    out["ok"] = ok
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "gpu_check.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+    print(f"gpu_check: {'OK' if ok else 'LOGITS OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

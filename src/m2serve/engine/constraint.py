@@ -1,0 +1,33 @@
+"""The constrained-decoding seam: a per-request token constraint the engine consults every step.
+
+A constraint (a grammar matcher such as llguidance's, later) writes which tokens may come next
+into the step's allowed-token bitmask and is told which token was drawn:
+
+* before sampling, the engine calls ``fill_bitmask(bitmask, row)`` for each row whose request
+  carries a constraint; ``bitmask`` is int32 [B, ceil(V / 32)] on the host, initialised to all
+  bits set, and bit j of word i allows token 32 i + j (llguidance's layout);
+* the sampler applies it after logit_bias, the min_tokens mask and the penalties and before
+  temperature / top-k / top-p / min-p (engine/sampling.py), so logprobs are those of the
+  constrained distribution;
+* ``Scheduler.update_from_output`` calls ``accept_token(token_id)`` with the drawn token, then
+  finishes the request with "stop" once ``is_terminated()``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class TokenConstraint(Protocol):
+    """What the engine needs from a per-request constraint (see the module docstring)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 [ceil(V / 32)])."""
+
+    def accept_token(self, token_id: int) -> None:
+        """Advance past the drawn ``token_id``."""
+
+    def is_terminated(self) -> bool:
+        """True once the constrained output is complete."""
