@@ -1,6 +1,6 @@
 """Checkpoints shipped with m2serve.
 
-- ``tiny-chat/``: a small trained MiniMax-M2 (FP8 block format, issue 6), the embedded default model of
+- ``tiny-chat/``: a small trained MiniMax-M2 (FP8 block format), the embedded default model of
   ``m2serve serve`` / ``m2serve generate``; made by tools/tiny_chat (train.py, export.py).
 - ``tiny_random.py``: the builder of ``tiny-random`` (random weights, other dimensions; tests).
 - ``chat_template.jinja``, ``tokenizer_train.py``, ``hub_configs/`` (public configs for planning).

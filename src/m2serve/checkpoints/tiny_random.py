@@ -1,10 +1,10 @@
 """Builder of the ``tiny-random`` checkpoint: a complete, small, random MiniMax-M2 directory.
 
 Deterministic from a seed, written atomically (temp dir, then rename). It exercises every
-feature of the architecture (issue 2 item 5): GQA ratio 2, head_dim 128 > rotary_dim 64, 8
+feature of the architecture: GQA ratio 2, head_dim 128 > rotary_dim 64, 8
 experts top-2, 2 layers, untied lm_head, fp32 router gate and bias, random (non-trivial) norm
 gammas and correction bias. Variants: ``bf16`` and ``fp8`` (official FP8 block format,
-checkpoints.md §4 and §8; every quantised dimension a multiple of 128). Weights are written in
+docs/checkpoints.md §4 and §8; every quantised dimension a multiple of 128). Weights are written in
 the hub layout as an index + 2 shards, so sharded loading is exercised.
 """
 
@@ -89,7 +89,7 @@ def _write(d: Path, seed: int, variant: str, dims: dict[str, int]) -> None:
     if vocab < tok.get_vocab_size():
         raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({tok.get_vocab_size()} tokens)")
     config = _config_json(dims, vocab, variant)
-    # informational only (m2serve reads bos/eos from generation_config.json, model.md §1)
+    # informational only (m2serve reads bos/eos from generation_config.json, docs/model.md §1)
     config["bos_token_id"], config["eos_token_id"] = ids["]~!b["], ids["[e~["]
     cfg = MiniMaxM2Config.from_dict(config, source="tiny-random")
     tensors = _random_weights(cfg, seed)
@@ -111,7 +111,7 @@ def _write(d: Path, seed: int, variant: str, dims: dict[str, int]) -> None:
 
 
 def _config_json(dims: dict[str, int], vocab: int, variant: str) -> dict:
-    """config.json with the keys of the released checkpoints (model.md §1)."""
+    """config.json with the keys of the released checkpoints (docs/model.md §1)."""
     config = {
         "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
         "attention_dropout": 0.0, "attn_type_list": [1] * dims["num_hidden_layers"],
@@ -153,7 +153,7 @@ def _random_weights(cfg: MiniMaxM2Config, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _to_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Quantise attention and expert linears to FP8 128x128 blocks (checkpoints.md §8)."""
+    """Quantise attention and expert linears to FP8 128x128 blocks (docs/checkpoints.md §8)."""
     out = {}
     for name, t in tensors.items():
         if is_linear(name):

@@ -1,6 +1,6 @@
 """Train the tiny checkpoints' byte-level BPE tokenizer with the ``tokenizers`` library.
 
-Special tokens follow spec/chat-and-parsers.md §1 (MiniMax's own strings); they are added
+Special tokens follow docs/parsers.md §1 (MiniMax's own strings); they are added
 after the learned vocabulary, as in the release (where they start at id 200000).
 """
 

@@ -1,6 +1,6 @@
 """Deployment / engine arguments shared by the CLI, the recipes, the planner and the engine.
 
-Defaults follow MAX (spec/serving.md §7–§9). Field names match the CLI flags
+Defaults follow MAX (docs/serving.md §7–§9). Field names match the CLI flags
 (``--max-batch-input-tokens`` -> ``max_batch_input_tokens``).
 """
 

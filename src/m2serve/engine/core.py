@@ -68,7 +68,7 @@ def kv_cache_dtype(name: str) -> torch.dtype:
 
 @dataclass(slots=True)
 class LLMEngine:
-    """Token-ids-in, token-ids-out engine over one model replica (issue 4 items 1–3).
+    """Token-ids-in, token-ids-out engine over one model replica.
 
     Build with :meth:`from_args` (loads the checkpoint) or :meth:`from_model` (an already built
     ``model(batch, kv) -> logits [N, V] fp32``). ``max_length`` is the max context in tokens.

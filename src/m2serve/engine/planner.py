@@ -1,4 +1,4 @@
-"""Memory planner: from config.json alone plus the deployment, how many KV pages fit (serving.md §7).
+"""Memory planner: from config.json alone plus the deployment, how many KV pages fit (docs/serving.md §7).
 
 Per device d (every device of a balanced deployment holds the same bytes; the free memory is the
 smallest over the devices):
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-#: Reserve per device for collective buffers when more than one device runs (serving.md §7).
+#: Reserve per device for collective buffers when more than one device runs (docs/serving.md §7).
 MULTI_DEVICE_RESERVE = 256 * MiB
 _ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -45,7 +45,7 @@ class MemoryPlan:
     weight_bytes: resident weights (what :func:`plan_memory` fits): quantised linears dequantised
       to the compute dtype with ``weight_dequant="load"``, held as stored with ``"runtime"``.
     checkpoint_bytes: the same tensors with quantised linears as stored in the checkpoint
-      (serving.md §7 table; router gate + bias counted in fp32, as held).
+      (docs/serving.md §7 table; router gate + bias counted in fp32, as held).
     activation_bytes: EP buffer estimate (MAX formulas, :func:`ep_activation_bytes`) / devices;
       0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
@@ -101,7 +101,7 @@ def check_page_and_length(args: EngineArgs) -> int:
 
 
 def fit_max_length(requested: int | None, default: int, num_pages: int, page_size: int) -> int:
-    """The longest context one sequence may have, in tokens (spec/serving.md §7).
+    """The longest context one sequence may have, in tokens (docs/serving.md §7).
 
     ``requested`` (the user's max_length, or None) defaults to ``default`` (max_position_embeddings).
     If one such sequence does not fit in ``num_pages`` pages of ``page_size`` tokens, an unset value
@@ -121,7 +121,7 @@ def fit_max_length(requested: int | None, default: int, num_pages: int, page_siz
 
 def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
                 device_memory_gib: float | None = None) -> MemoryPlan:
-    """Plan weights, activations and KV pages for ``args``'s deployment (serving.md §7).
+    """Plan weights, activations and KV pages for ``args``'s deployment (docs/serving.md §7).
 
     ``device_memory_gib`` plans for devices of that size (GiB, per device) instead of measuring
     (hardware you do not have). Otherwise the free memory
@@ -205,7 +205,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
 
 def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -> int:
     """2 (K, V) x L x (Hkv / tp) x D x elem_bytes: 253,952 B for the release in bf16 on one device,
-    31,744 B per device at tp 8 (spec/model.md §4, serving.md §7). fp8 KV scales (one per layer) are
+    31,744 B per device at tp 8 (docs/model.md §4, docs/serving.md §7). fp8 KV scales (one per layer) are
     not counted."""
     kv_heads = config.num_key_value_heads // tp_size
     return 2 * config.num_hidden_layers * kv_heads * config.head_dim * elem_bytes
@@ -214,7 +214,7 @@ def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -
 def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *, num_devices: int,
                         ep_size: int, data_parallel_degree: int, ep_use_allreduce: bool = False,
                         dispatch: str = "bfloat16") -> tuple[int, int]:
-    """MAX's EP buffer estimate (serving.md §7), summed over all devices: (moe_act, ep_buf) bytes.
+    """MAX's EP buffer estimate (docs/serving.md §7), summed over all devices: (moe_act, ep_buf) bytes.
 
     ``dispatch`` is the element type sent by EP dispatch: "fp8" (db 1), "fp4" (packed, db 1 and
     int(H/2 * 1.125) bytes per token, scales included), "bfloat16" / "float16" (db 2, what an
@@ -261,7 +261,7 @@ def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, 
     dense = rank_weight_bytes(config, state, "bf16", act)
     if not packed or encoding not in (Encoding.NVFP4, Encoding.MXFP4):
         return dense
-    # FP4 releases quantise only the experts (checkpoints.md §7): swap their dense bytes for packed.
+    # FP4 releases quantise only the experts (docs/checkpoints.md §7): swap their dense bytes for packed.
     r = shard_ranges(config, state)
     held = (r.experts[1] - r.experts[0]) * config.num_hidden_layers * 3      # expert linears on this rank
     n_k = config.hidden_size * (r.intermediate[1] - r.intermediate[0])       # elements of one linear

@@ -1,4 +1,4 @@
-"""Checkpoint encoding detection (checkpoints.md §4): ``quantization_config`` first, then headers.
+"""Checkpoint encoding detection (docs/checkpoints.md §4): ``quantization_config`` first, then headers.
 
 The checkpoint-level answer (:func:`detect_encoding`) validates the config; the per-linear answer
 (:func:`linear_kind`) comes from each weight's header dtype and its companion tensors, so a
@@ -23,7 +23,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 class Encoding(enum.Enum):
-    """Checkpoint weight encoding (checkpoints.md §4)."""
+    """Checkpoint weight encoding (docs/checkpoints.md §4)."""
 
     DENSE = "dense"
     FP8_BLOCK = "fp8_block"
@@ -32,11 +32,11 @@ class Encoding(enum.Enum):
 
 
 class LinearKind(enum.Enum):
-    """How one linear weight is stored (checkpoints.md §4, per-linear table).
+    """How one linear weight is stored (docs/checkpoints.md §4, per-linear table).
 
     NVFP4 is ModelOpt's naming (``weight``, ``weight_scale``, ``weight_scale_2``); NVFP4_CT is
     compressed-tensors' (``weight_packed``, ``weight_scale``, ``weight_global_scale``), whose
-    formula differs (§4: never mix them).
+    formula differs (docs/checkpoints.md §4: never mix them).
     """
 
     DENSE = "dense"
@@ -48,7 +48,7 @@ class LinearKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    """Checkpoint-level quantisation facts (checkpoints.md §4).
+    """Checkpoint-level quantisation facts (docs/checkpoints.md §4).
 
     ``exclude``: the config's ignore / exclude list. ModelOpt and Quark patterns are fnmatch
     globs (``model.layers.0.self_attn*``, ``*self_attn*``); compressed-tensors patterns are exact
@@ -73,7 +73,7 @@ class QuantSpec:
         return None
 
     def check_linear(self, module: str, kind: LinearKind) -> None:
-        """Cross-check one linear's header kind against the config (checkpoints.md §4).
+        """Cross-check one linear's header kind against the config (docs/checkpoints.md §4).
 
         In an FP4 checkpoint a module matched by the ignore / exclude list must not be packed FP4
         (it may be dense or FP8 block), every other linear must be packed in this checkpoint's
@@ -109,7 +109,7 @@ def detect_encoding(quant: dict[str, Any] | None, source: str = "config.json") -
 
 def checkpoint_quant_config(directory: str | Path, quant: dict[str, Any] | None,
                             source: str = "config.json") -> tuple[dict[str, Any] | None, str]:
-    """``(quantization_config, source)`` for a checkpoint directory (checkpoints.md §1, §4).
+    """``(quantization_config, source)`` for a checkpoint directory (docs/checkpoints.md §1, §4).
 
     config.json's ``quantization_config`` wins; only without one is a ModelOpt
     ``hf_quant_config.json`` (``{"quantization": {"quant_algo", "group_size",
@@ -231,7 +231,7 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> QuantSpec:
 
 
 def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> LinearKind:
-    """Decide how ``weight`` is stored from header dtypes (checkpoints.md §4 per-linear table).
+    """Decide how ``weight`` is stored from header dtypes (docs/checkpoints.md §4 per-linear table).
 
     ``companions`` maps suffixes (``weight_scale_inv``, ``weight_scale``, ...) to their headers.
     Raises ValueError naming the tensor for any combination the table does not list, or an FP8
@@ -268,7 +268,7 @@ _FP4_CONVENTIONS = {  # (compressed-tensors names?) -> kind, second scale, input
 
 
 def _fp4_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> LinearKind:
-    """U8 [N, K/2] packed FP4 weight (checkpoints.md §4 per-linear table).
+    """U8 [N, K/2] packed FP4 weight (docs/checkpoints.md §4 per-linear table).
 
     NVFP4: ``weight_scale`` F8_E4M3 [N, K/16] + an F32 scalar ``weight_scale_2`` (ModelOpt,
     weight named ``.weight``) or ``weight_global_scale`` (compressed-tensors, ``.weight_packed``),

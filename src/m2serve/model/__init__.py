@@ -1,4 +1,4 @@
-"""Forward math of MiniMax-M2 (spec/model.md §3) and ``load_model``."""
+"""Forward math of MiniMax-M2 (docs/model.md §3) and ``load_model``."""
 
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
 from m2serve.model.load import load_model

@@ -1,5 +1,5 @@
 """Bias-free linear layer holding its weight [out, in] (uninitialised until loaded), dense or as
-stored in FP8 block form (``--weight-dequant runtime``, checkpoints.md §6 execution choices)."""
+stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices)."""
 
 from __future__ import annotations
 

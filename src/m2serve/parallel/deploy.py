@@ -1,5 +1,5 @@
 """Start a multi-rank model for the engine: spawned ranks (``--devices cpu:N`` / ``gpu:0,1,…``)
-or torchrun ranks (env:// rendezvous, multi-node). spec/serving.md §1, §5.
+or torchrun ranks (env:// rendezvous, multi-node). docs/parallelism.md §1, §5.
 
 Rank 0 (the engine process) gets a :class:`~m2serve.parallel.worker.DistributedModel`, which has
 the single-process model's call contract; every other rank loads its shard and serves steps

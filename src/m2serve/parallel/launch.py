@@ -1,4 +1,4 @@
-"""Process launch and process groups: one process per device (spec/serving.md §1–§3).
+"""Process launch and process groups: one process per device (docs/parallelism.md §1–§3).
 
 CPU ranks use gloo (``torch.set_num_threads(1)`` per rank so P ranks share the cores instead of
 oversubscribing them); CUDA ranks use NCCL with one GPU per rank (``cuda:{local rank}``). Every

@@ -1,7 +1,8 @@
-"""Shard plans: which slice of each checkpoint tensor a rank reads (spec/serving.md §2).
+"""Shard plans: which slice of each checkpoint tensor a rank reads (docs/parallelism.md §2).
 
 A plan is a function ``plan(name, shape) -> (dim, start, end) | None | "skip"`` over hub tensor
-names (checkpoints.md §2; the ``mlp.`` / ``gate_proj`` spellings of §3 are accepted too):
+names (docs/checkpoints.md §2; the ``mlp.`` / ``gate_proj`` spellings of docs/checkpoints.md §3
+are accepted too):
 ``None`` = read the whole tensor (replicated), ``"skip"`` = this rank does not hold it (an expert
 outside its EP range), ``(dim, start, end)`` = read ``[start, end)`` along ``dim``. The loader
 applies it with ``safe_open(...).get_slice`` so a rank never reads more than its share.
@@ -84,7 +85,7 @@ def _slice(name: str, kind: str, shape: Sequence[int], dim: int, full: int, star
     if block == 0 or start % block or (end % block and end != full):
         raise ValueError(f"{name}: cannot cut [{start}, {end}) of {full} along dim {dim} on its grid of "
                          f"{n} entries; choose a parallel layout whose per-rank width is a multiple of "
-                         f"the block (serving.md §5 V7)")
+                         f"the block (docs/parallelism.md §5 V7)")
     return dim, start // block, -(-end // block)
 
 
@@ -95,7 +96,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
     encoding "fp8": linear weights (attention + experts) F8_E4M3 (1 B) with fp32
     ``weight_scale_inv`` grids [⌈N/128⌉, ⌈K/128⌉]; any other encoding: dense linears of
     ``act_bytes``. Norms, embedding and lm_head use ``act_bytes``; router gate and correction
-    bias are fp32 (checkpoints.md §2, model.md §5.1).
+    bias are fp32 (docs/checkpoints.md §2, docs/model.md §5.1).
     """
     H, D, I, E = config.hidden_size, config.head_dim, config.intermediate_size, config.num_local_experts
     q, kv, V = config.num_attention_heads * D, config.num_key_value_heads * D, config.vocab_size
@@ -129,7 +130,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
 def rank_weight_bytes(config: MiniMaxM2Config, state: ParallelState, encoding: str = "bf16",
                       act_bytes: int = 2) -> int:
     """Bytes of the checkpoint tensors (:func:`checkpoint_tensors`) that ``state``'s rank reads
-    under its shard plan (spec/serving.md §7 "hand-derived weight bytes")."""
+    under its shard plan (docs/serving.md §7 "hand-derived weight bytes")."""
     plan = make_shard_plan(config, state)
     total = 0
     for name, shape, itemsize in checkpoint_tensors(config, encoding, act_bytes):

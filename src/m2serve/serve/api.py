@@ -1,4 +1,4 @@
-"""FastAPI routes: the OpenAI-compatible HTTP surface (spec/serving.md §10, issue 5 items 1–3).
+"""FastAPI routes: the OpenAI-compatible HTTP surface (docs/serving.md §10).
 
 Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``: 400
 invalid request (also prompts longer than the context, template errors, unsupported

@@ -1,4 +1,4 @@
-"""The ``m2serve`` console script: ``serve``, ``generate`` and ``plan`` (issue 5 item 5, issue 4 items 5–6).
+"""The ``m2serve`` console script: ``serve``, ``generate`` and ``plan``.
 
 Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...). Every option can
 also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
@@ -214,8 +214,8 @@ def torchrun_world_size(environ: dict[str, str] | None = None) -> int:
 
 def _join_torchrun(opts: dict[str, Any]) -> Any:
     """Join a torchrun deployment: rank 0 gets an engine around its DistributedModel; every other
-    rank serves the model's steps until rank 0 stops, then gets None (spec/serving.md: rank 0
-    hosts the HTTP server and the scheduler)."""
+    rank serves the model's steps until rank 0 stops, then gets None (rank 0 hosts the HTTP
+    server and the scheduler, docs/parallelism.md)."""
     from m2serve.config.model_config import MiniMaxM2Config
     from m2serve.engine.core import LLMEngine
     from m2serve.parallel.deploy import join_torchrun

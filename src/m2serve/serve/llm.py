@@ -1,7 +1,7 @@
-"""The offline ``LLM`` API: text in, text out, on top of the token-id engine (issue 4 item 6).
+"""The offline ``LLM`` API: text in, text out, on top of the token-id engine.
 
 ``LLM`` is where the engine (token ids) and the text layer (tokenizer, chat template, parser) meet
-(STYLE.md: only in serve/). The HTTP server drives the same object from its engine thread
+(docs/architecture.md: only in serve/). The HTTP server drives the same object from its engine thread
 (async_engine.py), so the per-request text pipeline — detokenise, stop strings, parser — is
 written once, here and in output.py.
 
@@ -122,7 +122,7 @@ class ChoiceAccumulator:
             self.out.finish_reason = d.finish_reason
 
     def result(self) -> CompletionOutput:
-        """The accumulated choice; empty reasoning/content are None (spec P7)."""
+        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7)."""
         o = self.out
         o.text = "".join(self._text)
         o.reasoning = "".join(self._reasoning) or None
@@ -219,7 +219,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """Render a conversation with the checkpoint's template (chat-and-parsers.md §2).
+        """Render a conversation with the checkpoint's template (docs/parsers.md §2).
 
         Raises the text layer's TemplateError (the server answers 400) for invalid messages and
         for chat_template_kwargs that would replace render's own arguments.
@@ -244,7 +244,7 @@ class LLM:
         return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(self.reasoning_parser)
 
     def chat_params(self, params: SamplingParams, prompt: str) -> SamplingParams:
-        """Add the reasoning-state fields the sampler needs for thinking_temperature (serving.md §10)."""
+        """Add the reasoning-state fields the sampler needs for thinking_temperature (docs/serving.md §10)."""
         thinking = params.thinking_temperature
         if thinking is None:
             thinking = self.thinking_temperature
@@ -378,7 +378,7 @@ class LLM:
         """Chat completion for one conversation (returns one result) or a list of them (a list).
 
         The template renders ``messages`` and ``tools``; the parser splits reasoning, content and
-        tool calls (chat-and-parsers.md §3).
+        tool calls (docs/parsers.md §3).
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)

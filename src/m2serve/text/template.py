@@ -1,7 +1,7 @@
-"""Chat-template rendering in a transformers-compatible jinja2 sandbox (spec chat-and-parsers.md §2).
+"""Chat-template rendering in a transformers-compatible jinja2 sandbox (docs/parsers.md §2).
 
 The checkpoint's own template is rendered (``chat_template.jinja``, else ``tokenizer_config.json``
-``chat_template``); the format is never hard-coded here. Messages are normalised first (§2
+``chat_template``); the format is never hard-coded here. Messages are normalised first (docs/parsers.md §2
 "Message normalisation"): tool-call arguments given as JSON strings are parsed, each tool call gets
 top-level ``name``/``arguments`` copies, reasoning aliases become ``reasoning_content``, text-part
 lists are joined. Every error a request can cause is a :class:`TemplateError` naming the message
@@ -57,7 +57,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def make_environment() -> ImmutableSandboxedEnvironment:
-    """The sandbox of spec §2: trim_blocks, lstrip_blocks, loopcontrols, tojson, raise_exception,
+    """The sandbox of docs/parsers.md §2: trim_blocks, lstrip_blocks, loopcontrols, tojson, raise_exception,
     strftime_now (``namespace`` is a jinja2 built-in). Python internals are denied by the sandbox."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
@@ -182,7 +182,7 @@ class ChatTemplate:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Spec §2 message normalisation; returns new dicts (the input is not modified).
+    """docs/parsers.md §2 message normalisation; returns new dicts (the input is not modified).
 
     Raises TemplateError naming ``messages[i]...`` for: a message that is not an object or has no
     string ``role``; non-text content parts; tool-call ``arguments`` that are not a JSON object.
