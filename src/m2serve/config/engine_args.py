@@ -8,6 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Compute ("activation") dtypes by name -> bytes per element. The names are torch's
+#: (``getattr(torch, name)``); the CLI choices, the planner and the engine all read this table.
+COMPUTE_DTYPES = {"bfloat16": 2, "float32": 4}
+#: KV-cache element formats by name -> bytes per element (fp8 KV: docs/checkpoints.md §3.6).
+KV_CACHE_FORMATS = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def dtype_bytes(field: str, name: str) -> int:
+    """Bytes per element of ``name`` for ``field`` "dtype" (COMPUTE_DTYPES) or "kv_cache_format"
+    (KV_CACHE_FORMATS). Raises ValueError naming the field, the value and the choices."""
+    table = COMPUTE_DTYPES if field == "dtype" else KV_CACHE_FORMATS
+    if name not in table:
+        raise ValueError(f"{field}={name!r} is not supported; use one of {sorted(table)}")
+    return table[name]
+
 
 @dataclass(slots=True)
 class EngineArgs:

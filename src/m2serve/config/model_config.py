@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m2serve.config.quant import REFUSED_QUANT_METHODS
+
 log = logging.getLogger(__name__)
 
 _ARCH = "MiniMaxM2ForCausalLM"
 _MODEL_TYPE = "minimax_m2"
 
-# Quantisation methods refused outright, as MAX does (docs/checkpoints.md §4).
-_UNSUPPORTED_QUANT = {"gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF", "bitsandbytes": "bitsandbytes",
-                      "hqq": "HQQ", "aqlm": "AQLM", "exl2": "EXL2", "eetq": "EETQ"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +207,9 @@ class MiniMaxM2Config:
         quant = mapping("quantization_config")
         if quant is not None:
             method = str(quant.get("quant_method", "")).lower()
-            if method in _UNSUPPORTED_QUANT:
+            if method in REFUSED_QUANT_METHODS:
                 raise NotImplementedError(
-                    f"{_UNSUPPORTED_QUANT[method]} MiniMax-M2 checkpoints are not supported "
+                    f"{REFUSED_QUANT_METHODS[method]} MiniMax-M2 checkpoints are not supported "
                     f"({source}: quantization_config.quant_method={quant.get('quant_method')!r})")
 
         use_bias = cfg.get("use_routing_bias")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,8 @@ def shard_ranges(config: MiniMaxM2Config, state: ParallelState) -> ShardRanges:
 # --- startup validation (docs/parallelism.md §5) ---------------------------------------------------
 
 # Quantised-expert block widths along I that a TP split must keep whole (docs/parallelism.md §5 V7).
-_EXPERT_BLOCK = {"fp8": ("FP8 block-quantised", 128), "nvfp4": ("NVFP4-quantised", 16),
-                 "mxfp4": ("MXFP4-quantised", 32)}
+_EXPERT_BLOCK = {"fp8": ("FP8 block-quantised", FP8_BLOCK), "nvfp4": ("NVFP4-quantised", NVFP4_GROUP),
+                 "mxfp4": ("MXFP4-quantised", MXFP4_GROUP)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +235,10 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
             alt = f" or tp ≤ {max(smaller)}" if smaller and max(smaller) > 1 else ""
             raise ValueError(f"{kind[0]} experts cannot be split {tp} ways ({I // tp} per rank is not a "
                              f"multiple of {kind[1]}); use ep_size={P}{alt}")
-    if _encoding_key(encoding) == "fp8" and tp > 1 and (Hkv // tp * config.head_dim) % 128:
+    if _encoding_key(encoding) == "fp8" and tp > 1 and (Hkv // tp * config.head_dim) % FP8_BLOCK:
         raise ValueError(f"FP8 block-quantised attention cannot be split {tp} ways "
                          f"({Hkv // tp} KV heads × head_dim {config.head_dim} per rank is not a multiple "
-                         f"of 128); {hint}")
+                         f"of {FP8_BLOCK}); {hint}")
     # V10: ep_use_allreduce is allowed on any number of nodes; it only changes TP_EP.
     if ep_use_allreduce and mode is not ParallelismMode.TP_EP:
         log.warning("ep_use_allreduce has no effect in %s (it only changes TP_EP)", mode.value)

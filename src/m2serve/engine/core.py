@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
@@ -32,8 +32,6 @@ from m2serve.parallel.deploy import start_distributed_model
 
 log = logging.getLogger(__name__)
 
-_KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
-_COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(slots=True)
@@ -61,9 +59,8 @@ class EngineStats:
 
 def kv_cache_dtype(name: str) -> torch.dtype:
     """torch dtype for ``kv_cache_format``; ValueError naming the choices."""
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_format={name!r} is not supported; use one of {sorted(_KV_DTYPES)}")
-    return _KV_DTYPES[name]
+    dtype_bytes("kv_cache_format", name)
+    return getattr(torch, name)
 
 
 @dataclass(slots=True)
@@ -92,8 +89,7 @@ class LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
-        if args.dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_COMPUTE_DTYPES)}")
+        dtype_bytes("dtype", args.dtype)
         devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
@@ -102,7 +98,7 @@ class LLMEngine:
         if len(devices) > 1:
             model = start_distributed_model(args)
         else:
-            model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=devices[0],
+            model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
                                weight_dequant=args.weight_dequant)
         return cls.from_model(model, config, args, device=devices[0])
 

@@ -21,9 +21,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, shard_ranges, validate_deployment
+from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
 from m2serve.formats.detect import Encoding, detect_encoding
 from m2serve.parallel.shard import rank_weight_bytes
 
@@ -33,8 +34,6 @@ GiB = 1024 ** 3
 MiB = 1024 ** 2
 #: Reserve per device for collective buffers when more than one device runs (docs/serving.md §7).
 MULTI_DEVICE_RESERVE = 256 * MiB
-_ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 _WEIGHT_DEQUANT = ("load", "runtime")
 
 
@@ -142,8 +141,8 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
         config, P, args.data_parallel_degree, args.ep_size, encoding=encoding.value,
         ep_use_allreduce=args.ep_use_allreduce, device_memory_utilization=args.device_memory_utilization,
         max_batch_size=args.max_batch_size, max_batch_input_tokens=args.max_batch_input_tokens)
-    act = _lookup(_ACT_BYTES, args.dtype, "dtype")
-    kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    act = dtype_bytes("dtype", args.dtype)
+    kv_elem = dtype_bytes("kv_cache_format", args.kv_cache_format)
     if args.weight_dequant not in _WEIGHT_DEQUANT:
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
                          f"use one of {_WEIGHT_DEQUANT}")
@@ -265,7 +264,7 @@ def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, 
     r = shard_ranges(config, state)
     held = (r.experts[1] - r.experts[0]) * config.num_hidden_layers * 3      # expert linears on this rank
     n_k = config.hidden_size * (r.intermediate[1] - r.intermediate[0])       # elements of one linear
-    group, scale_b, scalars = (16, 1, 8) if encoding is Encoding.NVFP4 else (32, 1, 0)
+    group, scale_b, scalars = (NVFP4_GROUP, 1, 8) if encoding is Encoding.NVFP4 else (MXFP4_GROUP, 1, 0)
     packed_one = n_k // 2 + n_k // group * scale_b + scalars
     return dense - held * n_k * act + held * packed_one
 
@@ -308,12 +307,6 @@ def _available_ram() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024  # kB
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _lookup(table: dict[str, int], name: str, field: str) -> int:
-    if name not in table:
-        raise ValueError(f"{field}={name!r} is not supported; use one of {sorted(table)}")
-    return table[name]
 
 
 def format_plan(plan: MemoryPlan) -> str:

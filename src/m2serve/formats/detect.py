@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m2serve.formats.fp4 import MXFP4_GROUP, NVFP4_GROUP
-from m2serve.formats.safetensors_io import TensorInfo
+from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP, REFUSED_QUANT_METHODS
+from m2serve.formats.safetensors_io import FLOAT_HEADER_DTYPES, TensorInfo
 
-FP8_BLOCK = 128
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
@@ -99,9 +98,6 @@ class QuantSpec:
             raise ValueError(f"{module}: {kind.value} weight in a {want.value} checkpoint ({self.source})")
 
 
-_REFUSED = {"gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
-
-
 def detect_encoding(quant: dict[str, Any] | None, source: str = "config.json") -> Encoding:
     """The checkpoint's encoding from its ``quantization_config`` (None = dense); see :func:`detect_quant`."""
     return detect_quant(quant, source).encoding
@@ -147,10 +143,12 @@ def detect_quant(quant: dict[str, Any] | None, source: str = "config.json") -> Q
     if not quant:
         return QuantSpec(Encoding.DENSE, source=source)
     method = str(quant.get("quant_method", "")).lower()
-    if method in _REFUSED:
-        raise NotImplementedError(f"{_REFUSED[method]} MiniMax-M2 checkpoints are not supported ({source})")
+    if method in REFUSED_QUANT_METHODS:
+        raise NotImplementedError(f"{REFUSED_QUANT_METHODS[method]} MiniMax-M2 checkpoints are not supported "
+                                  f"({source})")
     if method == "fp8":
-        want = {"fmt": "float8_e4m3fn", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        want = {"fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         for key, val in want.items():
             got = quant.get(key, val if key == "fmt" else None)
             if got != val:
@@ -242,7 +240,7 @@ def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> Linear
         return _fp4_kind(weight, companions)
     if name.endswith(".weight_packed"):
         raise ValueError(f"{name}: a weight_packed tensor must be U8 (packed FP4), found {weight.dtype}")
-    if weight.dtype in ("BF16", "F16", "F32"):
+    if weight.dtype in FLOAT_HEADER_DTYPES:
         if companions:
             raise ValueError(f"{name}: dense {weight.dtype} weight has unexpected scale tensors "
                              f"{sorted(companions)}")
@@ -254,7 +252,7 @@ def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> Linear
                              f"found {sorted(companions) or 'none'}")
         n, k = weight.shape
         grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-        if tuple(scale.shape) != grid or scale.dtype not in ("F32", "BF16", "F16"):
+        if tuple(scale.shape) != grid or scale.dtype not in FLOAT_HEADER_DTYPES:
             raise ValueError(f"{scale.name}: FP8 block scale must be float {list(grid)} for weight "
                              f"{list(weight.shape)}, found {scale.dtype} {list(scale.shape)}")
         return LinearKind.FP8_BLOCK

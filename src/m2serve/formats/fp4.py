@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-NVFP4_GROUP = 16
-MXFP4_GROUP = 32
+from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
+
 E8M0_NAN = 255
 
 # E2M1 code -> value (docs/checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.

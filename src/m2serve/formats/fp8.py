@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 128
+from m2serve.config.quant import FP8_BLOCK
+
 E4M3_MAX = 448.0
 
 
@@ -23,7 +24,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(pn // block, block, pk // block, block)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``w`` [N, K] (any float dtype) to e4m3 with one fp32 scale per block.
 
     Per block (docs/checkpoints.md §8): ``s = amax / 448`` (1.0 for an all-zero block),
@@ -40,7 +41,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                         block: int = BLOCK) -> torch.Tensor:
+                         block: int = FP8_BLOCK) -> torch.Tensor:
     """``q`` e4m3 [N, K], ``scale_inv`` [ceil(N/b), ceil(K/b)] -> dense [N, K] of ``dtype``.
 
     fp32(q) * fp32(s) per block, then one cast (docs/checkpoints.md §6). Raises ValueError naming

@@ -24,6 +24,8 @@ HEADER_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8,
 }
+#: The float header dtypes a dense tensor (or an FP8 scale) may have.
+FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")
 _MAX_HEADER = 100 * 1024 * 1024
 
 

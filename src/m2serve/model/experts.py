@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
-from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
 
 FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes

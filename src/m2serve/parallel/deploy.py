@@ -22,15 +22,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, validate_deployment
 from m2serve.formats.detect import detect_encoding
 from m2serve.parallel.launch import DEFAULT_TIMEOUT_S, init_from_env, spawn_workers
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 
 def plan_deployment(args: EngineArgs, world_size: int,
@@ -49,9 +46,8 @@ def plan_deployment(args: EngineArgs, world_size: int,
 
 
 def _dtype(args: EngineArgs) -> torch.dtype:
-    if args.dtype not in _DTYPES:
-        raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[args.dtype]
+    dtype_bytes("dtype", args.dtype)
+    return getattr(torch, args.dtype)
 
 
 def _serve_rank(rank: int, world_size: int, path: str, dep: Deployment, dtype: torch.dtype,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
+from m2serve.config.quant import FP8_BLOCK
 
 Slice = tuple[int, int, int]  # (dim, start, end)
 Plan = Callable[[str, Sequence[int]], "Slice | None | str"]
@@ -32,7 +33,6 @@ Plan = Callable[[str, Sequence[int]], "Slice | None | str"]
 _ATTN = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(\w+)$")
 _EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                      r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
-_FP8_BLOCK = 128
 _COLUMN_SPLIT = {"o_proj", "w2", "down_proj"}
 
 
@@ -81,7 +81,7 @@ def _slice(name: str, kind: str, shape: Sequence[int], dim: int, full: int, star
     n = int(shape[dim])
     if n == full:
         return dim, start, end
-    block = _FP8_BLOCK if kind == "weight_scale_inv" else (full // n if full % n == 0 else 0)
+    block = FP8_BLOCK if kind == "weight_scale_inv" else (full // n if full % n == 0 else 0)
     if block == 0 or start % block or (end % block and end != full):
         raise ValueError(f"{name}: cannot cut [{start}, {end}) of {full} along dim {dim} on its grid of "
                          f"{n} entries; choose a parallel layout whose per-rank width is a multiple of "
@@ -106,7 +106,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
     def linear(name: str, n: int, k: int) -> None:
         out.append((f"{name}.weight", (n, k), 1 if fp8 else act_bytes))
         if fp8:
-            out.append((f"{name}.weight_scale_inv", (-(-n // 128), -(-k // 128)), 4))
+            out.append((f"{name}.weight_scale_inv", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), 4))
 
     out.append(("model.embed_tokens.weight", (V, H), act_bytes))
     for layer in range(config.num_hidden_layers):

@@ -23,7 +23,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, EngineArgs
 
 log = logging.getLogger("m2serve")
 
@@ -83,7 +83,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--max-length", type=int, help="max context in tokens (default: the config's max_position_embeddings)")
     a("--device-memory-utilization", type=float)
     a("--kv-cache-page-size", type=int)
-    a("--kv-cache-format", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
     a("--weight-dequant", choices=["load", "runtime"])
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
@@ -91,7 +91,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--served-model-name")
-    a("--dtype", choices=["bfloat16", "float32"], help="compute dtype")
+    a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
     a("--max-batch-size", type=int, help="max running requests")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     a("--num-kv-pages", type=int, help="override the planner's KV page count")

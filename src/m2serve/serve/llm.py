@@ -33,7 +33,7 @@ from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
-from m2serve.text.template import ChatTemplate, TemplateError
+from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, ChatTemplate, TemplateError
 from m2serve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class LLM:
         for chat_template_kwargs that would replace render's own arguments.
         """
         kwargs = dict(chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+        clash = sorted(set(kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
         if clash:
             raise TemplateError(
                 f"chat_template_kwargs may not set {', '.join(clash)} (reserved template variables)"

@@ -22,7 +22,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from m2serve.text.tokenizer import token_text
 
-_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token")
+# Variables render() sets itself; chat_template_kwargs may not replace them (serve/ imports this).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                               "unk_token")
 _REASONING_ALIASES = ("reasoning", "thinking")
 
 
@@ -128,7 +130,7 @@ class ChatTemplate:
         messages: OpenAI-style dicts; tools: OpenAI tool dicts or None; chat_template_kwargs become
         template variables (they may not replace the reserved ones). Raises TemplateError.
         """
-        bad = sorted(set(chat_template_kwargs) & set(_RESERVED))
+        bad = sorted(set(chat_template_kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
         if bad:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(bad)} "
                                 "(reserved template variables)")

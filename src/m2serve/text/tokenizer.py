@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 
@@ -39,6 +40,21 @@ TOOL_CALL_END = "</minimax:tool_call>"
 REQUIRED_TOKENS = (BOS, ROLE, EOS, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END)
 # The four parser tags reach the parser as text even when special tokens are skipped (docs/parsers.md §1).
 PARSER_TAGS = (THINK, THINK_END, TOOL_CALL, TOOL_CALL_END)
+PAD = "]!p~["
+UNK = "]!d~["
+# The tokens a MiniMax-M2 tokenizer adds after its BPE vocabulary, in the release's order (ids 200000
+# onward there): the control tokens are special, the parser tags are ordinary added tokens.
+CONTROL_TOKENS = (PAD, ROLE, EOS, UNK, BOS)
+ADDED_TOKENS = CONTROL_TOKENS + PARSER_TAGS
+
+
+def add_minimax_tokens(backend: _HFTokenizer) -> None:
+    """Append ``ADDED_TOKENS`` to a freshly trained ``tokenizers`` BPE, as the embedded checkpoints'
+    trainers do: ``CONTROL_TOKENS`` as special tokens (dropped by ``skip_special_tokens``), the four
+    ``PARSER_TAGS`` as non-special added tokens, so any decoder (ours, transformers') yields them as
+    text (docs/parsers.md §1). Each becomes one token; none is normalised."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in PARSER_TAGS])
 
 
 class Tokenizer:
