@@ -250,11 +250,6 @@ class MiniMaxM2Config:
         return cls.from_dict(cfg, gen, source=str(cfg_file))
 
 
-def load_config(path: str | Path) -> MiniMaxM2Config:
-    """Shorthand for :meth:`MiniMaxM2Config.from_pretrained`."""
-    return MiniMaxM2Config.from_pretrained(path)
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())

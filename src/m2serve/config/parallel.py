@@ -68,11 +68,6 @@ class ParallelState:
     group: Any = None
 
     @property
-    def distributed(self) -> bool:
-        """True when collectives run (more than one rank)."""
-        return self.world_size > 1
-
-    @property
     def dp_rank(self) -> int:
         """Which data-parallel replica this rank is (0 unless the batch is split, docs/parallelism.md §1)."""
         return self.rank if dp_attention(self.mode, self.world_size) else 0

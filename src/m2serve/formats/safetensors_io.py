@@ -167,10 +167,6 @@ class CheckpointReader:
         """Release the open file handles."""
         self._handles.clear()
 
-    def total_bytes(self) -> int:
-        """Sum of the data bytes of all tensors (the progress bar's total)."""
-        return sum(t.nbytes for t in self.tensors.values())
-
     def read(self, name: str, rows: tuple[int, int] | None = None,
              cols: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor ``name`` as stored (CPU, header dtype), optionally only ``[start, end)`` of

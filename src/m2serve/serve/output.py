@@ -79,7 +79,6 @@ class OutputProcessor:
         self.finished = False
         self.num_output_tokens = 0
         self.num_reasoning_tokens = 0
-        self.output_text: list[str] = []
 
     def process(
         self,
@@ -114,18 +113,12 @@ class OutputProcessor:
         if self.decoder.stopped:
             finished, finish_reason, out.stop_hit = True, "stop", True
         out.text = emit
-        self.output_text.append(emit)
         self._parse(out, emit, finished)
         if finished:
             self.finished = True
             out.finished = True
             out.finish_reason = self._finish_reason(finish_reason)
         return self._stamp(out)
-
-    @property
-    def text(self) -> str:
-        """All raw text emitted so far."""
-        return "".join(self.output_text)
 
     def _count(self, token_ids: list[int]) -> None:
         self.num_output_tokens += len(token_ids)

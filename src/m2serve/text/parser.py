@@ -255,11 +255,8 @@ class StreamingParser:
                        _State.PARAM_NAME: self._step_name, _State.PLAIN: self._step_plain}
 
     # ---------------------------------------------------------------- public API
-    def feed(self, text: str, token_ids: Sequence[int] | None = None) -> ParserDelta:
-        """Consume the next decoded text chunk; return what can be emitted now (P21, P22).
-
-        ``token_ids`` is accepted for interface symmetry; the text alone decides (P21).
-        """
+    def feed(self, text: str) -> ParserDelta:
+        """Consume the next decoded text chunk; return what can be emitted now (P21, P22)."""
         if self._pos == len(self._buf) and "<" not in text:
             try:
                 if self._feed_plain(text):
