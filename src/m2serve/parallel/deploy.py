@@ -22,7 +22,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
+from m2serve.config.engine_args import (
+    EngineArgs,
+    apply_num_threads,
+    choose_num_threads,
+    dtype_bytes,
+    rank_devices,
+)
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, validate_deployment
 from m2serve.formats.detect import detect_encoding
@@ -51,8 +57,10 @@ def _dtype(args: EngineArgs) -> torch.dtype:
 
 
 def _serve_rank(rank: int, world_size: int, path: str, dep: Deployment, dtype: torch.dtype,
-                devices: list[str]) -> None:
-    """A spawned rank: load its shard, serve steps until rank 0 says stop."""
+                devices: list[str], threads: int | None) -> None:
+    """A spawned rank: set rank 0's thread choice, load its shard, serve steps until rank 0 says stop."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     state = dep.state(rank)
     model = load_rank_model(path, state, dtype, devices[rank])
     worker_loop(model, state, devices[rank])
@@ -68,7 +76,8 @@ def start_distributed_model(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT
     devices = rank_devices(args.devices)
     config, dep = plan_deployment(args, len(devices))
     dtype = _dtype(args)
-    workers = spawn_workers(len(devices), _serve_rank, (args.model, dep, dtype, devices),
+    threads = choose_num_threads(args).threads
+    workers = spawn_workers(len(devices), _serve_rank, (args.model, dep, dtype, devices, threads),
                             devices=devices, timeout_s=timeout_s)
     state = dep.state(0)
     model = DistributedModel(load_rank_model(args.model, state, dtype, devices[0]), state, workers)
@@ -87,6 +96,7 @@ def join_torchrun(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT_S,
     """
     kind = "cpu" if args.devices.startswith("cpu") else "cuda"
     rank, world, device = init_from_env(kind, timeout_s)
+    apply_num_threads(args)  # --threads overrides the one-per-rank default on every rank
     nodes = num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")))
     _, dep = plan_deployment(args, world, nodes)
     state = dep.state(rank)

@@ -99,6 +99,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--tool-parser", choices=["minimax_m2", "none"])
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
+    a("--threads", type=int, help="intra-op CPU threads per process (default: one per physical core; "
+                                   "one per rank with cpu:N)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,7 +259,10 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 
 
 def banner(llm: Any, opts: dict[str, Any]) -> str:
-    """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
+    """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
+    KV pages, max context, and for ``serve`` the URL."""
+    import torch
+
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import checkpoint_encoding, num_devices
 
@@ -265,11 +270,12 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     world = max(num_devices(llm.args.devices), torchrun_world_size())
     mode = select_parallelism_mode(world, llm.args.data_parallel_degree, llm.args.ep_size)
     stats = llm.engine.stats
-    url = f"http://{opts['host']}:{opts['port']}/v1"
+    url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
-        f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
-        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}) | max context {llm.max_length} | {url}"
+        f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
+        f"({llm.threads.rule}) | KV {stats.kv_pages_total} pages x {stats.kv_page_size} tokens "
+        f"({llm.args.kv_cache_format}) | max context {llm.max_length}{url}"
     )
 
 
@@ -341,6 +347,7 @@ def run_generate(opts: dict[str, Any]) -> int:
     llm = _make_llm(opts)
     if llm is None:  # a torchrun worker rank
         return 0
+    print(banner(llm, opts), file=sys.stderr, flush=True)
     params = SamplingParams(
         temperature=opts["temperature"],
         top_p=opts.get("top_p"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import EngineArgs, apply_num_threads
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
@@ -176,6 +176,7 @@ class LLM:
         path = resolve_model(model)
         self.model_path = Path(path)
         self.args = EngineArgs(model=str(path), **engine_args)
+        self.threads = apply_num_threads(self.args)  # docs/serving.md §12, before any weight loads
         self.served_model_name = self.args.served_model_name or (model or self.model_path.name)
         self.config = MiniMaxM2Config.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
