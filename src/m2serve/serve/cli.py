@@ -14,10 +14,12 @@ run the model's steps until rank 0 stops.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import fields
@@ -58,6 +60,25 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "log_level": "warning",
 }
 PLAN_DEFAULTS: dict[str, Any] = {"device_memory_gib": None, "log_level": "warning"}
+# What an unset option (default None) means, for --help: every option shows its default.
+UNSET_MEANING: dict[str, str] = {
+    "config_file": "none",
+    "model": "the embedded tiny-chat checkpoint",
+    "max_length": "the config's max_position_embeddings, capped to the KV cache",
+    "num_kv_pages": "the memory planner's count",
+    "served_model_name": "the --model value, else the checkpoint directory's name",
+    "chat_template": "the checkpoint's chat_template.jinja",
+    "thinking_temperature": "the request's temperature",
+    "threads": "one per physical core; one per rank with cpu:N; OMP_NUM_THREADS if set",
+    "api_key": "none, no authentication",
+    "max_queue_size": "unbounded",
+    "prompts": "a few built-in chat prompts, run as chats",
+    "prompts_file": "none",
+    "top_p": "the checkpoint's generation_config.json",
+    "top_k": "the checkpoint's generation_config.json",
+    "sampling_seed": "unseeded",
+    "device_memory_gib": "measured free memory",
+}
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
 
 
@@ -74,13 +95,13 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by serve, generate and plan (MAX names)."""
     a = p.add_argument
     a("--config-file", help="recipe YAML with MAX keys (recipes/*.yaml)")
-    a("--model", help="checkpoint directory or hub id (default: the embedded default checkpoint)")
+    a("--model", help="checkpoint directory or hub id")
     a("--devices", help="cpu | cpu:N (N CPU ranks) | gpu | gpu:0,1,...")
     a("--data-parallel-degree", type=int)
     a("--ep-size", type=int)
     a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None)
     a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
-    a("--max-length", type=int, help="max context in tokens (default: the config's max_position_embeddings)")
+    a("--max-length", type=int, help="max context in tokens")
     a("--device-memory-utilization", type=float)
     a("--kv-cache-page-size", type=int)
     a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
@@ -99,8 +120,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--tool-parser", choices=["minimax_m2", "none"])
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
-    a("--threads", type=int, help="intra-op CPU threads per process (default: one per physical core; "
-                                   "one per rank with cpu:N)")
+    a("--threads", type=int, help="intra-op CPU threads per process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
     _add_engine_flags(g)
-    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in chat prompts, run as chats)")
+    g.add_argument("prompts", nargs="*", help="prompts")
     g.add_argument("--prompts-file", help="one prompt per line")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -143,13 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show_defaults(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """Append ``(default: X)`` to the help of every flag with a non-None default. The flags' own
-    defaults stay None, so an unset flag still falls through to environment / recipe / defaults."""
+    """Append ``(default: X)`` to the help of every option: its value, or for an unset (None) one
+    what unset means (``UNSET_MEANING``). The flags' own defaults stay None, so an unset flag still
+    falls through to environment / recipe / defaults. ``%`` is escaped for argparse's formatting."""
     for act in p._actions:
-        value = defaults.get(act.dest)
-        if value is None or act.help == argparse.SUPPRESS or act.dest == "help":
+        if act.help == argparse.SUPPRESS or act.dest == "help":
             continue
-        act.help = f"{act.help or ''} (default: {value})".lstrip()
+        value = defaults.get(act.dest)
+        shown = UNSET_MEANING.get(act.dest, "none") if value is None else value
+        help_text = (act.help or "").replace(" (default: the embedded default checkpoint)", "")
+        act.help = f"{help_text} (default: {str(shown).replace('%', '%%')})".lstrip()
 
 
 def resolve_options(
@@ -279,9 +302,33 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     )
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound (and listening) before anything slow happens, so a taken
+    port fails in milliseconds and uvicorn serves on this very socket (no check-then-bind race).
+    SO_REUSEADDR as uvicorn sets it (a port in TIME_WAIT is reusable; a listening one is not).
+    Raises OSError "port N in use ..." for EADDRINUSE, other OSErrors (bad host, no permission) as
+    they come."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} in use on {host}: stop the process that holds it or choose "
+                          f"another --port") from e
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown.
 
+    The listening socket is bound first (:func:`bind_listen_socket`; a taken port is an OSError
+    before the model loads), then the model loads and uvicorn serves on that socket.
     ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
     On SIGTERM uvicorn stops accepting connections and gives in-flight requests
     ``grace_period`` seconds; then the engine aborts what is left and the process exits 0.
@@ -292,6 +339,11 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     from m2serve.serve.async_engine import AsyncEngine
     from m2serve.serve.metrics import ServerMetrics
 
+    # Only the process that hosts HTTP binds: a torchrun rank > 0 never serves HTTP.
+    sock = bind_listen_socket(opts["host"], int(opts["port"])) if os.environ.get("RANK", "0") == "0" else None
+    if sock is not None:
+        opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
+    log.info("loading model %s", opts.get("model") or "(the embedded default)")
     llm = llm or _make_llm(opts)
     if llm is None:  # a torchrun worker rank: it served steps until rank 0 shut down
         return 0
@@ -318,7 +370,7 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     # that re-raise is a no-op and the process exits 0 instead of dying from the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     return 0
 
 
@@ -415,16 +467,23 @@ def check_options(command: str, opts: dict[str, Any]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``m2serve`` console script; returns the exit status."""
+    """Entry point of the ``m2serve`` console script; returns the exit status.
+
+    Usage errors (exit 2) print the usage of the subcommand they belong to: an unknown or
+    mistyped flag of ``serve`` shows ``usage: m2serve serve ...``, not the top-level usage."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    command_parser = next(a for a in parser._actions
+                          if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         opts = resolve_options(ns, parser)
     except ValueError as e:
-        parser.error(str(e))
+        command_parser.error(str(e))
     problem = check_options(ns.command, opts)
     if problem:
-        parser.error(problem)
+        command_parser.error(problem)
     logging.basicConfig(
         level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
