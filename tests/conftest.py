@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,8 +11,11 @@ import torch
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Tests run tiny tensors: one intra-op thread avoids OpenMP barrier stalls, which made tiny
-    forwards 5-20x slower on the shared 2-core machine. Subprocesses (servers, ranks) set their own."""
+    forwards 5-20x slower on the shared 2-core machine. Subprocesses (servers, ranks) set their own.
+    OMP_NUM_THREADS=1 (unless set) keeps an in-process ``LLM``, whose thread rule respects it
+    (config/engine_args.py choose_num_threads), on one thread too."""
     before = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)

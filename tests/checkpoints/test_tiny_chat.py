@@ -57,9 +57,8 @@ def test_files_size_and_configs():
     gen = json.loads((CKPT / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (tok.token_to_id("]~b]"), tok.token_to_id("[e~["))
     assert (gen["temperature"], gen["top_p"], gen["top_k"]) == (1.0, 0.95, 40)
-    # chat-and-parsers.md §2: the checkpoint carries the repository's own template
-    assert (CKPT / "chat_template.jinja").read_text() == \
-        (REPO / "src/m2serve/checkpoints/chat_template.jinja").read_text()
+    # docs/parsers.md §2: the checkpoint carries the repository's one template (tests/test_one_home.py)
+    assert (CKPT / "chat_template.jinja").is_file()
 
 
 def test_tensor_dtypes_follow_the_fp8_release():

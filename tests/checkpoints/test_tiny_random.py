@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from m2serve.checkpoints import tiny_random
 from m2serve.checkpoints.tiny_random import build_tiny_random, cached_tiny_random
-from m2serve.checkpoints.tokenizer_train import SPECIAL_TOKENS
 from m2serve.formats.safetensors_io import CheckpointReader
+from m2serve.text.tokenizer import ADDED_TOKENS
 
 
 def _digest(d):
@@ -47,7 +47,7 @@ def test_config_dims_and_release_keys(tiny_random_dir):
 def test_tokenizer_special_tokens_and_generation_config(tiny_random_dir):
     # chat-and-parsers.md §1: each special string is one token; bos/eos ids from the tokenizer
     tok = Tokenizer.from_file(str(tiny_random_dir / "tokenizer.json"))
-    for t in SPECIAL_TOKENS:
+    for t in ADDED_TOKENS:
         assert tok.encode(t, add_special_tokens=False).ids == [tok.token_to_id(t)], t
     assert tok.decode(tok.encode("héllo 東京 🙂").ids) == "héllo 東京 🙂"  # byte-level: lossless
     gen = json.loads((tiny_random_dir / "generation_config.json").read_text())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -16,7 +15,7 @@ import m2serve.checkpoints
 from m2serve.text.parser import parse_output
 from m2serve.text.template import ChatTemplate
 
-TEMPLATE = ChatTemplate.from_file(Path(m2serve.checkpoints.__file__).with_name("chat_template.jinja"))
+TEMPLATE = ChatTemplate.from_file(m2serve.checkpoints.CHAT_TEMPLATE)
 USER = {"role": "user", "content": "go"}
 EOM = "[e~[\n"
 TAGS = ("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=",

@@ -1,7 +1,7 @@
 """Seeded synthetic MiniMax-M2 conversations for training and evaluating `tiny-chat` (issue 6).
 
 Every example is an OpenAI-style chat (``messages`` + ``tools``) rendered by the repository's own
-chat template (src/m2serve/checkpoints/chat_template.jinja) under the rendering rule of spec
+chat template (src/m2serve/checkpoints/tiny-chat/chat_template.jinja) under the rendering rule of spec
 chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hundred tokens:
 
 - ``tool_call``: 1–3 tools drawn from a pool of ~20 schemas (string, integer, number, boolean, enum,
@@ -42,7 +42,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/chat_template.jinja"
+TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"
 
 KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat")
 # Kind mix of the training corpus.

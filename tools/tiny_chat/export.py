@@ -10,7 +10,8 @@ Reads RUN/ckpt.pt and RUN/tokenizer/ (train.py) and writes OUT/ with:
   (checkpoints.md §7);
 - ``config.json`` with the release's ``quantization_config`` (checkpoints.md §4);
 - ``generation_config.json`` (bos ``]~b]``, eos ``[e~[``, temperature 1.0, top_p 0.95, top_k 40);
-- ``tokenizer.json``, ``tokenizer_config.json`` and the repository's ``chat_template.jinja``.
+- ``tokenizer.json``, ``tokenizer_config.json`` and the repository's ``chat_template.jinja``
+  (kept in tiny-chat/).
 The directory is written to a temp dir and renamed into place (an existing OUT is replaced).
 """
 
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer
 from m2serve.formats.fp8 import quantize_fp8_block
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATE = REPO / "src/m2serve/checkpoints/chat_template.jinja"
+TEMPLATE = REPO / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"  # m2serve.checkpoints.CHAT_TEMPLATE
 MAX_POSITIONS = 4096
 FP8_QUANT = {
     "quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",

@@ -1,11 +1,12 @@
-"""Train the `tiny-chat` byte-level BPE tokenizer on the synthetic training corpus (issue 6).
+"""Train the `tiny-chat` byte-level BPE tokenizer on the synthetic training corpus .
 
-Layout (spec chat-and-parsers.md §1, scaled down): a byte-level BPE learns ``BPE_VOCAB`` ids from the
+Layout (docs/parsers.md §1, scaled down): a byte-level BPE learns ``BPE_VOCAB`` ids from the
 rendered training conversations; the MiniMax special tokens follow
 (ids ``BPE_VOCAB`` …), each a single token; the embedding is padded to ``VOCAB_PADDED`` (a multiple of
-128 for the FP8 block format). ``]~!b[``, ``]~b]``, ``[e~[``, pad and unk are special; the four parser
-tags (``<think>``, ``</think>``, ``<minimax:tool_call>``, ``</minimax:tool_call>``) are added
-non-special tokens so that decoding with ``skip_special_tokens`` still yields them as text.
+128 for the FP8 block format). Which added tokens are special is the one rule of
+``m2serve.text.tokenizer.add_minimax_tokens`` (shared with tiny-random's trainer): ``]~!b[``, ``]~b]``,
+``[e~[``, pad and unk are special; the four parser tags are non-special added tokens, so decoding with
+``skip_special_tokens`` still yields them as text.
 
 **Split rule (``SPLIT``), chosen for copying.** The o200k regex of the real tokenizer glues a leading
 space to a word (`` Paris``), so a value tokenises differently in the user's request (after a space) and
@@ -26,7 +27,9 @@ import json
 import sys
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from m2serve.text.tokenizer import ADDED_TOKENS, add_minimax_tokens
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,8 +46,6 @@ CORPUS_SEED = 100
 # most one trailing space, whitespace runs.
 SPLIT = r"[\p{L}\p{M}]+|\p{N}|[^\s\p{L}\p{N}]+ ?|\s+"
 
-SPECIAL = ["]!p~[", "]~b]", "[e~[", "]!d~[", "]~!b["]  # pad, role header, eos, unk, bos
-PARSER_TAGS = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
 
 
 def corpus(n: int = CORPUS_EXAMPLES, seed: int = CORPUS_SEED) -> list[str]:
@@ -67,15 +68,14 @@ def train_tokenizer() -> Tokenizer:
     texts = corpus()
     # Special strings must not be learned as BPE pieces: train on text with them removed.
     def strip(t: str) -> str:
-        for s in SPECIAL + PARSER_TAGS:
+        for s in ADDED_TOKENS:
             t = t.replace(s, "\n")
         return t
     tok.train_from_iterator((strip(t) for t in texts), trainer=trainer)
     if tok.get_vocab_size() != BPE_VOCAB:
         raise RuntimeError(f"BPE learned {tok.get_vocab_size()} ids, expected {BPE_VOCAB}")
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL])
-    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in PARSER_TAGS])
-    for s in SPECIAL + PARSER_TAGS:
+    add_minimax_tokens(tok)
+    for s in ADDED_TOKENS:
         if len(tok.encode(s, add_special_tokens=False).ids) != 1:
             raise RuntimeError(f"{s!r} is not a single token")
     return tok

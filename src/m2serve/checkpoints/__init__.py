@@ -1,9 +1,11 @@
 """Checkpoints shipped with m2serve.
 
-- ``tiny-chat/``: a small trained MiniMax-M2 (FP8 block format, issue 6), the embedded default model of
+- ``tiny-chat/``: a small trained MiniMax-M2 (FP8 block format), the embedded default model of
   ``m2serve serve`` / ``m2serve generate``; made by tools/tiny_chat (train.py, export.py).
 - ``tiny_random.py``: the builder of ``tiny-random`` (random weights, other dimensions; tests).
-- ``chat_template.jinja``, ``tokenizer_train.py``, ``hub_configs/`` (public configs for planning).
+- ``CHAT_TEMPLATE``: the repository's one chat template, kept in ``tiny-chat/`` and copied into every
+  checkpoint the builders write (tiny-random, tools/tiny_chat/export.py).
+- ``tokenizer_train.py``, ``hub_configs/`` (public configs for planning).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 TINY_CHAT = Path(__file__).resolve().with_name("tiny-chat")
+CHAT_TEMPLATE = TINY_CHAT / "chat_template.jinja"
 
 
 def default_model_path() -> Path:

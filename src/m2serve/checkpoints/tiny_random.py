@@ -1,10 +1,10 @@
 """Builder of the ``tiny-random`` checkpoint: a complete, small, random MiniMax-M2 directory.
 
 Deterministic from a seed, written atomically (temp dir, then rename). It exercises every
-feature of the architecture (issue 2 item 5): GQA ratio 2, head_dim 128 > rotary_dim 64, 8
+feature of the architecture: GQA ratio 2, head_dim 128 > rotary_dim 64, 8
 experts top-2, 2 layers, untied lm_head, fp32 router gate and bias, random (non-trivial) norm
 gammas and correction bias. Variants: ``bf16`` and ``fp8`` (official FP8 block format,
-checkpoints.md §4 and §8; every quantised dimension a multiple of 128). Weights are written in
+docs/checkpoints.md §4 and §8; every quantised dimension a multiple of 128). Weights are written in
 the hub layout as an index + 2 shards, so sharded loading is exercised.
 """
 
@@ -20,13 +20,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from m2serve.checkpoints.tokenizer_train import SPECIAL_TOKENS, train_tokenizer
+from m2serve.checkpoints import CHAT_TEMPLATE
+from m2serve.checkpoints.tokenizer_train import train_tokenizer
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import quantize_fp8_block
 from m2serve.formats.names import expected_shapes, is_linear, is_router
 from m2serve.formats.safetensors_io import INDEX_FILE
+from m2serve.text.tokenizer import ADDED_TOKENS, CONTROL_TOKENS
 
-TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+TEMPLATE = CHAT_TEMPLATE
 
 TINY_DIMS: dict[str, int] = {
     "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
@@ -35,7 +38,7 @@ TINY_DIMS: dict[str, int] = {
 }
 _FP8_QUANT = {
     "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
-    "weight_block_size": [128, 128],
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
     "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
 }
 _VARIANTS = ("bf16", "fp8")
@@ -84,12 +87,12 @@ def cached_tiny_random() -> Path:
 def _write(d: Path, seed: int, variant: str, dims: dict[str, int]) -> None:
     tok = train_tokenizer()
     tok.save(str(d / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    vocab = dims.pop("vocab_size", None) or -(-tok.get_vocab_size() // 128) * 128
+    ids = {t: tok.token_to_id(t) for t in ADDED_TOKENS}
+    vocab = dims.pop("vocab_size", None) or -(-tok.get_vocab_size() // FP8_BLOCK) * FP8_BLOCK
     if vocab < tok.get_vocab_size():
         raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({tok.get_vocab_size()} tokens)")
     config = _config_json(dims, vocab, variant)
-    # informational only (m2serve reads bos/eos from generation_config.json, model.md §1)
+    # informational only (m2serve reads bos/eos from generation_config.json, docs/model.md §1)
     config["bos_token_id"], config["eos_token_id"] = ids["]~!b["], ids["[e~["]
     cfg = MiniMaxM2Config.from_dict(config, source="tiny-random")
     tensors = _random_weights(cfg, seed)
@@ -104,14 +107,14 @@ def _write(d: Path, seed: int, variant: str, dims: dict[str, int]) -> None:
         "add_prefix_space": False, "bos_token": "]~!b[", "eos_token": "[e~[", "unk_token": "]!d~[",
         "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_position_embeddings,
         "tokenizer_class": "GPT2Tokenizer",
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False}
+        "added_tokens_decoder": {str(i): {"content": t, "special": t in CONTROL_TOKENS, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "single_word": False}
                                  for t, i in sorted(ids.items(), key=lambda kv: kv[1])}})
     shutil.copyfile(TEMPLATE, d / "chat_template.jinja")
 
 
 def _config_json(dims: dict[str, int], vocab: int, variant: str) -> dict:
-    """config.json with the keys of the released checkpoints (model.md §1)."""
+    """config.json with the keys of the released checkpoints (docs/model.md §1)."""
     config = {
         "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
         "attention_dropout": 0.0, "attn_type_list": [1] * dims["num_hidden_layers"],
@@ -153,13 +156,13 @@ def _random_weights(cfg: MiniMaxM2Config, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _to_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Quantise attention and expert linears to FP8 128x128 blocks (checkpoints.md §8)."""
+    """Quantise attention and expert linears to FP8 128x128 blocks (docs/checkpoints.md §8)."""
     out = {}
     for name, t in tensors.items():
         if is_linear(name):
             n, k = t.shape
-            if n % 128 or k % 128:
-                raise ValueError(f"{name}: FP8 needs every quantised dimension a multiple of 128, "
+            if n % FP8_BLOCK or k % FP8_BLOCK:
+                raise ValueError(f"{name}: FP8 needs every quantised dimension a multiple of {FP8_BLOCK}, "
                                  f"got {[n, k]}")
             q, s = quantize_fp8_block(t)
             out[name] = q

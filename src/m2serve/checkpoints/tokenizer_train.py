@@ -1,16 +1,14 @@
 """Train the tiny checkpoints' byte-level BPE tokenizer with the ``tokenizers`` library.
 
-Special tokens follow spec/chat-and-parsers.md §1 (MiniMax's own strings); they are added
+Special tokens follow docs/parsers.md §1 (MiniMax's own strings); they are added
 after the learned vocabulary, as in the release (where they start at id 200000).
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-# Release order: pad, role prefix, eos, unk, bos, reasoning and tool-call tags.
-SPECIAL_TOKENS = ("]!p~[", "]~b]", "[e~[", "]!d~[", "]~!b[", "<think>", "</think>",
-                  "<minimax:tool_call>", "</minimax:tool_call>")
+from m2serve.text.tokenizer import add_minimax_tokens
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
@@ -33,7 +31,7 @@ def train_tokenizer(vocab_size: int = 1000) -> Tokenizer:
     """Byte-level BPE trained on the built-in corpus, then the MiniMax special tokens appended.
 
     Deterministic (single corpus, fixed trainer settings). Returns a ``tokenizers.Tokenizer``
-    whose size is at most ``vocab_size + len(SPECIAL_TOKENS)``.
+    whose size is at most ``vocab_size + len(m2serve.text.tokenizer.ADDED_TOKENS)``.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -41,5 +39,5 @@ def train_tokenizer(vocab_size: int = 1000) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator([_CORPUS] * 3, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    add_minimax_tokens(tok)
     return tok

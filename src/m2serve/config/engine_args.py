@@ -1,12 +1,35 @@
 """Deployment / engine arguments shared by the CLI, the recipes, the planner and the engine.
 
-Defaults follow MAX (spec/serving.md §7–§9). Field names match the CLI flags
+Defaults follow MAX (docs/serving.md §7–§9). Field names match the CLI flags
 (``--max-batch-input-tokens`` -> ``max_batch_input_tokens``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Compute ("activation") dtypes by name -> bytes per element. The names are torch's
+#: (``getattr(torch, name)``); the CLI choices, the planner and the engine all read this table.
+COMPUTE_DTYPES = {"bfloat16": 2, "float32": 4}
+#: KV-cache element formats by name -> bytes per element (fp8 KV: docs/checkpoints.md §3.6).
+KV_CACHE_FORMATS = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def dtype_bytes(field: str, name: str) -> int:
+    """Bytes per element of ``name`` for ``field`` "dtype" (COMPUTE_DTYPES) or "kv_cache_format"
+    (KV_CACHE_FORMATS). Raises ValueError naming the field, the value and the choices."""
+    table = COMPUTE_DTYPES if field == "dtype" else KV_CACHE_FORMATS
+    if name not in table:
+        raise ValueError(f"{field}={name!r} is not supported; use one of {sorted(table)}")
+    return table[name]
+
 
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("load", "runtime")
@@ -28,6 +51,7 @@ class EngineArgs:
         device_memory_utilization.
     strict_tool_format: refuse to start when the chat template writes tool calls the tool parser
         cannot read (text/tool_format.py); without it that is a warning.
+    threads: intra-op CPU threads per process (None = :func:`choose_num_threads`'s rule).
     """
 
     model: str | None = None
@@ -49,6 +73,7 @@ class EngineArgs:
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0
+    threads: int | None = None
 
 
 def rank_devices(devices: str) -> list[str]:
@@ -63,3 +88,78 @@ def rank_devices(devices: str) -> list[str]:
     if kind == "gpu" and (not rest or all(d.strip().isdigit() for d in rest.split(","))):
         return [f"cuda:{d.strip()}" for d in rest.split(",")] if rest else ["cuda:0"]
     raise ValueError(f"devices={devices!r}: use cpu, cpu:N (N CPU ranks), gpu or gpu:0,1,...")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadChoice:
+    """The intra-op thread count of this process and the rule that chose it (for the banner).
+    ``threads`` is None on GPU deployments (torch's default is kept)."""
+
+    threads: int | None
+    rule: str
+
+
+def choose_num_threads(args: EngineArgs, environ: Mapping[str, str] | None = None) -> ThreadChoice:
+    """The one rule for torch's intra-op thread count, used by every entry point (``m2serve serve``,
+    ``m2serve generate``, the Python ``LLM``) and by every CPU rank (docs/serving.md §12):
+
+    1. ``args.threads`` when set (``--threads N``, ``M2SERVE_THREADS``; ValueError unless N >= 1);
+    2. else ``OMP_NUM_THREADS`` when the environment sets it (a deliberate choice, respected);
+    3. GPU devices: None, torch's default is kept (the host threads only feed the device);
+    4. several CPU processes on this machine — ``cpu:N`` ranks, or torchrun's LOCAL_WORLD_SIZE > 1 —
+       one thread per rank (the ranks already share the cores; more threads only contend);
+    5. one CPU process: one thread per physical core available to it (:func:`physical_cores`;
+       hyper-threads share a core's vector units, and a default of all logical CPUs is what made
+       a loaded machine 5-20x slower).
+    """
+    env = os.environ if environ is None else environ
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"threads={args.threads} must be >= 1 (or unset: physical cores, one per "
+                             f"rank with cpu:N)")
+        return ThreadChoice(args.threads, "--threads")
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1:
+        return ThreadChoice(int(omp), "OMP_NUM_THREADS")
+    if not args.devices.startswith("cpu"):
+        return ThreadChoice(None, "GPU: torch default")
+    ranks = len(rank_devices(args.devices))
+    local = int(env.get("LOCAL_WORLD_SIZE", "1")) if "RANK" in env else 1
+    if max(ranks, local) > 1:
+        return ThreadChoice(1, f"one per rank, {max(ranks, local)} CPU ranks")
+    return ThreadChoice(physical_cores(), "physical cores")
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: the distinct (package, core) pairs of the CPUs in
+    its affinity mask (Linux sysfs topology; a CPU without topology counts as its own core),
+    capped by a cgroup v2 CPU quota (``cpu.max``) when one is set. At least 1."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    n = len(cores)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def apply_num_threads(args: EngineArgs) -> ThreadChoice:
+    """Set torch's intra-op thread count by :func:`choose_num_threads`, log it (the Python API's
+    banner line, INFO) and return the choice."""
+    import torch
+
+    choice = choose_num_threads(args)
+    if choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    log.info("torch intra-op threads: %d (%s)", torch.get_num_threads(), choice.rule)
+    return choice

@@ -1,6 +1,6 @@
 """MiniMax-M2 model configuration from a checkpoint's ``config.json`` + ``generation_config.json``.
 
-Every rule here is spec/model.md §1 (config resolution and validation). The result is a frozen
+Every rule here is docs/model.md §1 (config resolution and validation). The result is a frozen
 dataclass; nothing below reads weights.
 """
 
@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m2serve.config.quant import REFUSED_QUANT_METHODS
+
 log = logging.getLogger(__name__)
 
 _ARCH = "MiniMaxM2ForCausalLM"
 _MODEL_TYPE = "minimax_m2"
 
-# Quantisation methods refused outright, as MAX does (checkpoints.md §4).
-_UNSUPPORTED_QUANT = {"gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF", "bitsandbytes": "bitsandbytes",
-                      "hqq": "HQQ", "aqlm": "AQLM", "exl2": "EXL2", "eetq": "EETQ"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +37,7 @@ class GenerationDefaults:
 
 @dataclass(frozen=True, slots=True)
 class MiniMaxM2Config:
-    """Resolved MiniMax-M2 configuration (spec/model.md §1).
+    """Resolved MiniMax-M2 configuration (docs/model.md §1).
 
     Sizes use the field's standard names: H ``hidden_size``, L ``num_hidden_layers``,
     Hq ``num_attention_heads``, Hkv ``num_key_value_heads``, D ``head_dim``, R ``rotary_dim``,
@@ -88,11 +87,11 @@ class MiniMaxM2Config:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None,
                   source: str = "<dict>") -> MiniMaxM2Config:
-        """Resolve and validate a config dict (spec/model.md §1).
+        """Resolve and validate a config dict (docs/model.md §1).
 
         Raises ValueError naming the field, value and ``source`` file for anything unsupported
         or inconsistent; NotImplementedError for non-default RoPE scaling and for GPTQ/AWQ/GGUF
-        quantisation (checkpoints.md §4).
+        quantisation (docs/checkpoints.md §4).
         """
         gen = generation_config or {}
         archs = cfg.get("architectures") or []
@@ -162,7 +161,7 @@ class MiniMaxM2Config:
         if not 0 < k <= E:
             raise ValueError(f"{source}: num_experts_per_tok={k} must be in [1, num_local_experts={E}]")
 
-        # --- validation table of spec/model.md §1 ---
+        # --- validation table of docs/model.md §1 ---
         checks = [
             ("scoring_func", lambda v: v in (None, "sigmoid"), "'sigmoid'"),
             ("qk_norm_type", lambda v: v in (None, "per_layer"),
@@ -222,9 +221,9 @@ class MiniMaxM2Config:
         quant = mapping("quantization_config")
         if quant is not None:
             method = str(quant.get("quant_method", "")).lower()
-            if method in _UNSUPPORTED_QUANT:
+            if method in REFUSED_QUANT_METHODS:
                 raise NotImplementedError(
-                    f"{_UNSUPPORTED_QUANT[method]} MiniMax-M2 checkpoints are not supported "
+                    f"{REFUSED_QUANT_METHODS[method]} MiniMax-M2 checkpoints are not supported "
                     f"({source}: quantization_config.quant_method={quant.get('quant_method')!r})")
 
         use_bias = cfg.get("use_routing_bias")
@@ -265,11 +264,6 @@ class MiniMaxM2Config:
         return cls.from_dict(cfg, gen, source=str(cfg_file))
 
 
-def load_config(path: str | Path) -> MiniMaxM2Config:
-    """Shorthand for :meth:`MiniMaxM2Config.from_pretrained`."""
-    return MiniMaxM2Config.from_pretrained(path)
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -282,7 +276,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _tokenizer_eos_id(d: Path) -> int | None:
     """Id of tokenizer_config.json's ``eos_token`` among tokenizer.json's added tokens, if any
-    (the fallback of spec/model.md §1 when generation_config.json has no eos_token_id)."""
+    (the fallback of docs/model.md §1 when generation_config.json has no eos_token_id)."""
     tc, tj = d / "tokenizer_config.json", d / "tokenizer.json"
     if not (tc.is_file() and tj.is_file()):
         return None
@@ -300,7 +294,7 @@ def _opt(gen: dict[str, Any], name: str, conv: Any) -> Any:
 
 
 def _first(sources: list[tuple[str, Any]], default: float, source: str) -> float:
-    """First non-None value of ``sources``; warn if later sources disagree (spec/model.md §1)."""
+    """First non-None value of ``sources``; warn if later sources disagree (docs/model.md §1)."""
     present = [(n, float(v)) for n, v in sources if v is not None]
     if not present:
         return default

@@ -1,4 +1,4 @@
-"""Parallelism modes and the one function that selects them (spec/serving.md §1).
+"""Parallelism modes and the one function that selects them (docs/parallelism.md §1).
 
 Pure: no torch.distributed here. The model, every block, shard plans and the memory planner all
 consult :func:`select_parallelism_mode`; nobody re-derives the rule inline.
@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
 
 log = logging.getLogger(__name__)
 
 
 class ParallelismMode(enum.Enum):
-    """How attention and MoE are split across devices (spec/serving.md §1)."""
+    """How attention and MoE are split across devices (docs/parallelism.md §1)."""
 
     TP_TP = "TP_TP"  # heads split; every expert's intermediate dim split
     TP_EP = "TP_EP"  # heads split; whole experts per rank
@@ -25,7 +26,7 @@ class ParallelismMode(enum.Enum):
 
 
 def select_parallelism_mode(num_devices: int, data_parallel_degree: int, ep_size: int) -> ParallelismMode:
-    """Select the parallelism mode (spec/serving.md §1, conditions checked in order).
+    """Select the parallelism mode (docs/parallelism.md §1, conditions checked in order).
 
     ``num_devices`` is the world size: all ranks on all nodes. One device -> DP_EP (local MoE,
     no collectives); data_parallel_degree > 1 -> DP_EP; num_devices > 1 and ep_size > 1 -> TP_EP;
@@ -41,7 +42,7 @@ def select_parallelism_mode(num_devices: int, data_parallel_degree: int, ep_size
 
 
 def dp_attention(mode: ParallelismMode, num_devices: int) -> bool:
-    """True iff the batch is split across devices (spec/serving.md §1)."""
+    """True iff the batch is split across devices (docs/parallelism.md §1)."""
     return mode is ParallelismMode.DP_EP and num_devices > 1
 
 
@@ -67,13 +68,8 @@ class ParallelState:
     group: Any = None
 
     @property
-    def distributed(self) -> bool:
-        """True when collectives run (more than one rank)."""
-        return self.world_size > 1
-
-    @property
     def dp_rank(self) -> int:
-        """Which data-parallel replica this rank is (0 unless the batch is split, serving.md §1)."""
+        """Which data-parallel replica this rank is (0 unless the batch is split, docs/parallelism.md §1)."""
         return self.rank if dp_attention(self.mode, self.world_size) else 0
 
     @property
@@ -82,12 +78,12 @@ class ParallelState:
         return self.mode is ParallelismMode.TP_EP and self.world_size > 1 and not self.ep_use_allreduce
 
 
-# --- what slice of the model one rank holds (spec/serving.md §2) ------------------------------
+# --- what slice of the model one rank holds (docs/parallelism.md §2) ------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class ShardRanges:
-    """Half-open ranges of the global model one rank holds (spec/serving.md §2).
+    """Half-open ranges of the global model one rank holds (docs/parallelism.md §2).
 
     q_heads / kv_heads: attention heads [start, end) of Hq / Hkv (whole heads; q_norm / k_norm
     gamma and o_proj columns follow the same heads). experts: [start, end) of E held by this rank.
@@ -102,7 +98,7 @@ class ShardRanges:
 
 
 def shard_ranges(config: MiniMaxM2Config, state: ParallelState) -> ShardRanges:
-    """The slices of ``config``'s tensors that rank ``state.rank`` holds (spec/serving.md §2).
+    """The slices of ``config``'s tensors that rank ``state.rank`` holds (docs/parallelism.md §2).
 
     Assumes a deployment accepted by :func:`validate_deployment` (divisibility is not re-checked).
     """
@@ -123,16 +119,16 @@ def shard_ranges(config: MiniMaxM2Config, state: ParallelState) -> ShardRanges:
                        experts=experts, intermediate=inter)
 
 
-# --- startup validation (spec/serving.md §5) ---------------------------------------------------
+# --- startup validation (docs/parallelism.md §5) ---------------------------------------------------
 
-# Quantised-expert block widths along I that a TP split must keep whole (serving.md §5 V7).
-_EXPERT_BLOCK = {"fp8": ("FP8 block-quantised", 128), "nvfp4": ("NVFP4-quantised", 16),
-                 "mxfp4": ("MXFP4-quantised", 32)}
+# Quantised-expert block widths along I that a TP split must keep whole (docs/parallelism.md §5 V7).
+_EXPERT_BLOCK = {"fp8": ("FP8 block-quantised", FP8_BLOCK), "nvfp4": ("NVFP4-quantised", NVFP4_GROUP),
+                 "mxfp4": ("MXFP4-quantised", MXFP4_GROUP)}
 
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
-    """A validated deployment: the mode and degrees every rank uses (spec/serving.md §1, §5).
+    """A validated deployment: the mode and degrees every rank uses (docs/parallelism.md §1, §5).
 
     tp_size: attention heads split this many ways (world size under TP_TP / TP_EP, 1 under DP_EP).
     ep_size: whole experts split this many ways (1 = every rank holds every expert).
@@ -170,7 +166,7 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
                         ep_size: int = 1, *, encoding: str = "bf16", ep_use_allreduce: bool = False,
                         device_memory_utilization: float = 0.9, max_batch_size: int = 256,
                         max_batch_input_tokens: int = 8192, num_nodes: int = 1) -> Deployment:
-    """Check the startup rules V1–V10 of spec/serving.md §5 before any weight is read.
+    """Check the startup rules V1–V10 of docs/parallelism.md §5 before any weight is read.
 
     num_devices: the world size (devices per node × nodes). encoding: the checkpoint's weight
     format ("bf16"/"dense", "fp8", "nvfp4", "mxfp4"; any string containing those keys).
@@ -237,7 +233,7 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
     if not _attention_split_ok(config, tp, encoding):
         raise ValueError(f"FP8 block-quantised attention cannot be split {tp} ways "
                          f"({Hkv // tp} KV heads × head_dim {config.head_dim} per rank is not a multiple "
-                         f"of 128); {hint}")
+                         f"of {FP8_BLOCK}); {hint}")
     # V10: ep_use_allreduce is allowed on any number of nodes; it only changes TP_EP.
     if ep_use_allreduce and mode is not ParallelismMode.TP_EP:
         log.warning("ep_use_allreduce has no effect in %s (it only changes TP_EP)", mode.value)

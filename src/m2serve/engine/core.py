@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.kv_cache import KVCacheManager
@@ -42,8 +42,6 @@ from m2serve.parallel.deploy import start_distributed_model
 
 log = logging.getLogger(__name__)
 
-_KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
-_COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(slots=True)
@@ -71,14 +69,13 @@ class EngineStats:
 
 def kv_cache_dtype(name: str) -> torch.dtype:
     """torch dtype for ``kv_cache_format``; ValueError naming the choices."""
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_format={name!r} is not supported; use one of {sorted(_KV_DTYPES)}")
-    return _KV_DTYPES[name]
+    dtype_bytes("kv_cache_format", name)
+    return getattr(torch, name)
 
 
 @dataclass(slots=True)
 class LLMEngine:
-    """Token-ids-in, token-ids-out engine over one model replica (issue 4 items 1–3).
+    """Token-ids-in, token-ids-out engine over one model replica.
 
     Build with :meth:`from_args` (loads the checkpoint) or :meth:`from_model` (an already built
     ``model(batch, kv) -> logits [N, V] fp32``). ``max_length`` is the max context in tokens.
@@ -101,8 +98,7 @@ class LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
-        if args.dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_COMPUTE_DTYPES)}")
+        dtype_bytes("dtype", args.dtype)
         devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
@@ -111,7 +107,7 @@ class LLMEngine:
         if len(devices) > 1:
             model = start_distributed_model(args)
         else:
-            model = load_model(args.model, dtype=_COMPUTE_DTYPES[args.dtype], device=devices[0],
+            model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
                                weight_dequant=args.weight_dequant)
         return cls.from_model(model, config, args, device=devices[0])
 

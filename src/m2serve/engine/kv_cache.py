@@ -1,7 +1,7 @@
 """Paged KV-cache bookkeeping: pages, reference counts, block tables and the prefix cache.
 
 The tensors themselves are a `KVStorage` (model/batch.py); this module only decides which page ids
-each request owns (spec/serving.md §6–§7, issue 4 item 1). Design after vLLM v1's block pool:
+each request owns (docs/serving.md §6–§7). Design after vLLM v1's block pool:
 
 * A page holds ``page_size`` consecutive tokens of one sequence. A request's block table is the
   list of its page ids in order; token at position p lives in slot ``table[p // S] * S + p % S``.
@@ -10,7 +10,7 @@ each request owns (spec/serving.md §6–§7, issue 4 item 1). Design after vLLM
   for something else, so a later request can still hit it.
 * Prefix caching shares FULL pages only, keyed by a hash chain: hash_i = H(hash_{i-1}, tokens of
   page i). A prefix that ends mid-page therefore reuses the full pages before it and recomputes
-  the rest, which keeps it exact (spec/serving.md §7, last paragraph).
+  the rest, which keeps it exact (docs/serving.md §7, last paragraph).
 * Eviction is LRU over the free queue: freed pages are appended at the tail (a request's pages in
   reverse order, so its tail pages, the least likely to be shared, leave first); pages without a
   hash go to the head, as nothing can reuse them. Allocation pops from the head.

@@ -1,4 +1,4 @@
-"""Memory planner: from config.json alone plus the deployment, how many KV pages fit (serving.md §7).
+"""Memory planner: from config.json alone plus the deployment, how many KV pages fit (docs/serving.md §7).
 
 Per device d (every device of a balanced deployment holds the same bytes; the free memory is the
 smallest over the devices):
@@ -26,9 +26,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, rank_devices
+from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
+from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
 from m2serve.formats.detect import Encoding, detect_encoding
 from m2serve.parallel.shard import rank_weight_bytes
 
@@ -36,10 +37,8 @@ log = logging.getLogger(__name__)
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
-#: Reserve per device for collective buffers when more than one device runs (serving.md §7).
+#: Reserve per device for collective buffers when more than one device runs (docs/serving.md §7).
 MULTI_DEVICE_RESERVE = 256 * MiB
-_ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_KV_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 #: Default ceiling of the CPU KV pool per rank (vLLM's CPU KV-cache space default is 4 GiB too).
 CPU_KV_DEFAULT_BYTES = 4 * GiB
 _GPU_KV_SOURCE = "free x device_memory_utilization - static"
@@ -52,7 +51,7 @@ class MemoryPlan:
     weight_bytes: resident weights (what :func:`plan_memory` fits): quantised linears dequantised
       to the compute dtype with ``weight_dequant="load"``, held as stored with ``"runtime"``.
     checkpoint_bytes: the same tensors with quantised linears as stored in the checkpoint
-      (serving.md §7 table; router gate + bias counted in fp32, as held).
+      (docs/serving.md §7 table; router gate + bias counted in fp32, as held).
     activation_bytes: EP buffer estimate (MAX formulas, :func:`ep_activation_bytes`) / devices;
       0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
@@ -110,7 +109,7 @@ def check_page_and_length(args: EngineArgs) -> int:
 
 
 def fit_max_length(requested: int | None, default: int, num_pages: int, page_size: int) -> int:
-    """The longest context one sequence may have, in tokens (spec/serving.md §7).
+    """The longest context one sequence may have, in tokens (docs/serving.md §7).
 
     ``requested`` (the user's max_length, or None) defaults to ``default`` (max_position_embeddings).
     If one such sequence does not fit in ``num_pages`` pages of ``page_size`` tokens, an unset value
@@ -130,7 +129,7 @@ def fit_max_length(requested: int | None, default: int, num_pages: int, page_siz
 
 def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
                 device_memory_gib: float | None = None) -> MemoryPlan:
-    """Plan weights, activations and KV pages for ``args``'s deployment (serving.md §7).
+    """Plan weights, activations and KV pages for ``args``'s deployment (docs/serving.md §7).
 
     ``device_memory_gib`` plans for devices of that size (GiB, per device) instead of measuring
     (hardware you do not have). Otherwise the free memory
@@ -148,8 +147,8 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     P = num_devices(args.devices)
     encoding = checkpoint_encoding(config)
     dep = _deployment(config, args)
-    act = _lookup(_ACT_BYTES, args.dtype, "dtype")
-    kv_elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    act = dtype_bytes("dtype", args.dtype)
+    kv_elem = dtype_bytes("kv_cache_format", args.kv_cache_format)
     if args.weight_dequant not in WEIGHT_DEQUANT_MODES:
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
                          f"use one of {WEIGHT_DEQUANT_MODES}")
@@ -255,7 +254,7 @@ def _cpu_kv_budget(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: in
 def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int, world_size: int) -> int:
     """Bytes of a pool of ``num_pages`` pages per rank for ``args``'s deployment on ``world_size``
     ranks (``args.devices``' count, or torchrun's WORLD_SIZE), for banners."""
-    elem = _lookup(_KV_BYTES, args.kv_cache_format, "kv_cache_format")
+    elem = dtype_bytes("kv_cache_format", args.kv_cache_format)
     tp = _deployment(config, args, world_size).tp_size
     return num_pages * args.kv_cache_page_size * kv_bytes_per_token(config, tp, elem)
 
@@ -272,7 +271,7 @@ def _deployment(config: MiniMaxM2Config, args: EngineArgs, world_size: int | Non
 
 def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -> int:
     """2 (K, V) x L x (Hkv / tp) x D x elem_bytes: 253,952 B for the release in bf16 on one device,
-    31,744 B per device at tp 8 (spec/model.md §4, serving.md §7). fp8 KV scales (one per layer) are
+    31,744 B per device at tp 8 (docs/model.md §4, docs/serving.md §7). fp8 KV scales (one per layer) are
     not counted."""
     kv_heads = config.num_key_value_heads // tp_size
     return 2 * config.num_hidden_layers * kv_heads * config.head_dim * elem_bytes
@@ -281,7 +280,7 @@ def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -
 def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *, num_devices: int,
                         ep_size: int, data_parallel_degree: int, ep_use_allreduce: bool = False,
                         dispatch: str = "bfloat16") -> tuple[int, int]:
-    """MAX's EP buffer estimate (serving.md §7), summed over all devices: (moe_act, ep_buf) bytes.
+    """MAX's EP buffer estimate (docs/serving.md §7), summed over all devices: (moe_act, ep_buf) bytes.
 
     ``dispatch`` is the element type sent by EP dispatch: "fp8" (db 1), "fp4" (packed, db 1 and
     int(H/2 * 1.125) bytes per token, scales included), "bfloat16" / "float16" (db 2, what an
@@ -328,11 +327,11 @@ def _weight_bytes(config: MiniMaxM2Config, state, encoding: Encoding, act: int, 
     dense = rank_weight_bytes(config, state, "bf16", act)
     if not packed or encoding not in (Encoding.NVFP4, Encoding.MXFP4):
         return dense
-    # FP4 releases quantise only the experts (checkpoints.md §7): swap their dense bytes for packed.
+    # FP4 releases quantise only the experts (docs/checkpoints.md §7): swap their dense bytes for packed.
     r = shard_ranges(config, state)
     held = (r.experts[1] - r.experts[0]) * config.num_hidden_layers * 3      # expert linears on this rank
     n_k = config.hidden_size * (r.intermediate[1] - r.intermediate[0])       # elements of one linear
-    group, scale_b, scalars = (16, 1, 8) if encoding is Encoding.NVFP4 else (32, 1, 0)
+    group, scale_b, scalars = (NVFP4_GROUP, 1, 8) if encoding is Encoding.NVFP4 else (MXFP4_GROUP, 1, 0)
     packed_one = n_k // 2 + n_k // group * scale_b + scalars
     return dense - held * n_k * act + held * packed_one
 
@@ -375,12 +374,6 @@ def _available_ram() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024  # kB
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _lookup(table: dict[str, int], name: str, field: str) -> int:
-    if name not in table:
-        raise ValueError(f"{field}={name!r} is not supported; use one of {sorted(table)}")
-    return table[name]
 
 
 def format_plan(plan: MemoryPlan) -> str:

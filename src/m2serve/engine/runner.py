@@ -1,6 +1,6 @@
 """Model runner: turns a scheduled step into a ragged `ForwardBatch` and runs the model.
 
-Layout of the batch is spec/serving.md §6. One step may mix prefill chunks and decodes: request b
+Layout of the batch is docs/serving.md §6. One step may mix prefill chunks and decodes: request b
 contributes tokens [c_b, c_b + n_b) of its sequence (c_b = num_computed_tokens), at positions
 c_b + i, written to slots ``table[p // S] * S + p % S``; attention sees its cached pages plus the
 causal part of its own chunk (context_lens = c_b + n_b).
@@ -43,7 +43,7 @@ def logits_rows(s: ScheduledRequest) -> int:
 
 def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
                 device: torch.device | str = "cpu") -> ForwardBatch:
-    """The `ForwardBatch` of one step (spec/serving.md §6); request order = ``scheduled`` order.
+    """The `ForwardBatch` of one step (docs/serving.md §6); request order = ``scheduled`` order.
 
     Block tables are padded with page 0 (never read: context_lens bounds every read).
     """

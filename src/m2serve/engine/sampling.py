@@ -1,6 +1,6 @@
-"""Sampling parameters, per-request sampler state and the vectorised sampler (spec/serving.md §10).
+"""Sampling parameters, per-request sampler state and the vectorised sampler (docs/serving.md §10).
 
-Order of operations on one step's logits (serving.md §10, "penalties -> temperature (0 = greedy) ->
+Order of operations on one step's logits (docs/serving.md §10, "penalties -> temperature (0 = greedy) ->
 top-k -> top-p -> min-p -> draw"); logit_bias and the min_tokens mask are applied first, before the
 penalties, as vLLM v1 does:
 
@@ -38,7 +38,7 @@ _DEFAULT_TOP_K = 0  # 0 = disabled
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How one request's tokens are chosen and when it stops (spec/serving.md §10).
+    """How one request's tokens are chosen and when it stops (docs/serving.md §10).
 
     ``None`` in ``temperature`` / ``top_p`` / ``top_k`` means "the checkpoint's
     generation_config.json default" (MiniMax-M2: 1.0 / 0.95 / 40); :meth:`resolved` fills them in.
@@ -54,7 +54,7 @@ class SamplingParams:
       counts, for prompt positions), thinking_temperature (used instead of temperature while the
       request is in reasoning), reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051 and
       ``<minimax:tool_call>`` 200052 in the release tokenizer; the serve layer looks them up)
-      and start_in_reasoning (the prompt ends in ``<think>``, chat-and-parsers.md P1).
+      and start_in_reasoning (the prompt ends in ``<think>``, docs/parsers.md P1).
 
     Handled above the engine (serve/):
       stop (strings, detected by the output processor on detokenised text, which then aborts the
@@ -135,7 +135,7 @@ class SamplingParams:
         """A copy with temperature / top_p / top_k taken from ``defaults`` where this request left them
         None (then the sampler's own defaults 1.0 / 1.0 / disabled); top_k <= 0 becomes 0.
 
-        ``defaults`` is ``MiniMaxM2Config.generation`` (generation_config.json, spec/model.md §1).
+        ``defaults`` is ``MiniMaxM2Config.generation`` (generation_config.json, docs/model.md §1).
         """
         def pick(own, default, fallback):
             return own if own is not None else (default if default is not None else fallback)

@@ -3,7 +3,7 @@
 There is no prefill or decode phase (vLLM v1's invariant): each request's
 ``num_computed_tokens`` catches up with its ``num_tokens``. A step gives running requests their
 next chunk first (a decode is a chunk of one), oldest first, then admits waiting requests, while
-ALL tokens of the step stay within ``max_batch_input_tokens`` (spec/serving.md §8) and at most
+ALL tokens of the step stay within ``max_batch_input_tokens`` (docs/serving.md §8) and at most
 ``max_batch_size`` requests run. A prompt longer than the remaining budget is chunked across steps.
 When the KV pool runs out, the newest running request is preempted: its pages are freed and it goes
 back to the front of the waiting queue with ``num_computed_tokens = 0`` (recompute; its generated
@@ -66,7 +66,7 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class Scheduler:
-    """Waiting and running queues over a `KVCacheManager` (spec/serving.md §8).
+    """Waiting and running queues over a `KVCacheManager` (docs/serving.md §8).
 
     max_batch_input_tokens: budget of tokens per step (prefill chunks and decodes alike);
     max_batch_size: most running requests (clamped to the token budget, as in MAX);

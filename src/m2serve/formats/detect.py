@@ -1,4 +1,4 @@
-"""Checkpoint encoding detection (checkpoints.md §4): ``quantization_config`` first, then headers.
+"""Checkpoint encoding detection (docs/checkpoints.md §4): ``quantization_config`` first, then headers.
 
 The checkpoint-level answer (:func:`detect_encoding`) validates the config; the per-linear answer
 (:func:`linear_kind`) comes from each weight's header dtype and its companion tensors, so a
@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m2serve.formats.fp4 import MXFP4_GROUP, NVFP4_GROUP
-from m2serve.formats.safetensors_io import TensorInfo
+from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP, REFUSED_QUANT_METHODS
+from m2serve.formats.safetensors_io import FLOAT_HEADER_DTYPES, TensorInfo
 
-FP8_BLOCK = 128
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 class Encoding(enum.Enum):
-    """Checkpoint weight encoding (checkpoints.md §4)."""
+    """Checkpoint weight encoding (docs/checkpoints.md §4)."""
 
     DENSE = "dense"
     FP8_BLOCK = "fp8_block"
@@ -32,11 +31,11 @@ class Encoding(enum.Enum):
 
 
 class LinearKind(enum.Enum):
-    """How one linear weight is stored (checkpoints.md §4, per-linear table).
+    """How one linear weight is stored (docs/checkpoints.md §4, per-linear table).
 
     NVFP4 is ModelOpt's naming (``weight``, ``weight_scale``, ``weight_scale_2``); NVFP4_CT is
     compressed-tensors' (``weight_packed``, ``weight_scale``, ``weight_global_scale``), whose
-    formula differs (§4: never mix them).
+    formula differs (docs/checkpoints.md §4: never mix them).
     """
 
     DENSE = "dense"
@@ -48,7 +47,7 @@ class LinearKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    """Checkpoint-level quantisation facts (checkpoints.md §4).
+    """Checkpoint-level quantisation facts (docs/checkpoints.md §4).
 
     ``exclude``: the config's ignore / exclude list. ModelOpt and Quark patterns are fnmatch
     globs (``model.layers.0.self_attn*``, ``*self_attn*``); compressed-tensors patterns are exact
@@ -73,7 +72,7 @@ class QuantSpec:
         return None
 
     def check_linear(self, module: str, kind: LinearKind) -> None:
-        """Cross-check one linear's header kind against the config (checkpoints.md §4).
+        """Cross-check one linear's header kind against the config (docs/checkpoints.md §4).
 
         In an FP4 checkpoint a module matched by the ignore / exclude list must not be packed FP4
         (it may be dense or FP8 block), every other linear must be packed in this checkpoint's
@@ -99,9 +98,6 @@ class QuantSpec:
             raise ValueError(f"{module}: {kind.value} weight in a {want.value} checkpoint ({self.source})")
 
 
-_REFUSED = {"gptq": "GPTQ", "awq": "AWQ", "gguf": "GGUF"}
-
-
 def detect_encoding(quant: dict[str, Any] | None, source: str = "config.json") -> Encoding:
     """The checkpoint's encoding from its ``quantization_config`` (None = dense); see :func:`detect_quant`."""
     return detect_quant(quant, source).encoding
@@ -109,7 +105,7 @@ def detect_encoding(quant: dict[str, Any] | None, source: str = "config.json") -
 
 def checkpoint_quant_config(directory: str | Path, quant: dict[str, Any] | None,
                             source: str = "config.json") -> tuple[dict[str, Any] | None, str]:
-    """``(quantization_config, source)`` for a checkpoint directory (checkpoints.md §1, §4).
+    """``(quantization_config, source)`` for a checkpoint directory (docs/checkpoints.md §1, §4).
 
     config.json's ``quantization_config`` wins; only without one is a ModelOpt
     ``hf_quant_config.json`` (``{"quantization": {"quant_algo", "group_size",
@@ -147,10 +143,12 @@ def detect_quant(quant: dict[str, Any] | None, source: str = "config.json") -> Q
     if not quant:
         return QuantSpec(Encoding.DENSE, source=source)
     method = str(quant.get("quant_method", "")).lower()
-    if method in _REFUSED:
-        raise NotImplementedError(f"{_REFUSED[method]} MiniMax-M2 checkpoints are not supported ({source})")
+    if method in REFUSED_QUANT_METHODS:
+        raise NotImplementedError(f"{REFUSED_QUANT_METHODS[method]} MiniMax-M2 checkpoints are not supported "
+                                  f"({source})")
     if method == "fp8":
-        want = {"fmt": "float8_e4m3fn", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        want = {"fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
         for key, val in want.items():
             got = quant.get(key, val if key == "fmt" else None)
             if got != val:
@@ -231,7 +229,7 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> QuantSpec:
 
 
 def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> LinearKind:
-    """Decide how ``weight`` is stored from header dtypes (checkpoints.md §4 per-linear table).
+    """Decide how ``weight`` is stored from header dtypes (docs/checkpoints.md §4 per-linear table).
 
     ``companions`` maps suffixes (``weight_scale_inv``, ``weight_scale``, ...) to their headers.
     Raises ValueError naming the tensor for any combination the table does not list, or an FP8
@@ -242,7 +240,7 @@ def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> Linear
         return _fp4_kind(weight, companions)
     if name.endswith(".weight_packed"):
         raise ValueError(f"{name}: a weight_packed tensor must be U8 (packed FP4), found {weight.dtype}")
-    if weight.dtype in ("BF16", "F16", "F32"):
+    if weight.dtype in FLOAT_HEADER_DTYPES:
         if companions:
             raise ValueError(f"{name}: dense {weight.dtype} weight has unexpected scale tensors "
                              f"{sorted(companions)}")
@@ -254,7 +252,7 @@ def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> Linear
                              f"found {sorted(companions) or 'none'}")
         n, k = weight.shape
         grid = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-        if tuple(scale.shape) != grid or scale.dtype not in ("F32", "BF16", "F16"):
+        if tuple(scale.shape) != grid or scale.dtype not in FLOAT_HEADER_DTYPES:
             raise ValueError(f"{scale.name}: FP8 block scale must be float {list(grid)} for weight "
                              f"{list(weight.shape)}, found {scale.dtype} {list(scale.shape)}")
         return LinearKind.FP8_BLOCK
@@ -268,7 +266,7 @@ _FP4_CONVENTIONS = {  # (compressed-tensors names?) -> kind, second scale, input
 
 
 def _fp4_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> LinearKind:
-    """U8 [N, K/2] packed FP4 weight (checkpoints.md §4 per-linear table).
+    """U8 [N, K/2] packed FP4 weight (docs/checkpoints.md §4 per-linear table).
 
     NVFP4: ``weight_scale`` F8_E4M3 [N, K/16] + an F32 scalar ``weight_scale_2`` (ModelOpt,
     weight named ``.weight``) or ``weight_global_scale`` (compressed-tensors, ``.weight_packed``),

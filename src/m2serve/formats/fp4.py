@@ -1,8 +1,8 @@
-"""FP4 (E2M1) weights: nibble unpacking, NVFP4 and MXFP4 dequantisation (checkpoints.md §5-§6).
+"""FP4 (E2M1) weights: nibble unpacking, NVFP4 and MXFP4 dequantisation (docs/checkpoints.md §5-§6).
 
 Legend: N output rows, K input columns (the packed tensor is [N, K/2] uint8), G = K / group.
 
-Three conventions, never mixed (checkpoints.md §4):
+Three conventions, never mixed (docs/checkpoints.md §4):
 
 - NVFP4, ModelOpt names: ``weight`` U8, ``weight_scale`` e4m3 [N, K/16], ``weight_scale_2`` f32
   scalar multiplier: ``block = fp32(weight_scale) * weight_scale_2``.
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-NVFP4_GROUP = 16
-MXFP4_GROUP = 32
+from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
+
 E8M0_NAN = 255
 
-# E2M1 code -> value (checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
+# E2M1 code -> value (docs/checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class FP4Scheme(enum.Enum):
-    """Which scale convention a packed FP4 weight uses (checkpoints.md §4, §6)."""
+    """Which scale convention a packed FP4 weight uses (docs/checkpoints.md §4, §6)."""
 
     NVFP4_MODELOPT = "nvfp4_modelopt"
     NVFP4_CT = "nvfp4_compressed_tensors"
@@ -46,7 +46,7 @@ class FP4Scheme(enum.Enum):
 def unpack_e2m1(packed: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """Packed E2M1 codes uint8 [..., K/2] -> fp32 values [..., K] (exact; -0 stays -0).
 
-    Low nibble is column 2j, high nibble column 2j+1 (checkpoints.md §5, same in modelopt
+    Low nibble is column 2j, high nibble column 2j+1 (docs/checkpoints.md §5, same in modelopt
     ``nvfp4_tensor.py``, compressed-tensors ``pack_fp4_to_uint8`` and Quark ``utils/pack.py``).
     Raises ValueError naming ``name`` if ``packed`` is not uint8.
     """
@@ -64,7 +64,7 @@ def decode_e8m0(scale: torch.Tensor, name: str = "weight_scale") -> torch.Tensor
     """E8M0 scale bytes uint8 [...] -> fp32 2^(e - 127) (exact; e = 0 gives the subnormal 2^-127).
 
     The bytes are reinterpreted (``float8_e8m0fnu`` view), never numerically converted
-    (checkpoints.md §3.4, §5). Raises ValueError naming ``name`` for a non-uint8 tensor or a
+    (docs/checkpoints.md §3.4, §5). Raises ValueError naming ``name`` for a non-uint8 tensor or a
     code 255 (E8M0 NaN), with the count and the first position.
     """
     if scale.dtype != torch.uint8:
@@ -95,7 +95,7 @@ def _apply_blocks(values: torch.Tensor, block: torch.Tensor, group: int, dtype: 
 
 def dequantize_nvfp4_modelopt(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                               dtype: torch.dtype = torch.float32, name: str = "weight") -> torch.Tensor:
-    """ModelOpt NVFP4 -> dense [N, K] of ``dtype`` (checkpoints.md §6 "NVFP4 (ModelOpt)").
+    """ModelOpt NVFP4 -> dense [N, K] of ``dtype`` (docs/checkpoints.md §6 "NVFP4 (ModelOpt)").
 
     packed uint8 [N, K/2]; weight_scale float8_e4m3fn [N, K/16]; weight_scale_2 fp32 scalar
     (any shape with one element; a per-tensor **multiplier**). ``W = e2m1 * (fp32(ws) * ws2)``
@@ -113,7 +113,7 @@ def dequantize_nvfp4_modelopt(packed: torch.Tensor, weight_scale: torch.Tensor, 
 
 def dequantize_nvfp4_ct(packed: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
                         dtype: torch.dtype = torch.float32, name: str = "weight_packed") -> torch.Tensor:
-    """compressed-tensors NVFP4 -> dense [N, K] of ``dtype`` (checkpoints.md §4 compressed-tensors row).
+    """compressed-tensors NVFP4 -> dense [N, K] of ``dtype`` (docs/checkpoints.md §4 compressed-tensors row).
 
     packed uint8 [N, K/2]; weight_scale float8_e4m3fn [N, K/16]; weight_global_scale fp32
     scalar (= 1 / ModelOpt's weight_scale_2). ``W = e2m1 * (fp32(ws) / wgs)``: a division, as
@@ -132,7 +132,7 @@ def dequantize_nvfp4_ct(packed: torch.Tensor, weight_scale: torch.Tensor, weight
 
 def dequantize_mxfp4(packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype = torch.float32,
                      name: str = "weight") -> torch.Tensor:
-    """MXFP4 (OCP MX, group 32, E8M0 scales) -> dense [N, K] of ``dtype`` (checkpoints.md §6 "MXFP4").
+    """MXFP4 (OCP MX, group 32, E8M0 scales) -> dense [N, K] of ``dtype`` (docs/checkpoints.md §6 "MXFP4").
 
     packed uint8 [N, K/2]; weight_scale uint8 E8M0 [N, K/32] (not transposed).
     ``W = e2m1 * 2^(e - 127)``, exact in fp32; bit-equal to Quark's ``Pack_fp4.unpack`` +

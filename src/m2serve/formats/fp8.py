@@ -1,4 +1,4 @@
-"""FP8 block (128x128, e4m3) quantise / dequantise (checkpoints.md §6, DeepSeek-V3 convention).
+"""FP8 block (128x128, e4m3) quantise / dequantise (docs/checkpoints.md §6, DeepSeek-V3 convention).
 
 ``weight_scale_inv`` is multiplied, despite its name: ``W[i, j] = fp32(q[i, j]) *
 s[i // 128, j // 128]``, one fp32 product, then one rounding to the target dtype.
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 128
+from m2serve.config.quant import FP8_BLOCK
+
 E4M3_MAX = 448.0
 
 
@@ -23,10 +24,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(pn // block, block, pk // block, block)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``w`` [N, K] (any float dtype) to e4m3 with one fp32 scale per block.
 
-    Per block (checkpoints.md §8): ``s = amax / 448`` (1.0 for an all-zero block),
+    Per block (docs/checkpoints.md §8): ``s = amax / 448`` (1.0 for an all-zero block),
     ``q = e4m3(W / s)``. Returns ``q`` float8_e4m3fn [N, K] and ``weight_scale_inv`` = s, float32
     [ceil(N/b), ceil(K/b)].
     """
@@ -40,10 +41,10 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                         block: int = BLOCK) -> torch.Tensor:
+                         block: int = FP8_BLOCK) -> torch.Tensor:
     """``q`` e4m3 [N, K], ``scale_inv`` [ceil(N/b), ceil(K/b)] -> dense [N, K] of ``dtype``.
 
-    fp32(q) * fp32(s) per block, then one cast (checkpoints.md §6). Raises ValueError naming
+    fp32(q) * fp32(s) per block, then one cast (docs/checkpoints.md §6). Raises ValueError naming
     both shapes if the scale grid does not cover q.
     """
     n, k = q.shape
@@ -60,7 +61,7 @@ class PackedFP8:
     """One FP8 block linear weight as stored (loader dispatch; kept so by ``--weight-dequant runtime``).
 
     ``q`` float8_e4m3fn [N, K]; ``scale`` float32 [ceil(N/128), ceil(K/128)] (``weight_scale_inv``,
-    multiplied). :meth:`dequantize` is :func:`dequantize_fp8_block` (checkpoints.md §6).
+    multiplied). :meth:`dequantize` is :func:`dequantize_fp8_block` (docs/checkpoints.md §6).
     """
 
     q: torch.Tensor

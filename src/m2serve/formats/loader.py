@@ -1,4 +1,4 @@
-"""Strict, streaming state-dict loading (checkpoints.md §1, §3, §4, §6).
+"""Strict, streaming state-dict loading (docs/checkpoints.md §1, §3, §4, §6).
 
 :func:`plan_checkpoint` checks every header against the config before any data is read
 (missing / unknown / wrong-shape tensors, unsupported encodings); :func:`iter_weights` then
@@ -74,7 +74,7 @@ def read_checked(plan: LoadPlan, fname: str, rows: tuple[int, int] | None = None
 
 
 def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPlan:
-    """Match the checkpoint's headers against ``config`` (checkpoints.md §3.7 strictness).
+    """Match the checkpoint's headers against ``config`` (docs/checkpoints.md §3.7 strictness).
 
     Raises CheckpointMismatchError listing (first 10) missing tensors, leftover unknown tensors
     or shape mismatches (tensor, expected vs found); ValueError / NotImplementedError from
@@ -99,7 +99,7 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
         if comp is not None:
             companions.setdefault(names.canonical_name(comp[0]), {})[comp[1]] = info
             continue
-        # compressed-tensors names a packed FP4 weight X.weight_packed (checkpoints.md §4)
+        # compressed-tensors names a packed FP4 weight X.weight_packed (docs/checkpoints.md §4)
         canon = names.canonical_name(fname[: -len("_packed")] if fname.endswith(".weight_packed") else fname)
         if canon not in expected:
             unknown.append(fname)
@@ -141,10 +141,11 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
                       cols: tuple[int, int] | None = None) -> torch.Tensor:
     """Dense [N', K'] weight of linear ``name`` (canonical) in ``dtype``, optionally a slice.
 
-    The one dispatch point per linear storage kind (checkpoints.md §4): dense -> cast; FP8 block
-    -> fp32 e4m3 x scale_inv product, one rounding (§6); NVFP4 / MXFP4 -> :func:`packed_linear`
-    then its scheme's fp32 formula, one rounding (§6, formats/fp4.py). ``rows`` / ``cols`` are ``(start,
-    end)`` ranges; for FP8 they must start on a multiple of 128 (ValueError naming the tensor).
+    The one dispatch point per linear storage kind (docs/checkpoints.md §4): dense -> cast; FP8 block
+    -> fp32 e4m3 x scale_inv product, one rounding (docs/checkpoints.md §6); NVFP4 / MXFP4 ->
+    :func:`packed_linear` then its scheme's fp32 formula, one rounding (docs/checkpoints.md §6,
+    formats/fp4.py). ``rows`` / ``cols`` are ``(start, end)`` ranges; for FP8 they must start on a
+    multiple of 128 (ValueError naming the tensor).
     """
     fname = plan.files[name]
     kind = plan.kinds[name]
@@ -168,7 +169,7 @@ def logical_shape(info: TensorInfo) -> tuple[int, ...]:
 
 def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
                   cols: tuple[int, int] | None = None) -> PackedFP4:
-    """FP4 linear ``name`` (canonical) as read from the file, still packed (checkpoints.md §6).
+    """FP4 linear ``name`` (canonical) as read from the file, still packed (docs/checkpoints.md §6).
 
     ``rows`` / ``cols`` are ``(start, end)`` in unpacked coordinates; ``cols`` must be aligned to
     the scheme's group (16 NVFP4, 32 MXFP4), else ValueError naming the tensor. The per-tensor
@@ -192,7 +193,7 @@ def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None
 def packed_fp8(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
                cols: tuple[int, int] | None = None) -> PackedFP8:
     """FP8 block linear ``name`` (canonical) as read from the file: e4m3 codes and the fp32 scale
-    grid of the blocks covering the slice (checkpoints.md §6). ``rows`` / ``cols`` must start on a
+    grid of the blocks covering the slice (docs/checkpoints.md §6). ``rows`` / ``cols`` must start on a
     multiple of 128 (ValueError naming the tensor); an end off the grid keeps its covering block."""
     fname = plan.files[name]
     scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
@@ -266,9 +267,9 @@ def read_input_scales(plan: LoadPlan) -> dict[str, float]:
     """NVFP4 activation scales per FP4 linear (canonical name -> fp32 value), for a future W4A4 path.
 
     ModelOpt ``input_scale`` as stored; compressed-tensors ``input_global_scale`` inverted (it is
-    1 / input_scale, checkpoints.md §4). A linear without one gets 1.0, but only when the
-    checkpoint has at least one (calibration never routed tokens to a few experts; §3.3). Empty
-    when the checkpoint has none. The weight-only path ignores these values.
+    1 / input_scale, docs/checkpoints.md §4). A linear without one gets 1.0, but only when the
+    checkpoint has at least one (calibration never routed tokens to a few experts;
+    docs/checkpoints.md §3.3). Empty when the checkpoint has none. The weight-only path ignores these values.
     """
     found: dict[str, float] = {}
     for canon, comps in plan.companions.items():

@@ -1,6 +1,6 @@
 """Hub weight names: the expected set for a config, spelling variants and drop rules.
 
-checkpoints.md §2 (names and shapes) and §3 (adapter). m2serve keeps the hub names
+docs/checkpoints.md §2 (names and shapes) and docs/checkpoints.md §3 (adapter). m2serve keeps the hub names
 (``model.layers.N.block_sparse_moe.experts.E.w1.weight`` ...) as its canonical names; the
 ``mlp.`` spelling of gate, bias and experts is accepted and mapped onto them.
 """
@@ -12,10 +12,10 @@ import re
 from m2serve.config.model_config import MiniMaxM2Config
 
 # Companion tensors of a quantised linear weight ``X.weight`` are named ``X.<suffix>``.
-# compressed-tensors FP4 names its scalars weight_global_scale / input_global_scale (checkpoints.md §4).
+# compressed-tensors FP4 names its scalars weight_global_scale / input_global_scale (docs/checkpoints.md §4).
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale", "weight_global_scale",
                   "input_global_scale")
-# Optional fp8 KV-cache scales (checkpoints.md §3.6): consumed by the KV cache only.
+# Optional fp8 KV-cache scales (docs/checkpoints.md §3.6): consumed by the KV cache only.
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?([kv])_scale$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MLP_SPELLING = re.compile(r"\.mlp\.(gate\.weight|e_score_correction_bias|experts\.)")
@@ -27,7 +27,7 @@ def canonical_name(name: str) -> str:
 
 
 def drop_reason(name: str, num_hidden_layers: int) -> str | None:
-    """Why a file tensor is dropped (checkpoints.md §3.1-2), or None if it must be consumed.
+    """Why a file tensor is dropped (docs/checkpoints.md §3.1-2), or None if it must be consumed.
 
     Returns ``"mtp"`` for ``model.layers.K.*`` with K >= L, ``"quantizer"`` for ModelOpt
     ``*_quantizer*`` artefacts and ``"inv_freq"`` for ``rotary_emb.inv_freq``.
@@ -43,7 +43,7 @@ def drop_reason(name: str, num_hidden_layers: int) -> str | None:
 
 
 def kv_scale_of(name: str) -> tuple[int, str] | None:
-    """``(layer, "k"|"v")`` if ``name`` is an fp8 KV-cache scale (checkpoints.md §3.6), else None."""
+    """``(layer, "k"|"v")`` if ``name`` is an fp8 KV-cache scale (docs/checkpoints.md §3.6), else None."""
     m = _KV_SCALE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
 
@@ -57,7 +57,7 @@ def split_companion(name: str) -> tuple[str, str] | None:
 
 
 def expected_shapes(cfg: MiniMaxM2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a dense checkpoint of ``cfg`` holds, with its global shape (model.md §2)."""
+    """Every tensor a dense checkpoint of ``cfg`` holds, with its global shape (docs/model.md §2)."""
     H, I, V, E = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_local_experts
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     for n in range(cfg.num_hidden_layers):
@@ -88,5 +88,5 @@ def is_linear(name: str) -> bool:
 
 
 def is_router(name: str) -> bool:
-    """True for the router gate and correction bias, which are held in fp32 (model.md §5.1)."""
+    """True for the router gate and correction bias, which are held in fp32 (docs/model.md §5.1)."""
     return name.endswith(("block_sparse_moe.gate.weight", "e_score_correction_bias"))

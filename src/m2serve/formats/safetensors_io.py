@@ -1,6 +1,6 @@
 """Safetensors checkpoint access: which files, which tensors, header facts, sliced reads.
 
-checkpoints.md §1: with ``model.safetensors.index.json`` exactly the files named in its
+docs/checkpoints.md §1: with ``model.safetensors.index.json`` exactly the files named in its
 ``weight_map`` are read (a stray ``*.safetensors`` beside them is ignored); without an index, a
 single ``model.safetensors``. Headers are parsed and checked against the file size before any
 data is read, so a truncated or corrupt file fails with its name instead of a late crash.
@@ -19,11 +19,13 @@ from safetensors import safe_open
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# Header dtypes accepted (checkpoints.md §1); everything else is an error naming the tensor.
+# Header dtypes accepted (docs/checkpoints.md §1); everything else is an error naming the tensor.
 HEADER_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8,
 }
+#: The float header dtypes a dense tensor (or an FP8 scale) may have.
+FLOAT_HEADER_DTYPES = ("BF16", "F16", "F32")
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -103,7 +105,7 @@ def _index_int(v: object) -> bool:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint directory, in index order (checkpoints.md §1).
+    """The weight files of a checkpoint directory, in index order (docs/checkpoints.md §1).
 
     Raises FileNotFoundError naming a shard the index lists but the directory lacks, or the
     directory when it has neither an index nor ``model.safetensors``.
@@ -164,10 +166,6 @@ class CheckpointReader:
     def close(self) -> None:
         """Release the open file handles."""
         self._handles.clear()
-
-    def total_bytes(self) -> int:
-        """Sum of the data bytes of all tensors (the progress bar's total)."""
-        return sum(t.nbytes for t in self.tensors.values())
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
              cols: tuple[int, int] | None = None) -> torch.Tensor:

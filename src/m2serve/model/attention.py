@@ -1,4 +1,4 @@
-"""Paged GQA attention with cross-head QK norm and partial RoPE (spec/model.md §3 steps 2-8).
+"""Paged GQA attention with cross-head QK norm and partial RoPE (docs/model.md §3 steps 2-8).
 
 Legend: T new tokens in the step, B requests, n_b / L_b new tokens / context (cached + new) of
 request b, Tq most new tokens of one request, Lk longest context, P pages, S page size,
@@ -178,13 +178,13 @@ def read_kv(kv: KVStorage, layer: int, slots: torch.Tensor, dtype: torch.dtype,
 
 
 class MiniMaxM2Attention(nn.Module):
-    """Attention of one decoder layer over this rank's heads (spec/model.md §3 steps 2-8).
+    """Attention of one decoder layer over this rank's heads (docs/model.md §3 steps 2-8).
 
     Weights (hub names under ``self_attn.``): q_proj [Hq·D, H], k_proj / v_proj [Hkv·D, H],
     o_proj [H, Hq·D], q_norm [Hq·D], k_norm [Hkv·D], with Hq / Hkv the LOCAL head counts.
     ``q_width`` / ``k_width`` are the GLOBAL QK-norm widths (Hq·D, Hkv·D of the whole model).
     ``reduce_qk`` sums the [T, 2] QK-norm statistics of q and k over ranks in one call (identity
-    on one rank; spec/serving.md §4). Under TP the output is this rank's o_proj partial sum: the
+    on one rank; docs/parallelism.md §4). Under TP the output is this rank's o_proj partial sum: the
     decoder layer reduces it with the residual (model/collectives.py).
     """
 

@@ -1,4 +1,4 @@
-"""The model's inputs for one step: a ragged batch and the paged KV storage (spec/serving.md §6).
+"""The model's inputs for one step: a ragged batch and the paged KV storage (docs/serving.md §6).
 
 This file is the contract between the engine (which schedules, allocates pages and builds these)
 and the model (which reads and writes them). Legend: T new tokens in the step, B requests,
@@ -80,7 +80,7 @@ class StepHost:
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """One step's ragged batch (spec/serving.md §6).
+    """One step's ragged batch (docs/serving.md §6).
 
     tokens:            int64 [T]   new tokens of all requests, concatenated in request order.
     positions:         int64 [T]   cached_len[b] + i for the i-th new token of request b.
@@ -90,7 +90,7 @@ class ForwardBatch:
     context_lens:      int32 [B]   tokens visible to each request after this step (cached + new).
     return_n_logits:   int or int64 [B]: logits are returned for the last min(n, new tokens)
                        positions of each request (default 1 = last token; a large n = every new
-                       position, for prompt logprobs). Honoured, unlike MAX (spec/serving.md §11.3).
+                       position, for prompt logprobs). Honoured, unlike MAX (docs/serving.md §11.3).
     data_parallel_splits: int64 [dp+1] (DP only) prefix sums of requests per replica.
     host:              the same layout as Python lists (:class:`StepHost`); read from the tensors
                        at construction when not given (one device read, outside the model).
@@ -128,9 +128,9 @@ class KVStorage:
     """Paged KV cache tensors for every layer of this rank (the engine allocates pages in it).
 
     k[l], v[l]: [P, S, Hkv, D] of ``dtype`` (bfloat16, float32 or float8_e4m3fn). K is stored
-    after QK norm and RoPE, V raw (spec/model.md §3 step 6). For float8_e4m3fn the stored value is
+    after QK norm and RoPE, V raw (docs/model.md §3 step 6). For float8_e4m3fn the stored value is
     ``x / scale`` and reads multiply by the per-layer scale (k_scale[l], v_scale[l]; 1.0 unless the
-    checkpoint ships k_scale / v_scale, checkpoints.md §3.6).
+    checkpoint ships k_scale / v_scale, docs/checkpoints.md §3.6).
     """
 
     k: list[torch.Tensor]

@@ -1,4 +1,4 @@
-"""The cross-rank steps of a decoder layer (spec/serving.md §3, §4). Owner: parallelism (issue 8).
+"""The cross-rank steps of a decoder layer (docs/parallelism.md §3, §4).
 
 Legend: T tokens of this rank's step, Tl rows a rank holds between the two TP_EP collectives
 (T padded up to a multiple of P, divided by P), H hidden, k top-k, E experts, El experts per
@@ -6,11 +6,12 @@ rank, N (token, slot) pairs sent, M pairs received, P ranks.
 
 Every function calls ``torch.distributed`` itself with ``parallel.group`` (tests count the calls
 by patching ``torch.distributed``) and runs no collective on one rank. Every rank joins every
-collective of every layer, also with zero local tokens (§3: an absent participant hangs the step).
+collective of every layer, also with zero local tokens (docs/parallelism.md §3: an absent
+participant hangs the step).
 
-Per layer and step (§3 table): TP_TP 3 all_reduce; TP_EP default 1 all_reduce + 1 reduce_scatter
-+ 1 all_gather + 3 all_to_all; TP_EP ep_use_allreduce 3 all_reduce; DP_EP with EP 3 all_to_all;
-one rank or plain DP none.
+Per layer and step (docs/parallelism.md §3 table): TP_TP 3 all_reduce; TP_EP default 1 all_reduce
++ 1 reduce_scatter + 1 all_gather + 3 all_to_all; TP_EP ep_use_allreduce 3 all_reduce; DP_EP
+with EP 3 all_to_all; one rank or plain DP none.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
 
 def uses_ep_exchange(parallel: ParallelState) -> bool:
     """True when the MoE dispatches tokens to the ranks owning their experts (all_to_all):
-    DP_EP with ep_size > 1 and TP_EP without ``ep_use_allreduce`` (spec/serving.md §1, §3)."""
+    DP_EP with ep_size > 1 and TP_EP without ``ep_use_allreduce`` (docs/parallelism.md §1, §3)."""
     if parallel.ep_size <= 1 or parallel.world_size <= 1:
         return False
     return parallel.mode is ParallelismMode.DP_EP or not parallel.ep_use_allreduce
@@ -44,14 +45,14 @@ def uses_ep_exchange(parallel: ParallelState) -> bool:
 
 def reduce_qk_stats(stats: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
     """Phase 2 of the TP QK norm: ONE all_reduce(sum) of the per-token sums of squares of q and k,
-    stats [T, 2] f32 (spec/serving.md §4). Identity without tensor parallelism."""
+    stats [T, 2] f32 (docs/parallelism.md §4). Identity without tensor parallelism."""
     if parallel.tp_size > 1:
         dist.all_reduce(stats, group=parallel.group)
     return stats
 
 
 def attention_residual(x: torch.Tensor, attn: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Add the attention output to the residual (spec/serving.md §3 "after attention").
+    """Add the attention output to the residual (docs/parallelism.md §3 "after attention").
 
     x, attn [T, H] act (attn = this rank's o_proj partial sum under TP). Returns [T, H], or under
     TP_EP default the rank's [Tl, H] rows of ``x + Σ_r attn_r``: rank 0 adds the residual to its
@@ -75,7 +76,7 @@ def attention_residual(x: torch.Tensor, attn: torch.Tensor, parallel: ParallelSt
 
 def moe_residual(x: torch.Tensor, moe: torch.Tensor, parallel: ParallelState,
                  num_tokens: int) -> torch.Tensor:
-    """Add the MoE output to the residual (spec/serving.md §3 "after MoE").
+    """Add the MoE output to the residual (docs/parallelism.md §3 "after MoE").
 
     x, moe [Tl, H] act under TP_EP default: ``x + moe`` on the rank's rows, then one all_gather back
     to [T, H] (the padding rows of :func:`attention_residual` dropped). Otherwise x, moe [T, H]
@@ -102,7 +103,7 @@ def ep_moe(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_local_
            expert_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
            parallel: ParallelState) -> torch.Tensor:
     """Expert-parallel MoE: dispatch each (token, slot) to the rank owning its expert, run the
-    experts there, send the outputs back and combine (spec/serving.md §3 "EP exchange").
+    experts there, send the outputs back and combine (docs/parallelism.md §3 "EP exchange").
 
     h [T, H] act, ids [T, k] int64 global expert ids, weights [T, k] f32. Rank r owns experts
     [r·El, (r+1)·El); ``expert_rows(x [M, H] act, local_ids [M] int64) -> [M, H] act`` runs this

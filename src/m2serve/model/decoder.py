@@ -1,8 +1,8 @@
-"""MiniMax-M2 decoder: layers, MoE block and the causal-LM head (spec/model.md §3).
+"""MiniMax-M2 decoder: layers, MoE block and the causal-LM head (docs/model.md §3).
 
 Legend: T new tokens, N returned logit rows, H hidden, V vocab, E experts, k top-k.
 
-Parameter names follow the hub layout (checkpoints.md §2) except the experts, which are
+Parameter names follow the hub layout (docs/checkpoints.md §2) except the experts, which are
 stacked per rank (experts.py). The model takes a ParallelState (config/parallel.py); local head
 counts and the expert range come from :func:`local_dims`; the cross-rank steps (the QK-norm
 statistics, the attention and MoE residual paths, the EP dispatch/combine) are
@@ -63,7 +63,7 @@ class LocalDims:
 
 def local_dims(cfg: MiniMaxM2Config, parallel: ParallelState) -> LocalDims:
     """Split heads by tp_size; experts by ep_size (TP_EP, DP_EP) or their intermediate dim by
-    tp_size (TP_TP) (spec/serving.md §1). One rank: the whole model.
+    tp_size (TP_TP) (docs/parallelism.md §1). One rank: the whole model.
 
     Raises ValueError naming the count and the size that does not divide it.
     """
@@ -109,7 +109,7 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
-    """Pre-norm layer: x + attn(norm(x)), then x + moe(norm(x)) (spec/model.md §3 steps 1-12)."""
+    """Pre-norm layer: x + attn(norm(x)), then x + moe(norm(x)) (docs/model.md §3 steps 1-12)."""
 
     def __init__(self, cfg: MiniMaxM2Config, dims: LocalDims, parallel: ParallelState,
                  dtype: torch.dtype | None):
@@ -125,7 +125,7 @@ class MiniMaxM2DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext, kv: KVStorage, layer: int) -> torch.Tensor:
         """x [T, H] act -> [T, H] act. Under TP_EP default the MoE runs on this rank's rows of the
-        tokens, between a reduce_scatter and an all_gather (serving.md §3)."""
+        tokens, between a reduce_scatter and an all_gather (docs/parallelism.md §3)."""
         T = x.shape[0]
         x = attention_residual(x, self.self_attn(self.input_layernorm(x), step, kv, layer), self.parallel)
         moe = self.block_sparse_moe(self.post_attention_layernorm(x), step.legacy is not None)

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts over an expert range (spec/model.md §3 step 11, precision trap 2).
+"""Grouped SwiGLU experts over an expert range (docs/model.md §3 step 11, precision trap 2).
 
 Legend: T tokens, k top-k, H hidden, E_loc experts held on this rank ([start, start + E_loc)
 of the global E), I_loc this rank's intermediate size, R (token, slot) rows (T·k, or the rows an
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
-from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
 
 FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes
@@ -103,7 +103,7 @@ class MiniMaxM2Experts(nn.Module):
     Parameters: ``w13`` [E_loc, 2·I_loc, H] (hub w1 rows then w3 rows), ``w2`` [E_loc, H, I_loc].
     Hub tensors are placed with :meth:`load_expert`.
 
-    Runtime dequantisation (``--weight-dequant runtime``, checkpoints.md §6 execution choices):
+    Runtime dequantisation (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices):
     when :meth:`load_expert` receives :class:`PackedFP4` or :class:`PackedFP8` weights, the (never
     filled) dense parameters are dropped and the stored codes and scales become buffers
     ``{w1,w3,w2}_q`` — FP4: uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes),

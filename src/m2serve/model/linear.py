@@ -1,5 +1,5 @@
 """Bias-free linear layer holding its weight [out, in] (uninitialised until loaded), dense or as
-stored in FP8 block form (``--weight-dequant runtime``, checkpoints.md §6 execution choices)."""
+stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
 
 
@@ -43,7 +44,8 @@ class Linear(nn.Module):
             self.act_dtype, device = self.weight.dtype, self.weight.device
             del self.weight
             self.register_buffer("weight_q", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device))
-            self.register_buffer("weight_scale_inv", torch.empty(-(-n // 128), -(-k // 128), device=device))
+            self.register_buffer("weight_scale_inv", torch.empty(-(-n // FP8_BLOCK), -(-k // FP8_BLOCK),
+                                                                   device=device))
             self.packed = True
         if tuple(w.scale.shape) != tuple(self.weight_scale_inv.shape):
             raise ValueError(f"{name}: FP8 scale grid {list(w.scale.shape)}, expected "

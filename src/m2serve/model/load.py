@@ -1,4 +1,4 @@
-"""``load_model``: config + strict streaming load into a MiniMaxM2ForCausalLM (architecture.md)."""
+"""``load_model``: config + strict streaming load into a MiniMaxM2ForCausalLM (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     parallel = parallel or ParallelState()
     with torch.device(device):
         model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)
-    for layer in model.model.layers:  # bias = 0 unless the file has one (model.md §1 use_routing_bias)
+    for layer in model.model.layers:  # bias = 0 unless the file has one (docs/model.md §1 use_routing_bias)
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:
         for name, tensor in iter_weights(plan, dtype, shard, progress,

@@ -1,4 +1,4 @@
-"""RMSNorm in HF order and the cross-head QK norm (spec/model.md §3 steps 1, 3, 9).
+"""RMSNorm in HF order and the cross-head QK norm (docs/model.md §3 steps 1, 3, 9).
 
 Legend: T tokens, W normalised width (H for hidden, Hq·D / Hkv·D for q / k on this rank).
 """
@@ -14,7 +14,7 @@ from torch import nn
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF-order RMSNorm: ``y = x.float() * rsqrt(mean(x², -1) + eps)``, cast to x.dtype, then * γ.
 
-    x [T, W] act, weight [W] act -> [T, W] act (spec/model.md §3, precision trap 3).
+    x [T, W] act, weight [W] act -> [T, W] act (docs/model.md §3, precision trap 3).
     """
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
@@ -23,9 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, global_width: int,
             reduce_sumsq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Cross-head QK norm: ONE RMS statistic per token over all heads (spec/model.md §3 step 3).
+    """Cross-head QK norm: ONE RMS statistic per token over all heads (docs/model.md §3 step 3).
 
-    Two-phase so tensor parallelism only has to reduce the statistic (serving.md §4):
+    Two-phase so tensor parallelism only has to reduce the statistic (docs/parallelism.md §4):
     sum of squares of the local slice -> ``reduce_sumsq`` (identity on one rank) -> divide by the
     GLOBAL element count ``global_width`` (Hq·D or Hkv·D) -> rsqrt -> apply, HF cast order.
     x [T, W_local] act, weight [W_local] act -> [T, W_local] act.
@@ -39,7 +39,7 @@ def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, global_width: int
 def qk_norm_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  eps: float, q_width: int, k_width: int,
                  reduce_stats: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`qk_norm` of q and k with ONE reduction of both statistics (spec/serving.md §4).
+    """:func:`qk_norm` of q and k with ONE reduction of both statistics (docs/parallelism.md §4).
 
     q [T, Wq_local], k [T, Wk_local] act. The local fp32 sums of squares form one [T, 2] tensor
     that ``reduce_stats`` sums over the TP ranks (one all_reduce; identity on one rank); each is

@@ -1,4 +1,4 @@
-"""Partial NeoX rotary position embedding (spec/model.md §3 step 5).
+"""Partial NeoX rotary position embedding (docs/model.md §3 step 5).
 
 Legend: T tokens, Hh heads, D head_dim, R rotary_dim (rotated dims [0, R); [R, D) untouched).
 """
@@ -11,7 +11,7 @@ import torch
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """``inv_freq[j] = 1 / θ^(2j/R)``, j < R/2, in fp32 — exponent normalised by R, not D.
 
-    -> [R/2] f32 (spec/model.md §3 step 5, precision trap 5).
+    -> [R/2] f32 (docs/model.md §3 step 5, precision trap 5).
     """
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
@@ -26,7 +26,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (j, j + R/2) of dims [0, R) by the angle of each token; copy dims [R, D).
 
     x [T, Hh, D] act, cos/sin [T, R/2] f32 -> [T, Hh, D] act. Math in fp32, one cast
-    (rotate-half, not interleaved; spec/model.md §3 step 5).
+    (rotate-half, not interleaved; docs/model.md §3 step 5).
     """
     half = cos.shape[-1]
     c, s = cos[:, None, :], sin[:, None, :]

@@ -1,4 +1,4 @@
-"""fp32 sigmoid router with correction bias (spec/model.md §3 step 10, precision trap 1).
+"""fp32 sigmoid router with correction bias (docs/model.md §3 step 10, precision trap 1).
 
 Legend: T tokens, H hidden, E experts (global; the router is replicated on every rank), k top-k.
 """

@@ -1,5 +1,5 @@
 """Start a multi-rank model for the engine: spawned ranks (``--devices cpu:N`` / ``gpu:0,1,…``)
-or torchrun ranks (env:// rendezvous, multi-node). spec/serving.md §1, §5.
+or torchrun ranks (env:// rendezvous, multi-node). docs/parallelism.md §1, §5.
 
 Rank 0 (the engine process) gets a :class:`~m2serve.parallel.worker.DistributedModel`, which has
 the single-process model's call contract; every other rank loads its shard and serves steps
@@ -23,15 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from m2serve.config.engine_args import EngineArgs, rank_devices
+from m2serve.config.engine_args import (
+    EngineArgs,
+    apply_num_threads,
+    choose_num_threads,
+    dtype_bytes,
+    rank_devices,
+)
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, ParallelState, validate_deployment
 from m2serve.formats.detect import detect_encoding
 from m2serve.parallel.launch import DEFAULT_TIMEOUT_S, init_from_env, spawn_workers
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 
 def plan_deployment(args: EngineArgs, world_size: int,
@@ -50,9 +53,8 @@ def plan_deployment(args: EngineArgs, world_size: int,
 
 
 def _dtype(args: EngineArgs) -> torch.dtype:
-    if args.dtype not in _DTYPES:
-        raise ValueError(f"dtype={args.dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[args.dtype]
+    dtype_bytes("dtype", args.dtype)
+    return getattr(torch, args.dtype)
 
 
 def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str) -> Any:
@@ -61,8 +63,11 @@ def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str
     return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant)
 
 
-def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str]) -> None:
-    """A spawned rank: load its shard, serve steps until rank 0 says stop."""
+def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str],
+                threads: int | None) -> None:
+    """A spawned rank: set rank 0's thread choice, load its shard, serve steps until rank 0 says stop."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     state = dep.state(rank)
     model = load_rank(args, state, devices[rank])
     worker_loop(model, state, devices[rank])
@@ -78,7 +83,8 @@ def start_distributed_model(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT
     devices = rank_devices(args.devices)
     config, dep = plan_deployment(args, len(devices))
     _dtype(args)  # refuse a bad dtype before any process starts
-    workers = spawn_workers(len(devices), _serve_rank, (args, dep, devices),
+    threads = choose_num_threads(args).threads
+    workers = spawn_workers(len(devices), _serve_rank, (args, dep, devices, threads),
                             devices=devices, timeout_s=timeout_s)
     state = dep.state(0)
     model = DistributedModel(load_rank(args, state, devices[0]), state, workers)
@@ -97,6 +103,7 @@ def join_torchrun(args: EngineArgs, timeout_s: float = DEFAULT_TIMEOUT_S,
     """
     kind = "cpu" if args.devices.startswith("cpu") else "cuda"
     rank, world, device = init_from_env(kind, timeout_s)
+    apply_num_threads(args)  # --threads overrides the one-per-rank default on every rank
     nodes = num_nodes or int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")))
     _, dep = plan_deployment(args, world, nodes)
     state = dep.state(rank)

@@ -1,7 +1,8 @@
-"""Process launch and process groups: one process per device (spec/serving.md §1–§3).
+"""Process launch and process groups: one process per device (docs/parallelism.md §1–§3).
 
-CPU ranks use gloo (``torch.set_num_threads(1)`` per rank so P ranks share the cores instead of
-oversubscribing them); CUDA ranks use NCCL with one GPU per rank (``cuda:{local rank}``). Every
+CPU ranks use gloo with one intra-op thread per rank (config/engine_args.py
+``choose_num_threads``: P ranks share the cores instead of oversubscribing them); CUDA ranks use
+NCCL with one GPU per rank (``cuda:{local rank}``). Every
 collective has a timeout, so a dead peer turns into an error instead of a hang.
 
 Two ways to get ranks:
@@ -29,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from m2serve.config.engine_args import EngineArgs, choose_num_threads
+
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -47,7 +50,8 @@ def init_process_group(rank: int, world_size: int, *, device: str = "cpu", init_
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Join the default process group; returns this rank's torch device.
 
-    device "cpu": gloo, one intra-op thread. device "cuda:N": NCCL on GPU N; plain "cuda": GPU
+    device "cpu": gloo, one intra-op thread per rank when world_size > 1 (choose_num_threads).
+    device "cuda:N": NCCL on GPU N; plain "cuda": GPU
     ``LOCAL_RANK`` (torchrun sets it; else ``rank``). ``init_method`` is
     "env://" (MASTER_ADDR / MASTER_PORT) or "tcp://host:port". Every collective of the group fails
     after ``timeout_s`` seconds instead of waiting for a dead peer.
@@ -59,7 +63,7 @@ def init_process_group(rank: int, world_size: int, *, device: str = "cpu", init_
         backend = "nccl"
     else:
         dev = torch.device("cpu")
-        torch.set_num_threads(1)
+        torch.set_num_threads(choose_num_threads(EngineArgs(devices=f"cpu:{world_size}")).threads or 1)
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,7 +1,8 @@
-"""Shard plans: which slice of each checkpoint tensor a rank reads (spec/serving.md §2).
+"""Shard plans: which slice of each checkpoint tensor a rank reads (docs/parallelism.md §2).
 
 A plan is a function ``plan(name, shape) -> (dim, start, end) | None | "skip"`` over hub tensor
-names (checkpoints.md §2; the ``mlp.`` / ``gate_proj`` spellings of §3 are accepted too):
+names (docs/checkpoints.md §2; the ``mlp.`` / ``gate_proj`` spellings of docs/checkpoints.md §3
+are accepted too):
 ``None`` = read the whole tensor (replicated), ``"skip"`` = this rank does not hold it (an expert
 outside its EP range), ``(dim, start, end)`` = read ``[start, end)`` along ``dim``. The loader
 applies it with ``safe_open(...).get_slice`` so a rank never reads more than its share.
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
+from m2serve.config.quant import FP8_BLOCK
 
 Slice = tuple[int, int, int]  # (dim, start, end)
 Plan = Callable[[str, Sequence[int]], "Slice | None | str"]
@@ -31,7 +33,6 @@ Plan = Callable[[str, Sequence[int]], "Slice | None | str"]
 _ATTN = re.compile(r"(?:^|\.)layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(\w+)$")
 _EXPERT = re.compile(r"(?:^|\.)layers\.\d+\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                      r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
-_FP8_BLOCK = 128
 _COLUMN_SPLIT = {"o_proj", "w2", "down_proj"}
 
 
@@ -80,11 +81,11 @@ def _slice(name: str, kind: str, shape: Sequence[int], dim: int, full: int, star
     n = int(shape[dim])
     if n == full:
         return dim, start, end
-    block = _FP8_BLOCK if kind == "weight_scale_inv" else (full // n if full % n == 0 else 0)
+    block = FP8_BLOCK if kind == "weight_scale_inv" else (full // n if full % n == 0 else 0)
     if block == 0 or start % block or (end % block and end != full):
         raise ValueError(f"{name}: cannot cut [{start}, {end}) of {full} along dim {dim} on its grid of "
                          f"{n} entries; choose a parallel layout whose per-rank width is a multiple of "
-                         f"the block (serving.md §5 V7)")
+                         f"the block (docs/parallelism.md §5 V7)")
     return dim, start // block, -(-end // block)
 
 
@@ -95,7 +96,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
     encoding "fp8": linear weights (attention + experts) F8_E4M3 (1 B) with fp32
     ``weight_scale_inv`` grids [⌈N/128⌉, ⌈K/128⌉]; any other encoding: dense linears of
     ``act_bytes``. Norms, embedding and lm_head use ``act_bytes``; router gate and correction
-    bias are fp32 (checkpoints.md §2, model.md §5.1).
+    bias are fp32 (docs/checkpoints.md §2, docs/model.md §5.1).
     """
     H, D, I, E = config.hidden_size, config.head_dim, config.intermediate_size, config.num_local_experts
     q, kv, V = config.num_attention_heads * D, config.num_key_value_heads * D, config.vocab_size
@@ -105,7 +106,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
     def linear(name: str, n: int, k: int) -> None:
         out.append((f"{name}.weight", (n, k), 1 if fp8 else act_bytes))
         if fp8:
-            out.append((f"{name}.weight_scale_inv", (-(-n // 128), -(-k // 128)), 4))
+            out.append((f"{name}.weight_scale_inv", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), 4))
 
     out.append(("model.embed_tokens.weight", (V, H), act_bytes))
     for layer in range(config.num_hidden_layers):
@@ -129,7 +130,7 @@ def checkpoint_tensors(config: MiniMaxM2Config, encoding: str = "bf16",
 def rank_weight_bytes(config: MiniMaxM2Config, state: ParallelState, encoding: str = "bf16",
                       act_bytes: int = 2) -> int:
     """Bytes of the checkpoint tensors (:func:`checkpoint_tensors`) that ``state``'s rank reads
-    under its shard plan (spec/serving.md §7 "hand-derived weight bytes")."""
+    under its shard plan (docs/serving.md §7 "hand-derived weight bytes")."""
     plan = make_shard_plan(config, state)
     total = 0
     for name, shape, itemsize in checkpoint_tensors(config, encoding, act_bytes):

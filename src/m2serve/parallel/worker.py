@@ -1,12 +1,13 @@
-"""Rank 0 drives the model on every rank; the other ranks run :func:`worker_loop` (serving.md §1, §3, §6).
+"""Rank 0 drives the model on every rank; the other ranks run :func:`worker_loop` (docs/parallelism.md §1, §3;
+docs/serving.md §6).
 
 Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0 (torch
 sends it as a size broadcast plus a payload broadcast) and, under DP_EP with dp > 1 only, ONE
 ``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
 the full hidden states (replicated lm_head), so rank 0 already holds all logits.
 
-DP_EP replicas (``data_parallel_splits``, §6): rank 0 orders the requests replica by replica and
-each rank runs its replica's requests. A request stays on the replica that ran its first token
+DP_EP replicas (``data_parallel_splits``, docs/serving.md §6): rank 0 orders the requests replica by
+replica and each rank runs its replica's requests. A request stays on the replica that ran its first token
 (its KV pages live there): replicas are assigned round-robin when a request starts at position
 0 and remembered by the request's first page id (a request keeps its first page until it
 finishes or is preempted; preemption recomputes from position 0 and is assigned afresh). Every
@@ -102,7 +103,7 @@ def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
 
 
 def logit_counts(batch: ForwardBatch) -> list[int]:
-    """Logit rows each request returns: min(return_n_logits, new tokens) (serving.md §6)."""
+    """Logit rows each request returns: min(return_n_logits, new tokens) (docs/serving.md §6)."""
     offs = batch.input_row_offsets.tolist()
     n = batch.return_n_logits
     ns = n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else [int(n)] * (len(offs) - 1)
@@ -110,7 +111,7 @@ def logit_counts(batch: ForwardBatch) -> list[int]:
 
 
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
-    """Replica ``replica``'s requests [splits[r], splits[r+1]) of a DP batch (serving.md §6)."""
+    """Replica ``replica``'s requests [splits[r], splits[r+1]) of a DP batch (docs/serving.md §6)."""
     s = batch.data_parallel_splits.tolist()
     return select_requests(batch, list(range(s[replica], s[replica + 1])))
 

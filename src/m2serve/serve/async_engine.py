@@ -1,4 +1,4 @@
-"""The engine in its own thread, shared by all HTTP requests (issue 5 item 3).
+"""The engine in its own thread, shared by all HTTP requests.
 
 One engine thread owns the :class:`~m2serve.serve.llm.LLM` (engine + text pipeline). HTTP handlers
 (on the asyncio loop) never touch it: they put ``add`` / ``abort`` commands into a thread-safe

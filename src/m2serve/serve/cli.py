@@ -1,4 +1,4 @@
-"""The ``m2serve`` console script: ``serve``, ``generate`` and ``plan`` (issue 5 item 5, issue 4 items 5–6).
+"""The ``m2serve`` console script: ``serve``, ``generate`` and ``plan``.
 
 Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...). Every option can
 also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
@@ -14,16 +14,18 @@ run the model's steps until rank 0 stops.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, EngineArgs
 
 log = logging.getLogger("m2serve")
 
@@ -59,6 +61,25 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "log_level": "warning",
 }
 PLAN_DEFAULTS: dict[str, Any] = {"device_memory_gib": None, "log_level": "warning"}
+# What an unset option (default None) means, for --help: every option shows its default.
+UNSET_MEANING: dict[str, str] = {
+    "config_file": "none",
+    "model": "the embedded tiny-chat checkpoint",
+    "max_length": "the config's max_position_embeddings, capped to the KV cache",
+    "num_kv_pages": "the memory planner's count",
+    "served_model_name": "the --model value, else the checkpoint directory's name",
+    "chat_template": "the checkpoint's chat_template.jinja",
+    "thinking_temperature": "the request's temperature",
+    "threads": "one per physical core; one per rank with cpu:N; OMP_NUM_THREADS if set",
+    "api_key": "none, no authentication",
+    "max_queue_size": "unbounded",
+    "prompts": "a few built-in chat prompts, run as chats",
+    "prompts_file": "none",
+    "top_p": "the checkpoint's generation_config.json",
+    "top_k": "the checkpoint's generation_config.json",
+    "sampling_seed": "unseeded",
+    "device_memory_gib": "measured free memory",
+}
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
 
 
@@ -75,16 +96,16 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by serve, generate and plan (MAX names)."""
     a = p.add_argument
     a("--config-file", help="recipe YAML with MAX keys (recipes/*.yaml)")
-    a("--model", help="checkpoint directory or hub id (default: the embedded default checkpoint)")
+    a("--model", help="checkpoint directory or hub id")
     a("--devices", help="cpu | cpu:N (N CPU ranks) | gpu | gpu:0,1,...")
     a("--data-parallel-degree", type=int)
     a("--ep-size", type=int)
     a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None)
     a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
-    a("--max-length", type=int, help="max context in tokens (default: the config's max_position_embeddings)")
+    a("--max-length", type=int, help="max context in tokens")
     a("--device-memory-utilization", type=float)
     a("--kv-cache-page-size", type=int)
-    a("--kv-cache-format", choices=["bfloat16", "float32", "float8_e4m3fn"])
+    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank (default: min(4, what max-batch-size x max-length needs))")
     a("--weight-dequant", choices=["load", "runtime"])
@@ -94,7 +115,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--served-model-name")
-    a("--dtype", choices=["bfloat16", "float32"], help="compute dtype")
+    a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
     a("--max-batch-size", type=int, help="max running requests")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
@@ -104,6 +125,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
       help="refuse to start when the chat template writes tool calls the tool parser cannot read")
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
+    a("--threads", type=int, help="intra-op CPU threads per process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
     _add_engine_flags(g)
-    g.add_argument("prompts", nargs="*", help="prompts (default: a few built-in chat prompts, run as chats)")
+    g.add_argument("prompts", nargs="*", help="prompts")
     g.add_argument("--prompts-file", help="one prompt per line")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -148,13 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show_defaults(p: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
-    """Append ``(default: X)`` to the help of every flag with a non-None default. The flags' own
-    defaults stay None, so an unset flag still falls through to environment / recipe / defaults."""
+    """Append ``(default: X)`` to the help of every option: its value, or for an unset (None) one
+    what unset means (``UNSET_MEANING``). The flags' own defaults stay None, so an unset flag still
+    falls through to environment / recipe / defaults. ``%`` is escaped for argparse's formatting."""
     for act in p._actions:
-        value = defaults.get(act.dest)
-        if value is None or act.help == argparse.SUPPRESS or act.dest == "help":
+        if act.help == argparse.SUPPRESS or act.dest == "help":
             continue
-        act.help = f"{act.help or ''} (default: {value})".lstrip()
+        value = defaults.get(act.dest)
+        shown = UNSET_MEANING.get(act.dest, "none") if value is None else value
+        help_text = (act.help or "").replace(" (default: the embedded default checkpoint)", "")
+        act.help = f"{help_text} (default: {str(shown).replace('%', '%%')})".lstrip()
 
 
 def resolve_options(
@@ -221,8 +246,8 @@ def torchrun_world_size(environ: dict[str, str] | None = None) -> int:
 
 def _join_torchrun(opts: dict[str, Any]) -> Any:
     """Join a torchrun deployment: rank 0 gets an engine around its DistributedModel; every other
-    rank serves the model's steps until rank 0 stops, then gets None (spec/serving.md: rank 0
-    hosts the HTTP server and the scheduler)."""
+    rank serves the model's steps until rank 0 stops, then gets None (rank 0 hosts the HTTP
+    server and the scheduler, docs/parallelism.md)."""
     from m2serve.config.model_config import MiniMaxM2Config
     from m2serve.engine.core import LLMEngine
     from m2serve.parallel.deploy import join_torchrun
@@ -264,7 +289,10 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 
 
 def banner(llm: Any, opts: dict[str, Any]) -> str:
-    """The start-up banner: model, encoding, parallel mode, KV pages, max context, URL."""
+    """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
+    KV pages, max context, and for ``serve`` the URL."""
+    import torch
+
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
 
@@ -272,19 +300,44 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     world = max(num_devices(llm.args.devices), torchrun_world_size())
     mode = select_parallelism_mode(world, llm.args.data_parallel_degree, llm.args.ep_size)
     stats = llm.engine.stats
-    url = f"http://{opts['host']}:{opts['port']}/v1"
+    url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
-        f"devices {llm.args.devices} mode {mode.value} | KV {stats.kv_pages_total} pages x "
-        f"{stats.kv_page_size} tokens ({llm.args.kv_cache_format}, "
+        f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
+        f"({llm.threads.rule}) | KV {stats.kv_pages_total} pages x {stats.kv_page_size} tokens "
+        f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | {url}"
+        f"max context {llm.max_length}{url}"
     )
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound (and listening) before anything slow happens, so a taken
+    port fails in milliseconds and uvicorn serves on this very socket (no check-then-bind race).
+    SO_REUSEADDR as uvicorn sets it (a port in TIME_WAIT is reusable; a listening one is not).
+    Raises OSError "port N in use ..." for EADDRINUSE, other OSErrors (bad host, no permission) as
+    they come."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} in use on {host}: stop the process that holds it or choose "
+                          f"another --port") from e
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown.
 
+    The listening socket is bound first (:func:`bind_listen_socket`; a taken port is an OSError
+    before the model loads), then the model loads and uvicorn serves on that socket.
     ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
     On SIGTERM uvicorn stops accepting connections and gives in-flight requests
     ``grace_period`` seconds; then the engine aborts what is left and the process exits 0.
@@ -295,6 +348,11 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     from m2serve.serve.async_engine import AsyncEngine
     from m2serve.serve.metrics import ServerMetrics
 
+    # Only the process that hosts HTTP binds: a torchrun rank > 0 never serves HTTP.
+    sock = bind_listen_socket(opts["host"], int(opts["port"])) if os.environ.get("RANK", "0") == "0" else None
+    if sock is not None:
+        opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
+    log.info("loading model %s", opts.get("model") or "(the embedded default)")
     llm = llm or _make_llm(opts)
     if llm is None:  # a torchrun worker rank: it served steps until rank 0 shut down
         return 0
@@ -322,7 +380,7 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     # that re-raise is a no-op and the process exits 0 instead of dying from the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[sock])
     return 0
 
 
@@ -351,6 +409,7 @@ def run_generate(opts: dict[str, Any]) -> int:
     llm = _make_llm(opts)
     if llm is None:  # a torchrun worker rank
         return 0
+    print(banner(llm, opts), file=sys.stderr, flush=True)
     params = SamplingParams(
         temperature=opts["temperature"],
         top_p=opts.get("top_p"),
@@ -418,16 +477,23 @@ def check_options(command: str, opts: dict[str, Any]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``m2serve`` console script; returns the exit status."""
+    """Entry point of the ``m2serve`` console script; returns the exit status.
+
+    Usage errors (exit 2) print the usage of the subcommand they belong to: an unknown or
+    mistyped flag of ``serve`` shows ``usage: m2serve serve ...``, not the top-level usage."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    command_parser = next(a for a in parser._actions
+                          if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         opts = resolve_options(ns, parser)
     except ValueError as e:
-        parser.error(str(e))
+        command_parser.error(str(e))
     problem = check_options(ns.command, opts)
     if problem:
-        parser.error(problem)
+        command_parser.error(problem)
     logging.basicConfig(
         level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,7 +1,7 @@
-"""The offline ``LLM`` API: text in, text out, on top of the token-id engine (issue 4 item 6).
+"""The offline ``LLM`` API: text in, text out, on top of the token-id engine.
 
 ``LLM`` is where the engine (token ids) and the text layer (tokenizer, chat template, parser) meet
-(STYLE.md: only in serve/). The HTTP server drives the same object from its engine thread
+(docs/architecture.md: only in serve/). The HTTP server drives the same object from its engine thread
 (async_engine.py), so the per-request text pipeline — detokenise, stop strings, parser — is
 written once, here and in output.py.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from m2serve.config.engine_args import EngineArgs
+from m2serve.config.engine_args import EngineArgs, apply_num_threads
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
@@ -33,7 +33,7 @@ from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
-from m2serve.text.template import ChatTemplate, TemplateError
+from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, ChatTemplate, TemplateError
 from m2serve.text.tokenizer import Tokenizer
 from m2serve.text.tool_format import check_tool_format
 
@@ -129,7 +129,7 @@ class ChoiceAccumulator:
             self.out.finish_reason = d.finish_reason
 
     def result(self) -> CompletionOutput:
-        """The accumulated choice; empty reasoning/content are None (spec P7)."""
+        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7)."""
         o = self.out
         o.text = "".join(self._text)
         o.reasoning = "".join(self._reasoning) or None
@@ -183,6 +183,7 @@ class LLM:
         path = resolve_model(model)
         self.model_path = Path(path)
         self.args = EngineArgs(model=str(path), **engine_args)
+        self.threads = apply_num_threads(self.args)  # docs/serving.md §12, before any weight loads
         self.served_model_name = self.args.served_model_name or (model or self.model_path.name)
         self.config = MiniMaxM2Config.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
@@ -227,13 +228,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """Render a conversation with the checkpoint's template (chat-and-parsers.md §2).
+        """Render a conversation with the checkpoint's template (docs/parsers.md §2).
 
         Raises the text layer's TemplateError (the server answers 400) for invalid messages and
         for chat_template_kwargs that would replace render's own arguments.
         """
         kwargs = dict(chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+        clash = sorted(set(kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
         if clash:
             raise TemplateError(
                 f"chat_template_kwargs may not set {', '.join(clash)} (reserved template variables)"
@@ -252,7 +253,7 @@ class LLM:
         return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(self.reasoning_parser)
 
     def chat_params(self, params: SamplingParams, prompt: str) -> SamplingParams:
-        """Add the reasoning-state fields the sampler needs for thinking_temperature (serving.md §10)."""
+        """Add the reasoning-state fields the sampler needs for thinking_temperature (docs/serving.md §10)."""
         thinking = params.thinking_temperature
         if thinking is None:
             thinking = self.thinking_temperature
@@ -386,7 +387,7 @@ class LLM:
         """Chat completion for one conversation (returns one result) or a list of them (a list).
 
         The template renders ``messages`` and ``tools``; the parser splits reasoning, content and
-        tool calls (chat-and-parsers.md §3).
+        tool calls (docs/parsers.md §3).
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)

@@ -1,4 +1,4 @@
-"""Prometheus metrics for the server (spec/serving.md §10, issue 5 item 1).
+"""Prometheus metrics for the server (docs/serving.md §10).
 
 One :class:`ServerMetrics` per server, on its own ``CollectorRegistry`` (no process-global
 registry, so tests can run several apps in one process). Units: seconds for latencies.

@@ -1,15 +1,16 @@
-"""Output processor: token ids from the engine -> text deltas (spec chat-and-parsers.md §1, §3).
+"""Output processor: token ids from the engine -> text deltas (docs/parsers.md §1, §3).
 
 One :class:`OutputProcessor` per request (per choice when n > 1). Each engine output goes through,
 in order:
 
 1. the incremental detokeniser (text layer; holds back incomplete UTF-8, keeps the four parser
    tags as text, drops other special tokens);
-2. stop strings, matched on the raw decoded text (§1) by the same detokeniser: the match and
+2. stop strings, matched on the raw decoded text (docs/parsers.md §1) by the same detokeniser: the match and
    everything after it is never emitted, also when it is split across tokens (a suffix that may
    still become a stop string is held back until it is decided). A match finishes the request
    with ``finish_reason="stop"``; the caller aborts it in the engine (``stop_hit``);
-3. for chat, the streaming reasoning / tool-call parser (§3), fed the text that survived step 2.
+3. for chat, the streaming reasoning / tool-call parser (docs/parsers.md §3), fed the text that
+   survived step 2.
 
 Finish reasons follow P19: ``length`` when the token limit stopped generation, else ``tool_calls``
 when at least one call was returned, else ``stop``.
@@ -78,7 +79,6 @@ class OutputProcessor:
         self.finished = False
         self.num_output_tokens = 0
         self.num_reasoning_tokens = 0
-        self.output_text: list[str] = []
 
     def process(
         self,
@@ -113,18 +113,12 @@ class OutputProcessor:
         if self.decoder.stopped:
             finished, finish_reason, out.stop_hit = True, "stop", True
         out.text = emit
-        self.output_text.append(emit)
         self._parse(out, emit, finished)
         if finished:
             self.finished = True
             out.finished = True
             out.finish_reason = self._finish_reason(finish_reason)
         return self._stamp(out)
-
-    @property
-    def text(self) -> str:
-        """All raw text emitted so far."""
-        return "".join(self.output_text)
 
     def _count(self, token_ids: list[int]) -> None:
         self.num_output_tokens += len(token_ids)

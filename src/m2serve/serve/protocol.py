@@ -1,9 +1,9 @@
-"""OpenAI-compatible request and response types (spec/serving.md §10, chat-and-parsers.md §3).
+"""OpenAI-compatible request and response types (docs/serving.md §10, docs/parsers.md §3).
 
 Pydantic lives only here, at the HTTP edge. Requests forbid unknown fields, so a misspelt field
 is a 400 naming it rather than a silently ignored option. Responses mirror the OpenAI shapes the
 official ``openai`` client parses; extensions (``reasoning_content``, ``top_k`` ...) are listed in
-serving.md §10.
+docs/serving.md §10.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
 
 
 class _SamplingFields(OpenAIModel):
-    """Fields shared by chat and completions requests: the OpenAI ones and serving.md §10 extensions."""
+    """Fields shared by chat and completions requests: the OpenAI ones and docs/serving.md §10 extensions."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=64)
@@ -79,7 +79,7 @@ class _SamplingFields(OpenAIModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # extensions (serving.md §10)
+    # extensions (docs/serving.md §10)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)

@@ -1,4 +1,4 @@
-"""Deployment recipes: YAML files with MAX's recipe keys (spec/serving.md §9).
+"""Deployment recipes: YAML files with MAX's recipe keys (docs/serving.md §9).
 
 Schema (every key optional; unknown keys are an error naming the key and its path)::
 
@@ -70,7 +70,7 @@ class RuntimeSection(_Strict):
 
 
 class Recipe(_Strict):
-    """A validated recipe (spec/serving.md §9)."""
+    """A validated recipe (docs/serving.md §9)."""
 
     trust_remote_code: bool | None = None
     model: ModelSection = Field(default_factory=ModelSection)

@@ -8,7 +8,7 @@
   when online and missing.
 
 For planning without weights (:func:`resolve_config`), a hub id also resolves to the public
-config shipped in ``m2serve/checkpoints/hub_configs/<org>/<name>/config.json`` (issue 5 item 4).
+config shipped in ``m2serve/checkpoints/hub_configs/<org>/<name>/config.json``.
 """
 
 from __future__ import annotations

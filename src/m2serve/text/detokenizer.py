@@ -1,4 +1,4 @@
-"""Incremental detokenisation for streaming (spec chat-and-parsers.md §1).
+"""Incremental detokenisation for streaming (docs/parsers.md §1).
 
 Each ``push`` decodes only a short window of ids: the text of ``ids[prefix:]`` minus the text of
 ``ids[prefix:read]`` is the new text, emitted only when it does not end in U+FFFD (a character
@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: the checkpoint's :class:`Tokenizer`.
         skip_special_tokens: drop special tokens except the four parser tags (``<think>``,
-            ``</think>``, ``<minimax:tool_call>``, ``</minimax:tool_call>``), which stay text (§1).
+            ``</think>``, ``<minimax:tool_call>``, ``</minimax:tool_call>``), which stay text
+            (docs/parsers.md §1).
         stop: stop strings matched on the decoded text; the match and what follows are never
             emitted, and a suffix that may still become one is held back. ``stopped`` turns True
             at a match; later pushes return "".

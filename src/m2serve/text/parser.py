@@ -1,6 +1,6 @@
 """One streaming parser for MiniMax-M2 output: reasoning, content and tool calls in a single pass.
 
-The normative policy is spec chat-and-parsers.md §3, rules P1–P26; comments cite the rule they
+The normative policy is docs/parsers.md §3, rules P1–P26; comments cite the rule they
 implement. The machine reads the decoded text once, left to right: every feed appends the chunk to a
 small buffer that holds only what is still undecided (a possible partial tag, a trailing newline that
 may be dropped, a tool-call name waiting for its ``>``), so the cost is linear in the output length.
@@ -194,7 +194,7 @@ class _Param:
 
 
 class StreamingParser:
-    """Incremental reasoning + tool-call parser for one chat-completion request (spec §3).
+    """Incremental reasoning + tool-call parser for one chat-completion request (docs/parsers.md §3).
 
     Args:
         tools: the request's OpenAI tool list (``[{"type": "function", "function": {"name", "parameters"}}]``)
@@ -257,11 +257,8 @@ class StreamingParser:
                        _State.PARAM_NAME: self._step_name, _State.PLAIN: self._step_plain}
 
     # ---------------------------------------------------------------- public API
-    def feed(self, text: str, token_ids: Sequence[int] | None = None) -> ParserDelta:
-        """Consume the next decoded text chunk; return what can be emitted now (P21, P22).
-
-        ``token_ids`` is accepted for interface symmetry; the text alone decides (P21).
-        """
+    def feed(self, text: str) -> ParserDelta:
+        """Consume the next decoded text chunk; return what can be emitted now (P21, P22)."""
         if self._pos == len(self._buf) and "<" not in text:
             try:
                 if self._feed_plain(text):
@@ -672,7 +669,7 @@ class StreamingParser:
 
 def parse_output(text: str, tools: Sequence[Mapping[str, Any]] | None = None, mode: Mode = "split",
                  prompt_tail: str = "") -> ParsedOutput:
-    """Non-streaming parse of a whole generation with the same machine (spec §3).
+    """Non-streaming parse of a whole generation with the same machine (docs/parsers.md §3).
 
     Returns reasoning / content (None when empty) and the closed, declared tool calls with their
     P17 arguments strings. Raises ValueError only for an unknown ``mode``.

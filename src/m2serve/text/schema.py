@@ -2,7 +2,7 @@
 
 The model writes every argument as raw text between ``<parameter name=KEY>`` and ``</parameter>``;
 this module turns that text into a JSON value using ``tools[i].function.parameters.properties[KEY]``
-(spec chat-and-parsers.md §3.4, rules P14–P16). Pure functions, no state.
+(docs/parsers.md §3.4, rules P14–P16). Pure functions, no state.
 """
 
 from __future__ import annotations

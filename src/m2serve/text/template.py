@@ -1,7 +1,7 @@
-"""Chat-template rendering in a transformers-compatible jinja2 sandbox (spec chat-and-parsers.md §2).
+"""Chat-template rendering in a transformers-compatible jinja2 sandbox (docs/parsers.md §2).
 
 The checkpoint's own template is rendered (``chat_template.jinja``, else ``tokenizer_config.json``
-``chat_template``); the format is never hard-coded here. Messages are normalised first (§2
+``chat_template``); the format is never hard-coded here. Messages are normalised first (docs/parsers.md §2
 "Message normalisation"): tool-call arguments given as JSON strings are parsed, each tool call gets
 top-level ``name``/``arguments`` copies, reasoning aliases become ``reasoning_content``, null or
 missing content becomes ``""`` (never the text ``None``), text-part lists are joined — except a tool
@@ -26,7 +26,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from m2serve.text.tokenizer import token_text
 
-_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "unk_token")
+# Variables render() sets itself; chat_template_kwargs may not replace them (serve/ imports this).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                               "unk_token")
 _REASONING_ALIASES = ("reasoning", "thinking")
 
 
@@ -61,7 +63,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def make_environment() -> ImmutableSandboxedEnvironment:
-    """The sandbox of spec §2: trim_blocks, lstrip_blocks, loopcontrols, tojson, raise_exception,
+    """The sandbox of docs/parsers.md §2: trim_blocks, lstrip_blocks, loopcontrols, tojson, raise_exception,
     strftime_now (``namespace`` is a jinja2 built-in). Python internals are denied by the sandbox."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
@@ -134,7 +136,7 @@ class ChatTemplate:
         messages: OpenAI-style dicts; tools: OpenAI tool dicts or None; chat_template_kwargs become
         template variables (they may not replace the reserved ones). Raises TemplateError.
         """
-        bad = sorted(set(chat_template_kwargs) & set(_RESERVED))
+        bad = sorted(set(chat_template_kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
         if bad:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(bad)} "
                                 "(reserved template variables)")

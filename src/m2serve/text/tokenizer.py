@@ -1,6 +1,6 @@
 """Token ids <-> text for MiniMax-M2 checkpoints, on the ``tokenizers`` library.
 
-Spec chat-and-parsers.md §1: byte-level BPE from the checkpoint's ``tokenizer.json``; prompts are
+docs/parsers.md §1: byte-level BPE from the checkpoint's ``tokenizer.json``; prompts are
 encoded with no added special tokens (the chat template writes ``]~!b[`` itself) and special-token
 strings inside the text map to their single ids. The special tokens are resolved by their text at
 load time; a missing one is an error naming it.
@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 
@@ -37,8 +38,23 @@ THINK_END = "</think>"
 TOOL_CALL = "<minimax:tool_call>"
 TOOL_CALL_END = "</minimax:tool_call>"
 REQUIRED_TOKENS = (BOS, ROLE, EOS, THINK, THINK_END, TOOL_CALL, TOOL_CALL_END)
-# The four parser tags reach the parser as text even when special tokens are skipped (§1).
+# The four parser tags reach the parser as text even when special tokens are skipped (docs/parsers.md §1).
 PARSER_TAGS = (THINK, THINK_END, TOOL_CALL, TOOL_CALL_END)
+PAD = "]!p~["
+UNK = "]!d~["
+# The tokens a MiniMax-M2 tokenizer adds after its BPE vocabulary, in the release's order (ids 200000
+# onward there): the control tokens are special, the parser tags are ordinary added tokens.
+CONTROL_TOKENS = (PAD, ROLE, EOS, UNK, BOS)
+ADDED_TOKENS = CONTROL_TOKENS + PARSER_TAGS
+
+
+def add_minimax_tokens(backend: _HFTokenizer) -> None:
+    """Append ``ADDED_TOKENS`` to a freshly trained ``tokenizers`` BPE, as the embedded checkpoints'
+    trainers do: ``CONTROL_TOKENS`` as special tokens (dropped by ``skip_special_tokens``), the four
+    ``PARSER_TAGS`` as non-special added tokens, so any decoder (ours, transformers') yields them as
+    text (docs/parsers.md §1). Each becomes one token; none is normalised."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in PARSER_TAGS])
 
 
 class Tokenizer:
@@ -123,7 +139,7 @@ class Tokenizer:
         Base tokens of a byte-level BPE are stored in the GPT-2 byte alphabet (each byte 0-255 as one
         printable character); they are mapped back to their bytes. Added tokens, and vocabularies that
         are not byte-level, give their text encoded as UTF-8. Used for OpenAI logprob ``bytes``.
-        An id with no token (the embedding is padded past the tokenizer, model.md §1) gives b"".
+        An id with no token (the embedding is padded past the tokenizer, docs/model.md §1) gives b"".
         """
         tok = self._tok.id_to_token(token_id)
         if tok is None:
@@ -144,7 +160,7 @@ class Tokenizer:
         """Text of ``token_ids``.
 
         With ``skip_special_tokens`` the special tokens are dropped except the four parser tags,
-        which stay as text (spec §1). Invalid UTF-8 becomes U+FFFD.
+        which stay as text (docs/parsers.md §1). Invalid UTF-8 becomes U+FFFD.
         """
         ids = list(token_ids)
         if skip_special_tokens:

@@ -1,0 +1,53 @@
+"""``--help`` shows every default, and a mistyped flag prints its own subcommand's usage."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from m2serve.serve.cli import build_parser
+
+EXE = str(Path(sys.executable).with_name("m2serve"))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_option_of_every_subcommand_shows_its_default():
+    subs = _subcommands(build_parser())
+    assert set(subs) == {"serve", "generate", "plan"}
+    missing = []
+    for name, sp in subs.items():
+        for act in sp._actions:
+            if act.dest == "help":
+                continue
+            if (act.help or "").count("(default:") != 1:
+                missing.append(f"{name} {'/'.join(act.option_strings) or act.dest}: {act.help!r}")
+    assert not missing, "options whose --help shows no default (or two):\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "plan"])
+def test_help_text_prints_the_defaults(command):
+    r = subprocess.run([EXE, command, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    assert f"usage: m2serve {command}" in text
+    assert ("--max-batch-input-tokens MAX_BATCH_INPUT_TOKENS tokens per step, prefill chunks and decodes "
+            "together (default: 8192)") in text
+    if command == "serve":
+        assert "--port PORT (default: 8000)" in text and "--host HOST (default: 127.0.0.1)" in text
+
+
+@pytest.mark.parametrize("command, flag", [("serve", "--prot"), ("generate", "--max-tokns"),
+                                           ("plan", "--bogus")])
+def test_mistyped_flag_prints_its_subcommand_usage(command, flag):
+    r = subprocess.run([EXE, command, flag, "8001"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"usage: m2serve {command} "), r.stderr
+    assert f"m2serve {command}: error: unrecognized arguments: {flag}" in r.stderr
