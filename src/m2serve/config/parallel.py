@@ -248,9 +248,9 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
 
 
 def _attention_split_ok(config: MiniMaxM2Config, tp: int, encoding: str) -> bool:
-    """FP8 block-quantised K/V projections split by whole 128-row blocks: (Hkv/tp * D) % 128 == 0."""
+    """FP8 block-quantised K/V projections split by whole 128-row blocks: (Hkv/tp * D) % FP8_BLOCK == 0."""
     return (_encoding_key(encoding) != "fp8" or tp == 1
-            or (config.num_key_value_heads // tp * config.head_dim) % 128 == 0)
+            or (config.num_key_value_heads // tp * config.head_dim) % FP8_BLOCK == 0)
 
 
 def _expert_split_ok(I: int, tp: int, encoding: str) -> bool:

@@ -19,6 +19,15 @@ from typing import Protocol
 
 import torch
 
+#: Bits per int32 word of the allowed-token bitmask (llguidance's layout).
+BITMASK_WORD_BITS = 32
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words per bitmask row: ceil(vocab_size / BITMASK_WORD_BITS)."""
+    return -(-vocab_size // BITMASK_WORD_BITS)
+
+
 
 class TokenConstraint(Protocol):
     """What the engine needs from a per-request constraint (see the module docstring)."""

@@ -21,7 +21,7 @@ import torch
 
 from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.engine.constraint import TokenConstraint
+from m2serve.engine.constraint import TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput
@@ -255,7 +255,7 @@ class LLMEngine:
         B, V = logits.shape
         allowed = None
         if any(r.constraint is not None for r in reqs):
-            bitmask = torch.full((B, -(-V // 32)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
+            bitmask = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
             for b, r in enumerate(reqs):
                 if r.constraint is not None:
                     r.constraint.fill_bitmask(bitmask, b)

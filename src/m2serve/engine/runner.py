@@ -8,7 +8,7 @@ causal part of its own chunk (context_lens = c_b + n_b).
 The batch is built once per step on the host from the scheduler's Python lists: the tensors are
 copied to the device through pinned memory with ``non_blocking=True`` on CUDA, and the same
 lists travel with the batch (model/batch.py ``StepHost``), so the model sizes and indexes the
-step without reading anything back from the device (issue 17 item 3).
+step without reading anything back from the device.
 
 Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
 """

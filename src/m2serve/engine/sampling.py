@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from m2serve.config.model_config import GenerationDefaults
+from m2serve.engine.constraint import BITMASK_WORD_BITS, bitmask_words
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` count accepted (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
@@ -252,7 +253,7 @@ class SamplingState:
 
     def observe(self, token_id: int) -> None:
         """The reasoning state after ``token_id`` was generated (called once per token, by
-        ``Scheduler.update_from_output``; chat-and-parsers.md P1)."""
+        ``Scheduler.update_from_output``; docs/parsers.md P1)."""
         if self.in_reasoning:
             self.num_reasoning_tokens += 1
             if token_id in self.params.reasoning_end_token_ids:
@@ -486,7 +487,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState |
            allowed: torch.Tensor | None = None) -> SamplerOutput:
     """Draw one token per row from ``logits`` [B, V] f32; pure (no state changes).
 
-    Order (serving.md §10, logit_bias and min_tokens first as in vLLM v1): logit_bias -> min_tokens
+    Order (docs/serving.md §10, logit_bias and min_tokens first as in vLLM v1): logit_bias -> min_tokens
     mask (eos + stop ids -inf) -> repetition / presence / frequency penalties (``penalties``
     rows) -> ``allowed`` bitmask -> temperature (greedy rows: argmax here) -> top-k -> top-p ->
     min-p -> draw. ``allowed``: int32 [B, ceil(V / 32)], bit j of word i allows token 32 i + j
@@ -575,11 +576,11 @@ def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     """x [B, V] with tokens whose bit is 0 in ``allowed`` int32 [B, ceil(V / 32)] set to -inf
     (bit j of word i = token 32 i + j, llguidance's layout). ValueError on a wrong shape / dtype."""
     B, V = x.shape
-    W = -(-V // 32)
+    W = bitmask_words(V)
     if allowed.dtype != torch.int32 or tuple(allowed.shape) != (B, W):
         raise ValueError(f"allowed bitmask {allowed.dtype} {tuple(allowed.shape)} must be int32 [{B}, {W}] "
                          f"(B rows, ceil(V / 32) words for V = {V})")
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    shifts = torch.arange(BITMASK_WORD_BITS, dtype=torch.int32, device=x.device)
     bits = (allowed.to(x.device).unsqueeze(-1) >> shifts) & 1                  # [B, W, 32]
     return x.masked_fill(bits.flatten(1)[:, :V] == 0, -math.inf)
 
@@ -587,7 +588,7 @@ def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
 def _apply_penalties(x: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState) -> torch.Tensor:
     """Repetition (prompt + output tokens: positive logits / r, negative * r), presence and
     frequency (output tokens: x -= presence * [count > 0] + frequency * count), on [B, V] from the
-    rows' device counts (serving.md §10; OpenAI / vLLM definitions). Rows without penalties read
+    rows' device counts (docs/serving.md §10; OpenAI / vLLM definitions). Rows without penalties read
     the zero row with r = 1, presence = frequency = 0, which leaves them unchanged."""
     counts = penalties.counts.index_select(0, batch.penalty_rows)             # [B, V] int32
     out = counts > 0

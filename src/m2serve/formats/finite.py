@@ -1,4 +1,4 @@
-"""Non-finite values in checkpoint tensors, found on the stored bytes at load (issue 16 item 7).
+"""Non-finite values in checkpoint tensors, found on the stored bytes at load.
 
 A NaN or inf in any weight, norm or scale makes every answer garbage ("!!!!…") while the server
 looks healthy, so the loader refuses such a checkpoint with the tensor named. Each check is one or

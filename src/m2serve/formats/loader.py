@@ -218,7 +218,7 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
     (``--weight-dequant runtime``): FP8 block linears come as :class:`PackedFP8` (:func:`packed_fp8`)
     and FP4 expert weights as :class:`PackedFP4` (:func:`packed_linear`), dequantised later when
     used (per forward, per active expert). Router gate and correction
-    bias: float32 whatever the file holds (model.md §5.1). Everything else: ``dtype``.
+    bias: float32 whatever the file holds (docs/model.md §5.1). Everything else: ``dtype``.
     ``shard`` is the rank's slice hook (module docstring). Raises CorruptTensorError for a
     tensor (or scale) holding NaN / inf, before it reaches the model. A tqdm bar counts bytes read; it is
     shown when ``progress`` is True, or by default when stderr is a terminal.

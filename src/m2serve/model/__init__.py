@@ -1,4 +1,4 @@
-"""Forward math of MiniMax-M2 (spec/model.md §3) and ``load_model``.
+"""Forward math of MiniMax-M2 (docs/model.md §3) and ``load_model``.
 
 ``load_model`` and ``MiniMaxM2ForCausalLM`` are imported on first use: importing the forward math
 (model/decoder.py and below) then needs torch only, while ``load_model`` brings the safetensors

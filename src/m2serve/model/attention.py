@@ -8,7 +8,7 @@ The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]
 after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
 causally.
 
-:func:`attend` (issue 17 item 2) is the one attention seam: ``attend(q, kv, layer, step, scale)``
+:func:`attend` is the one attention seam: ``attend(q, kv, layer, step, scale)``
 reads each request's REAL context from its pages (varlen over the block tables and context
 lengths of the step context, model/step.py), never a [B, Lk_max] padded copy, so one layer's
 scratch is the K/V rows of the requests, Σ_b ceil(L_b / S)·S, not B × Lk. CPU implementation:
@@ -239,7 +239,7 @@ def read_pages(kv: KVStorage, layer: int, pages: torch.Tensor, length: int,
 
 
 def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale: float) -> torch.Tensor:
-    """Causal GQA of each request's new tokens over its pages (spec/model.md §3 step 7).
+    """Causal GQA of each request's new tokens over its pages (docs/model.md §3 step 7).
 
     q [T, Hq, D] act (request order, spans ``step.host.query_starts``) -> [T, Hq·D] act. Query
     head h reads KV head h // G; ``softmax(q·kᵀ · scale + causal) · v`` per request, through
@@ -274,7 +274,7 @@ def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale:
 def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Causal GQA over each request's cached + new tokens, padded: the legacy path and test
-    reference of :func:`attend` (spec/model.md §3 step 7).
+    reference of :func:`attend` (docs/model.md §3 step 7).
 
     q [T, Hq, D] act -> [T, Hq·D] act. Query head h reads KV head h // G (heads folded, see
     the module docstring);

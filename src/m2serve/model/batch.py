@@ -7,7 +7,7 @@ rank, D head_dim.
 
 A batch carries its layout twice: as tensors (on the model's device) and as Python lists
 (:class:`StepHost`), so the model sizes and indexes everything from the host copy and never reads
-a device tensor back (no host sync inside ``model.forward``; issue 17 item 3). Builders that
+a device tensor back (no host sync inside ``model.forward``). Builders that
 have the lists (engine/runner.py, model/simple_cache.py) pass them; otherwise the lists are read
 from the tensors once, when the batch is built.
 """

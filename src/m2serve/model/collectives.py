@@ -109,9 +109,9 @@ def ep_moe(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_local_
     [r·El, (r+1)·El); ``expert_rows(x [M, H] act, local_ids [M] int64) -> [M, H] act`` runs this
     rank's experts. Three all_to_all_single: the per-rank pair counts, the dispatch (token rows
     with the local expert id appended as one extra column: exact in bf16 for El ≤ 256) and the
-    combine. Returns ``Σ_slots w · y`` [T, H] f32 (model.md §3 step 11; the caller casts once).
+    combine. Returns ``Σ_slots w · y`` [T, H] f32 (docs/model.md §3 step 11; the caller casts once).
 
-    The forward's one host read (issue 17 item 3, tested in tests/parallel/test_grouped_paths.py):
+    The forward's one host read (tested in tests/parallel/test_grouped_paths.py):
     ``all_to_all_single`` takes its split sizes as Python ints, so the exchanged counts are read
     back once per layer (``send_counts`` / ``recv_counts``.tolist(), one device sync); the
     receiving rank then runs its rows grouped (``expert_rows`` = MiniMaxM2Experts.rows). A

@@ -9,7 +9,7 @@ statistics, the attention and MoE residual paths, the EP dispatch/combine) are
 model/collectives.py (no collective runs on one rank).
 
 The forward builds one :class:`~m2serve.model.step.StepContext` per step (model/step.py) and runs
-without a host sync on one rank (issue 17 item 3): grouped experts (experts.py), varlen paged
+without a host sync on one rank: grouped experts (experts.py), varlen paged
 attention (attention.py :func:`attend`), logit rows and page ids from the batch's host lists. The
 EP exchange's counts all_to_all is the one read-back (model/collectives.py :func:`ep_moe`).
 
@@ -97,7 +97,7 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, legacy: bool = False) -> torch.Tensor:
         """h [T, H] act -> [T, H] act: route, grouped experts (here, or on their owners' ranks via
-        the EP exchange), fp32 combine, partial sums reduced, one cast (serving.md §3).
+        the EP exchange), fp32 combine, partial sums reduced, one cast (docs/parallelism.md §3).
         ``legacy``: the per-active-expert loop (benchmark switch)."""
         weights, ids = self.gate(h, self.e_score_correction_bias)
         if uses_ep_exchange(self.parallel):

@@ -4,7 +4,7 @@ Legend: T tokens, k top-k, H hidden, E_loc experts held on this rank ([start, st
 of the global E), I_loc this rank's intermediate size, R (token, slot) rows (T·k, or the rows an
 EP rank received), N rows routed to one expert.
 
-Grouped execution (issue 17 item 1): every (token, slot) row of the layer is sorted by its
+Grouped execution: every (token, slot) row of the layer is sorted by its
 local expert (stable), ``offsets`` int32 [E_loc] are the end of each expert's run
 (a scatter-add count, then cumsum), and ONE :meth:`MiniMaxM2Experts.grouped_rows` call runs all
 experts: ``torch.nn.functional.grouped_mm`` for w13, SwiGLU, ``grouped_mm`` for w2. The number

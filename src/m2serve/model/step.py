@@ -1,4 +1,4 @@
-"""The step context: everything a forward needs, built once per step from host lists (issue 17 item 3).
+"""The step context: everything a forward needs, built once per step from host lists.
 
 Legend: T new tokens in the step, B requests, N returned logit rows, S page size, R rotary_dim,
 n_b / L_b new tokens / context (cached + new) of request b.

@@ -1,4 +1,4 @@
-"""App assembly: routers, middleware, error mapping and the access log (spec/serving.md §10, issue 19).
+"""App assembly: routers, middleware, error mapping and the access log (docs/serving.md §10).
 
 The APIs live in their own modules (serve/openai/*, serve/anthropic/*), as module-level handlers
 reading their context (:class:`ServeContext`) from ``app.state.ctx``; all of them reach the engine

@@ -1,4 +1,4 @@
-"""The one API-neutral path from a request to the engine and back (issue 19 item 1, STYLE.md §2).
+"""The one API-neutral path from a request to the engine and back (STYLE.md §2).
 
 Every API module (serve/openai/*, serve/anthropic/*) converts its wire request into a
 :class:`ChatJob` (or, for /v1/completions, prompt token ids and :class:`SamplingParams`), and the
@@ -185,7 +185,7 @@ def render_prompt(
     add_generation_prompt: bool = True,
     messages_param: str = "messages",
 ) -> str:
-    """The chat template's rendering (chat-and-parsers.md §2); template errors are 400s."""
+    """The chat template's rendering (docs/parsers.md §2); template errors are 400s."""
     msgs = [dict(m) for m in messages]
     for m in msgs:  # OpenAI's "developer" role is the system role of newer models
         if m.get("role") == "developer":

@@ -1,5 +1,5 @@
 """What every handler reads from ``app.state.ctx``: settings, the async engine, the model's capabilities,
-the thinking sealer and the stored responses (issue 19 item 1)."""
+the thinking sealer and the stored responses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server's one error type and its two wire shapes (spec/serving.md §10, issue 19).
+"""The server's one error type and its two wire shapes (docs/serving.md §10).
 
 Every API module raises :class:`APIError` (status, message, the field at fault); the app renders it
 in the shape of the API that was called: OpenAI's ``{"error": {"message", "type", "param", "code"}}``

@@ -1,4 +1,4 @@
-"""Thinking signatures and sealed reasoning under one per-server key (issue 19 items 2 and 3).
+"""Thinking signatures and sealed reasoning under one per-server key.
 
 Anthropic's ``thinking`` blocks carry a ``signature`` the server can verify when a client sends the
 block back; the Responses API's ``reasoning.encrypted_content`` carries the reasoning itself, opaque to
@@ -64,5 +64,5 @@ class Sealer:
 
     def _keystream(self, nonce: bytes, n: int) -> bytes:
         blocks = (hmac.new(self._enc, nonce + i.to_bytes(8, "big"), hashlib.sha256).digest()
-                  for i in range((n + 31) // 32))
+                  for i in range(-(-n // hashlib.sha256().digest_size)))
         return b"".join(blocks)[:n]

@@ -5,7 +5,7 @@ vLLM ``structured_outputs``) gets a ``GrammarConstraint``. The engine asks it fo
 bitmask before sampling (``fill_bitmask``) and tells it each sampled token (``accept_token``); the
 engine's ``TokenConstraint`` protocol is satisfied by duck typing (text/ may not import engine/).
 
-Output shape (spec chat-and-parsers.md §2-§3), S = the body below:
+Output shape (docs/parsers.md §2-§3), S = the body below:
 
 - reasoning ``inside`` (the prompt ends with ``<think>``, P1): ``REASONING </think> \\n\\n S``;
 - reasoning ``may_open`` (chat prompt not ending in ``<think>``, P2):
@@ -78,6 +78,10 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 _STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
                     "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
                     "writeOnly"}  # the last eight are annotations
+
+#: Bits per int32 word of llguidance's token bitmask (the engine's TokenConstraint layout,
+#: engine/constraint.py BITMASK_WORD_BITS; text/ cannot import engine/).
+_WORD_BITS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +327,7 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(tokenizer.stop_token_ids)
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=list(self.eos_token_ids))
-        self.words = (vocab_size + 31) // 32
+        self.words = -(-vocab_size // _WORD_BITS)
         self._max_cached = max_cached
         self._cache: dict[tuple[str, str], llguidance.LLMatcher] = {}
         # int32 [W] rows: what a forced </think> may be (plus tokens finishing a UTF-8 character), and
@@ -359,7 +363,7 @@ class GrammarCompiler:
         """int32 [W] row with exactly ``ids`` allowed."""
         words = [0] * self.words
         for tid in ids:
-            words[tid // 32] |= 1 << (tid % 32)
+            words[tid // _WORD_BITS] |= 1 << (tid % _WORD_BITS)
         # bit 31 is the int32 sign bit, as in the llguidance layout
         return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 

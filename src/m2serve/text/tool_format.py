@@ -4,7 +4,7 @@ A ``--chat-template`` asking the model for another tool-call format (MiniMax-M1'
 ``<tool_calls>`` JSON, say) with the ``minimax_m2`` parser serves every call as plain content with
 ``finish_reason: stop``, silently. :func:`probe_tool_format` renders a conversation holding one
 assistant tool call through the template and parses the assistant turn back with the parser of
-spec chat-and-parsers.md §3; :func:`check_tool_format` turns the verdict into a warning, or an
+docs/parsers.md §3; :func:`check_tool_format` turns the verdict into a warning, or an
 error under ``--strict-tool-format``. Skipped with ``--tool-parser none``.
 """
 

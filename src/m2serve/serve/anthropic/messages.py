@@ -1,5 +1,5 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API on the chat pipeline
-(issue 19 item 2; https://docs.anthropic.com/en/api/messages, anthropic SDK 2.15).
+(https://docs.anthropic.com/en/api/messages, anthropic SDK 2.15).
 
 Request -> :class:`ChatJob` (:func:`messages_job`):
 
@@ -9,7 +9,7 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   ``tool_use`` -> the assistant's ``tool_calls``; ``tool_result`` (string or text blocks, ``is_error``
   -> the text is prefixed ``Error: ``) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
   model). Thinking blocks sent back become the assistant's ``reasoning_content``, so the template keeps
-  the current tool loop's reasoning (interleaved thinking, chat-and-parsers.md §2).
+  the current tool loop's reasoning (interleaved thinking, docs/parsers.md §2).
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
   official SDK sends none of the last three, so the checkpoint's generation defaults apply.
 - ``tools`` (``input_schema``); ``tool_choice`` ``auto`` / ``none``; ``any`` and ``tool`` need

@@ -1,2 +1,2 @@
 """The OpenAI-compatible APIs: chat completions, completions, responses, models and tokenize
-(spec/serving.md §10). Each module is a router with module-level handlers reading ``app.state.ctx``."""
+(docs/serving.md §10). Each module is a router with module-level handlers reading ``app.state.ctx``."""

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: request -> :class:`ChatJob`, pipeline deltas -> chat chunks
-(spec/serving.md §10, chat-and-parsers.md §3)."""
+(docs/serving.md §10, docs/parsers.md §3)."""
 
 from __future__ import annotations
 

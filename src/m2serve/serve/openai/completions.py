@@ -1,5 +1,5 @@
 """POST /v1/completions: raw prompts (text or token ids) through the chat pipeline's submit/stream/collect
-without a template or parser (spec/serving.md §10)."""
+without a template or parser (docs/serving.md §10)."""
 
 from __future__ import annotations
 

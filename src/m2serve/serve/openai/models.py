@@ -1,4 +1,4 @@
-"""GET /v1/models, POST /tokenize and /detokenize (spec/serving.md §10)."""
+"""GET /v1/models, POST /tokenize and /detokenize (docs/serving.md §10)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}: the OpenAI Responses API on the chat pipeline
-(issue 19 item 3; https://platform.openai.com/docs/api-reference/responses, openai SDK 3.x).
+(https://platform.openai.com/docs/api-reference/responses, openai SDK 3.x).
 
 Request -> :class:`ChatJob` (:func:`responses_job`):
 
