@@ -67,6 +67,7 @@ UNSET_MEANING: dict[str, str] = {
     "model": "the embedded tiny-chat checkpoint",
     "max_length": "the config's max_position_embeddings, capped to the KV cache",
     "num_kv_pages": "the memory planner's count",
+    "kv_cache_memory_gib": "min(4, what max-batch-size x max-length needs) on CPU",
     "served_model_name": "the --model value, else the checkpoint directory's name",
     "chat_template": "the checkpoint's chat_template.jinja",
     "thinking_temperature": "the request's temperature",
@@ -107,7 +108,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-page-size", type=int)
     a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
     a("--kv-cache-memory-gib", type=float,
-      help="CPU: GiB of KV pages per rank (default: min(4, what max-batch-size x max-length needs))")
+      help="CPU: GiB of KV pages per rank")
     a("--weight-dequant", choices=["load", "runtime"])
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
