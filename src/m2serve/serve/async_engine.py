@@ -47,7 +47,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class AsyncEngine:
-    """Runs ``llm.step()`` in a background thread; per-request async streams of OutputDelta.
+    """Steps the LLM's request table (``llm.requests``) in a background thread; per-request async
+    streams of OutputDelta.
 
     llm: the text-level engine; metrics: updated from the engine thread (token counts, TTFT,
     ITL, gauges); max_queue_size: None = unbounded.
