@@ -5,8 +5,8 @@ logprobs → sample the requests whose chunk completed their sequence (constrain
 first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
 request that produced something. The engine is driven by one thread calling
 ``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
-validate and append to an inbox under a lock, which ``step()`` drains first (docs/architecture.md,
-engine contract).
+validate, register the request in the one request table and append it to the one inbox under a
+lock, which ``step()`` drains first (docs/architecture.md, engine contract).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 class EngineStats:
     """Snapshot of the engine's gauges and counters (docs/architecture.md, engine contract).
 
+    waiting counts queued adds not yet drained by ``step()`` as well as the scheduler's waiting queue;
     prefix_cache_queries / prefix_cache_hits count prompt tokens looked up / found in the prefix
-    cache; chunked_prefill_steps counts steps in which some prompt was split; generated_tokens counts
-    sampled tokens.
+    cache, prefix_cache_requests / prefix_cache_requests_hit the lookups / lookups that found at least
+    one page; preemptions counts requests preempted (recomputed); chunked_prefill_steps counts steps
+    in which some prompt was split; generated_tokens counts sampled tokens.
     """
 
     running: int
@@ -61,6 +63,8 @@ class EngineStats:
     kv_page_size: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    prefix_cache_requests: int
+    prefix_cache_requests_hit: int
     chunked_prefill_steps: int
     preemptions: int
     generated_tokens: int
@@ -79,6 +83,10 @@ class LLMEngine:
 
     Build with :meth:`from_args` (loads the checkpoint) or :meth:`from_model` (an already built
     ``model(batch, kv) -> logits [N, V] fp32``). ``max_length`` is the max context in tokens.
+
+    requests: the one table of requests added and not finished, keyed by id (filled by
+    ``add_request``, so an id is in use from then until its final output); inbox: the one queue of
+    adds and aborts into the step loop; both guarded by ``lock``.
     """
 
     config: MiniMaxM2Config
@@ -89,7 +97,6 @@ class LLMEngine:
     requests: dict[str, Request] = field(default_factory=dict)
     inbox: list[tuple[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    live_ids: set[str] = field(default_factory=set)
     arrivals: int = 0
 
     # ---- construction --------------------------------------------------------------------
@@ -177,13 +184,13 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than the max "
                              f"context of {self.max_length} tokens; shorten the prompt or raise max_length")
         with self.lock:
-            if request_id in self.live_ids:
+            if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.live_ids.add(request_id)
             state = SamplingState.new(params, self.config.eos_token_ids, self.generator)
             req = Request(request_id, ids, state, arrival=self.arrivals, max_length=self.max_length,
                           constraint=constraint)
             self.arrivals += 1
+            self.requests[request_id] = req
             self.inbox.append(("add", req))
 
     def abort_request(self, request_id: str) -> None:
@@ -215,14 +222,28 @@ class LLMEngine:
         with self.lock:
             return bool(self.inbox) or self.scheduler.has_unfinished()
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` was added and has not finished (its final output not yet returned);
+        thread-safe."""
+        with self.lock:
+            return request_id in self.requests
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission: queued adds + the scheduler's waiting queue; thread-safe
+        (the server's queue bound reads it from the event loop)."""
+        with self.lock:
+            return sum(kind == "add" for kind, _ in self.inbox) + len(self.scheduler.waiting)
+
     @property
     def stats(self) -> EngineStats:
         """Current gauges and counters."""
         kv, s = self.scheduler.kv, self.scheduler
         return EngineStats(
-            running=len(s.running), waiting=len(s.waiting), kv_pages_total=kv.num_pages,
+            running=len(s.running), waiting=self.num_waiting, kv_pages_total=kv.num_pages,
             kv_pages_used=kv.num_used_pages, kv_pages_free=kv.num_free_pages, kv_page_size=kv.page_size,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            prefix_cache_requests=kv.stats.requests, prefix_cache_requests_hit=kv.stats.requests_hit,
             chunked_prefill_steps=s.stats.chunked_prefill_steps, preemptions=s.stats.preemptions,
             generated_tokens=s.stats.generated_tokens, steps=s.stats.steps)
 
@@ -270,10 +291,10 @@ class LLMEngine:
         outputs = []
         for kind, item in inbox:
             if kind == "add":
-                self.requests[item.request_id] = item
                 self.scheduler.add(item)
             else:
-                r = self.requests.get(item)
+                with self.lock:
+                    r = self.requests.get(item)
                 if r is not None:
                     self._finish(r, "abort")
                     outputs.append(self._output(r))
@@ -284,10 +305,9 @@ class LLMEngine:
         self._forget(r)
 
     def _forget(self, r: Request) -> None:
-        """Drop a finished request from the engine's tables (its id becomes free again)."""
-        del self.requests[r.request_id]
+        """Drop a finished request from the request table (its id becomes free again)."""
         with self.lock:
-            self.live_ids.discard(r.request_id)
+            del self.requests[r.request_id]
 
     def _output(self, r: Request) -> RequestOutput:
         new = r.output_token_ids[r.num_sent_tokens:]

@@ -49,7 +49,6 @@ class Request:
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    num_preemptions: int = 0
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_sent_tokens: int = 0

@@ -1,30 +1,30 @@
 """The engine in its own thread, shared by all HTTP requests.
 
-One engine thread owns the :class:`~m2serve.serve.llm.LLM` (engine + text pipeline). HTTP handlers
-(on the asyncio loop) never touch it: they put ``add`` / ``abort`` commands into a thread-safe
-inbox and read their request's deltas from a per-request ``asyncio.Queue`` that the engine thread
-fills through ``loop.call_soon_threadsafe``. Many streams therefore share one continuous batch.
+One engine thread steps the :class:`~m2serve.serve.llm.LLM`'s request table (output.py
+``RequestTable``: one record per engine request, the one path into the engine). HTTP handlers (on
+the asyncio loop) add and abort requests through the same table (its ``add`` / ``abort`` go straight
+into the engine's inbox and wake the engine thread) and read their request's deltas from an
+``asyncio.Queue`` that the engine thread fills through ``loop.call_soon_threadsafe`` (the record's
+``deliver``). Many streams therefore share one continuous batch.
 
-Backpressure: ``max_queue_size`` bounds the requests waiting for admission (engine waiting queue +
-inbox); a submit beyond it raises :class:`QueueFullError` (the server answers 503 + Retry-After).
+Backpressure: ``max_queue_size`` bounds the requests waiting for admission
+(``LLMEngine.num_waiting``: queued adds + the scheduler's waiting queue); a submit beyond it raises
+:class:`QueueFullError` (the server answers 503 + Retry-After).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
-from m2serve.serve.metrics import EngineGauges, ServerMetrics
-from m2serve.serve.output import OutputDelta, OutputProcessor
-from m2serve.text.parser import StreamingParser
+from m2serve.serve.metrics import ServerMetrics
+from m2serve.serve.output import OutputDelta, OutputProcessor, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +46,9 @@ class StepFailedError(EngineDeadError):
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
-@dataclass(slots=True)
-class _Tracked:
-    queue: asyncio.Queue
-    arrival: float
-    last: float | None = None
-    parser: StreamingParser | None = None
-    finished: bool = False
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    processor: OutputProcessor
-
-
 class AsyncEngine:
-    """Runs ``llm.step()`` in a background thread; per-request async streams of OutputDelta.
+    """Steps the LLM's request table (``llm.requests``) in a background thread; per-request async
+    streams of OutputDelta.
 
     llm: the text-level engine; metrics: updated from the engine thread (token counts, TTFT,
     ITL, gauges); max_queue_size: None = unbounded.
@@ -74,13 +58,11 @@ class AsyncEngine:
         self, llm: LLM, metrics: ServerMetrics | None = None, max_queue_size: int | None = None
     ) -> None:
         self.llm = llm
+        self.requests = llm.requests
         self.metrics = metrics or ServerMetrics()
         self.max_queue_size = max_queue_size
-        self._inbox: queue.Queue = queue.Queue()
-        self._tracked: dict[str, _Tracked] = {}
-        self._lock = threading.Lock()
-        self._waiting = 0  # engine's waiting queue after the last step
-        self._inbox_adds = 0
+        self._submit_lock = threading.Lock()  # the queue bound's check and the add, as one
+        self._wake = threading.Event()  # set after every add/abort: the idle engine thread waits on it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,13 +77,11 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort every request still tracked and stop the engine thread."""
-        with self._lock:
-            ids = list(self._tracked)
-        for rid in ids:
+        """Abort every open request and stop the engine thread."""
+        for rid in self.requests.ids():
             self.abort(rid)
         self._stop.set()
-        self._inbox.put(None)
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -112,8 +92,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for admission: engine waiting queue + not yet consumed adds."""
-        return self._waiting + self._inbox_adds
+        """Requests waiting for admission (LLMEngine.num_waiting)."""
+        return self.llm.engine.num_waiting
 
     # ------------------------------------------------------------------ requests (asyncio side)
 
@@ -127,32 +107,36 @@ class AsyncEngine:
     ) -> asyncio.Queue:
         """Queue a request; its deltas go to ``q`` (a new queue if None), which is returned.
 
-        Several requests (the n choices of one HTTP request) may share one queue.
-        Raises QueueFullError / EngineDeadError.
+        Several requests (the n choices of one HTTP request) may share one queue. Called on the
+        event loop. A request the engine rejects (prompt too long ...) puts its ValueError on the
+        queue, as :meth:`stream` raises it. Raises QueueFullError / EngineDeadError.
         """
-        if not self.alive:
-            raise EngineDeadError(
-                f"the engine is not running ({self.error!r})" if self.error else "the engine is not running"
-            )
-        with self._lock:
+        q = q if q is not None else asyncio.Queue()
+        with self._submit_lock:
+            self._check_alive()
             if self.max_queue_size is not None and self.num_waiting >= self.max_queue_size:
                 raise QueueFullError(
                     f"the waiting queue is full ({self.num_waiting} >= --max-queue-size "
                     f"{self.max_queue_size}); retry later"
                 )
-            q = q if q is not None else asyncio.Queue()
-            self._tracked[request_id] = _Tracked(q, time.perf_counter(), parser=processor.parser)
-            self._inbox_adds += 1
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, processor))
+            deliver = functools.partial(self._loop.call_soon_threadsafe, q.put_nowait)
+            try:
+                self.requests.add(request_id, prompt_token_ids, params, processor, deliver)
+            except ValueError as e:  # rejected at admission: the request's fault
+                q.put_nowait(e)
+                return q
+        self._wake.set()
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        if not self.alive:  # the engine died while it was added: its record may have missed fail_all
+            self.abort(request_id)
+            self._check_alive()
         return q
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone, shutdown). Idempotent."""
-        with self._lock:
-            t = self._tracked.pop(request_id, None)
-        if t is not None and not t.finished:
+        if self.requests.abort(request_id):
             self.metrics.aborted.inc()
-            self._inbox.put(("abort", request_id))
+            self._wake.set()
 
     async def stream(self, request_ids: list[str], q: asyncio.Queue) -> AsyncIterator[OutputDelta]:
         """Yield the deltas of ``request_ids`` (sharing ``q``) until each has finished.
@@ -174,6 +158,12 @@ class AsyncEngine:
             for rid in open_ids:
                 self.abort(rid)
 
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError(
+                f"the engine is not running ({self.error!r})" if self.error else "the engine is not running"
+            )
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
@@ -182,127 +172,50 @@ class AsyncEngine:
         MAX_CONSECUTIVE_STEP_FAILURES failures in a row, or after any failure of a multi-rank model
         (LLMEngine.recovers_from_step_failure), the engine is declared dead (every request fails with
         EngineDeadError and /health turns 503)."""
-        llm = self.llm
+        table = self.requests
         failures = 0
         while not self._stop.is_set():
-            block = not llm.has_unfinished_requests()
+            self._wake.clear()  # an add after this sets it again; one before it is seen just below
+            if not table.has_unfinished():
+                self._wake.wait(0.5)
+                continue
             try:
-                self._drain(block)
-                if self._stop.is_set():
-                    break
-                if not llm.has_unfinished_requests():
-                    continue
-                deltas = llm.step()
+                outputs = table.step()
                 failures = 0
             except Exception as e:  # noqa: BLE001 - a failed step must not take the server down
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
                 msg = f"engine step failed: {type(e).__name__}: {e}"
-                if failures < MAX_CONSECUTIVE_STEP_FAILURES and llm.engine.recovers_from_step_failure:
+                if failures < MAX_CONSECUTIVE_STEP_FAILURES and self.llm.engine.recovers_from_step_failure:
                     try:
-                        ended = llm.abort_running()
+                        table.abort_running(StepFailedError(msg + "; this request was ended"))
                     except Exception:  # noqa: BLE001 - the engine state itself is broken
                         log.exception("ending the failed batch failed")
                     else:
-                        for rid in ended:
-                            self._finish_with(rid, StepFailedError(msg + "; this request was ended"))
-                        self._update_gauges()
+                        self.metrics.set_engine(self.llm.engine.stats)
                         continue
                 self.error = e
-                self._fail_all(EngineDeadError(msg))
+                table.fail_all(EngineDeadError(msg))
                 return
             now = time.perf_counter()
-            self._update_gauges()
-            for d in deltas:
-                self._deliver(d, now)
+            self.metrics.set_engine(self.llm.engine.stats)
+            for rec, d in outputs:
+                self._deliver(rec, d, now)
 
-    def _drain(self, block: bool) -> None:
-        """Apply queued adds/aborts; waits for one when idle."""
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, item: Any) -> None:
-        if item is None:
-            return
-        if isinstance(item, _Add):
-            with self._lock:
-                self._inbox_adds -= 1
-                tracked = item.request_id in self._tracked
-            if not tracked:
-                return  # aborted before it reached the engine
-            try:
-                self.llm.add_request(item.request_id, item.prompt_token_ids, item.params, item.processor)
-            except ValueError as e:  # rejected at admission (prompt too long ...): the request's fault
-                self._finish_with(item.request_id, e)
-                return
-            except Exception as e:  # noqa: BLE001 - one request must not take the engine thread down
-                log.exception("adding request %s failed", item.request_id)
-                self._finish_with(item.request_id, EngineDeadError(f"{type(e).__name__}: {e}"))
-                return
-            self.metrics.prompt_tokens.inc(len(item.prompt_token_ids))
-            self._waiting += 1  # visible to submit() until the next step refreshes it
-        else:
-            self.llm.abort_request(item[1])
-
-    def _deliver(self, d: OutputDelta, now: float) -> None:
-        with self._lock:
-            t = self._tracked.get(d.request_id)
-            if t is not None and d.finished:
-                t.finished = True
-                del self._tracked[d.request_id]
-        if t is None:
-            return
+    def _deliver(self, rec: RequestRecord, d: OutputDelta, now: float) -> None:
+        """Count the delta in the metrics and hand it to its consumer."""
         if d.token_ids:
             self.metrics.generation_tokens.inc(len(d.token_ids))
-            if t.last is None:
-                self.metrics.ttft.observe(now - t.arrival)
+            if rec.last_output is None:
+                self.metrics.ttft.observe(now - rec.arrival)
             else:
-                self.metrics.itl.observe(now - t.last)
-            t.last = now
-        if d.finished and t.parser is not None:
-            rejected = t.parser.rejected_tool_calls
-            if rejected:
-                self.metrics.tool_calls_rejected.labels(reason="undeclared").inc(rejected)
-            if t.parser.parser_error:
+                self.metrics.itl.observe(now - rec.last_output)
+            rec.last_output = now
+        parser = rec.processor.parser
+        if d.finished and parser is not None:
+            if parser.rejected_tool_calls:
+                self.metrics.tool_calls_rejected.labels(reason="undeclared").inc(parser.rejected_tool_calls)
+            if parser.parser_error:
                 self.metrics.parser_errors.inc()
-        self._loop.call_soon_threadsafe(t.queue.put_nowait, d)
-
-    def _finish_with(self, request_id: str, err: BaseException) -> None:
-        with self._lock:
-            t = self._tracked.pop(request_id, None)
-        if t is not None:
-            self._loop.call_soon_threadsafe(t.queue.put_nowait, err)
-
-    def _fail_all(self, err: BaseException) -> None:
-        with self._lock:
-            ids = list(self._tracked)
-        for rid in ids:
-            self._finish_with(rid, err)
-
-    def _update_gauges(self) -> None:
-        g = engine_gauges(self.llm.engine)
-        self._waiting = g.waiting
-        self.metrics.set_engine(g)
-
-
-def engine_gauges(engine: Any) -> EngineGauges:
-    """Snapshot the engine's ``stats`` (running, waiting, KV pages, prefix-cache counters)."""
-    s = engine.stats
-    s = s() if callable(s) else s
-    get = s.get if isinstance(s, dict) else (lambda k, d=0: getattr(s, k, d))
-    return EngineGauges(
-        running=int(get("running", 0) or get("num_running", 0) or 0),
-        waiting=int(get("waiting", 0) or get("num_waiting", 0) or 0),
-        kv_pages_used=int(get("kv_pages_used", 0) or 0),
-        kv_pages_free=int(get("kv_pages_free", 0) or 0),
-        prefix_cache_queries=int(get("prefix_cache_queries", 0) or 0),
-        prefix_cache_hits=int(get("prefix_cache_hits", 0) or 0),
-    )
+        if rec.deliver is not None:
+            rec.deliver(d)

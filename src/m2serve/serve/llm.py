@@ -1,11 +1,14 @@
 """The offline ``LLM`` API: text in, text out, on top of the token-id engine.
 
 ``LLM`` is where the engine (token ids) and the text layer (tokenizer, chat template, parser) meet
-(docs/architecture.md: only in serve/). The HTTP server drives the same object from its engine thread
-(async_engine.py), so the per-request text pipeline — detokenise, stop strings, parser — is
-written once, here and in output.py.
+(docs/architecture.md: only in serve/). It is a thin facade over the pieces the HTTP server uses too:
+the text helpers (render, tokenise, chat sampling params, parser and output processor per request,
+called by serve/chat_pipeline.py), the :class:`~m2serve.serve.output.RequestTable` (one record per
+engine request, the one path into the engine; the server's AsyncEngine steps the same table from its
+engine thread), and :class:`ChoiceAccumulator` / :func:`fan_out` (the n fan-out and the collection of
+a choice, shared with the pipeline). The offline loops below only add requests, step and collect.
 
-Not thread-safe: one thread calls ``add_request`` / ``abort_request`` / ``step``.
+``add_request`` / ``abort_request`` may be called from any thread; one thread calls ``step``.
 
 Example::
 
@@ -29,7 +32,7 @@ from m2serve.config.engine_args import EngineArgs, apply_num_threads
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
-from m2serve.serve.output import OutputDelta, OutputProcessor
+from m2serve.serve.output import OutputDelta, OutputProcessor, RequestTable
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
@@ -197,14 +200,9 @@ class LLM:
         check_tool_format(self.template, tool_parser, strict=self.args.strict_tool_format)
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
-        self.engine = engine if engine is not None else LLMEngine.from_args(self.args)
-        self.max_length = int(
-            getattr(self.engine, "max_length", None)
-            or self.args.max_length
-            or self.config.max_position_embeddings
-        )
+        self.requests = RequestTable(engine if engine is not None else LLMEngine.from_args(self.args))
+        self.max_length = self.engine.max_length
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
-        self._procs: dict[str, OutputProcessor] = {}
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ text helpers
@@ -299,60 +297,39 @@ class LLM:
 
     # ------------------------------------------------------------------ engine requests
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The token-id engine (the request table's; assignable, e.g. to wrap it)."""
+        return self.requests.engine
+
+    @engine.setter
+    def engine(self, engine: LLMEngine) -> None:
+        self.requests.engine = engine
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, processor: OutputProcessor
     ) -> None:
-        """Queue one engine request (n = 1). Raises ValueError (prompt too long, bad params)."""
-        self.engine.add_request(request_id, list(prompt_token_ids), params)
-        self._procs[request_id] = processor
+        """Queue one engine request (n = 1) with its record (RequestTable.add). Raises ValueError
+        (prompt too long, bad params)."""
+        self.requests.add(request_id, prompt_token_ids, params, processor)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: its pages are freed by the engine; no further deltas are produced."""
-        if self._procs.pop(request_id, None) is not None:
-            self.engine.abort_request(request_id)
+        self.requests.abort(request_id)
 
     def abort_running(self) -> list[str]:
-        """End the engine's running requests after a failed step (LLMEngine.abort_running) and drop
-        their text state, and that of requests the engine already finished in the failed step (their
-        outputs were lost with it); returns all their ids (no final delta is produced for them)."""
-        ids = self.engine.abort_running()
-        with self.engine.lock:
-            live = set(self.engine.live_ids)
-        ids += [rid for rid in self._procs if rid not in live and rid not in ids]
-        for rid in ids:
-            self._procs.pop(rid, None)
-        return ids
+        """End the running requests after a failed step and close their records
+        (RequestTable.abort_running); returns their ids."""
+        return self.requests.abort_running()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request added here has not finished, or the engine still has work
         (an abort it has not applied yet)."""
-        return bool(self._procs) or self.engine.has_unfinished_requests()
+        return self.requests.has_unfinished()
 
     def step(self) -> list[OutputDelta]:
-        """One engine step; returns one delta per request that produced output.
-
-        A stop-string match finishes the request here and aborts it in the engine.
-        """
-        deltas = []
-        for o in self.engine.step():
-            proc = self._procs.get(o.request_id)
-            if proc is None:
-                continue  # aborted above the engine (client gone or stop string)
-            d = proc.process(
-                o.new_token_ids,
-                o.finished,
-                o.finish_reason,
-                o.new_logprobs,
-                o.prompt_logprobs,
-                o.num_prompt_tokens,
-                o.num_cached_tokens,
-            )
-            if d.finished:
-                del self._procs[o.request_id]
-                if d.stop_hit and not o.finished:
-                    self.engine.abort_request(o.request_id)
-            deltas.append(d)
-        return deltas
+        """One engine step; returns one delta per request that produced output (RequestTable.step)."""
+        return [d for _, d in self.requests.step()]
 
     # ------------------------------------------------------------------ offline API
 

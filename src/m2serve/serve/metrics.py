@@ -6,23 +6,11 @@ registry, so tests can run several apps in one process). Units: seconds for late
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from m2serve.engine.core import EngineStats
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-@dataclass(slots=True)
-class EngineGauges:
-    """A snapshot of engine state for the gauges (read after every step)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_free: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class ServerMetrics:
@@ -35,7 +23,12 @@ class ServerMetrics:
     - ``m2serve_num_requests_running`` / ``_waiting``, ``m2serve_kv_pages_used`` / ``_free``,
       ``m2serve_prefix_cache_hit_rate`` (hits / queried tokens) (gauges);
     - ``m2serve_tool_calls_rejected_total{reason}``, ``m2serve_parser_errors_total``;
-    - ``m2serve_requests_aborted_total`` (client disconnects, shutdown, stop strings excluded).
+    - ``m2serve_requests_aborted_total`` (client disconnects, shutdown, stop strings excluded);
+    - the engine's counters under vLLM's names (v1 ``PrometheusStatLogger``):
+      ``vllm:num_preemptions_total`` (requests preempted), ``vllm:prefix_cache_queries_total`` /
+      ``vllm:prefix_cache_hits_total`` (prompt tokens looked up / found in the prefix cache), and
+      ``m2serve_prefix_cache_requests_total`` / ``m2serve_prefix_cache_requests_hit_total`` (lookups /
+      lookups that found a page; vLLM counts these but does not export them).
     """
 
     def __init__(self) -> None:
@@ -78,9 +71,38 @@ class ServerMetrics:
         )
         self.tool_calls_rejected.labels(reason="undeclared")  # exported as 0 before the first rejection (P13)
         self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
+        # EngineStats field -> counter following it (the engine's counts are cumulative)
+        self.engine_counters = {
+            "preemptions": Counter("vllm:num_preemptions", "Cumulative number of preemptions", registry=r),
+            "prefix_cache_queries": Counter(
+                "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens",
+                registry=r,
+            ),
+            "prefix_cache_hits": Counter(
+                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", registry=r
+            ),
+            "prefix_cache_requests": Counter(
+                "m2serve_prefix_cache_requests", "Prefix cache lookups (one per admitted prompt)", registry=r
+            ),
+            "prefix_cache_requests_hit": Counter(
+                "m2serve_prefix_cache_requests_hit", "Prefix cache lookups that found at least one page",
+                registry=r,
+            ),
+        }
+        self._engine_counts = dict.fromkeys(self.engine_counters, 0)
 
-    def set_engine(self, g: EngineGauges) -> None:
-        """Update the gauges from an engine snapshot."""
+    def set_engine(self, g: EngineStats) -> None:
+        """Update the gauges and the engine's counters from an engine snapshot (LLMEngine.stats)."""
+        counts = {
+            "preemptions": g.preemptions,
+            "prefix_cache_queries": g.prefix_cache_queries,
+            "prefix_cache_hits": g.prefix_cache_hits,
+            "prefix_cache_requests": g.prefix_cache_requests,
+            "prefix_cache_requests_hit": g.prefix_cache_requests_hit,
+        }
+        for name, value in counts.items():
+            self.engine_counters[name].inc(value - self._engine_counts[name])
+            self._engine_counts[name] = value
         self.running.set(g.running)
         self.waiting.set(g.waiting)
         self.kv_used.set(g.kv_pages_used)

@@ -14,13 +14,23 @@ in order:
 
 Finish reasons follow P19: ``length`` when the token limit stopped generation, else ``tool_calls``
 when at least one call was returned, else ``stop``.
+
+Above the engine, each engine request has one :class:`RequestRecord` (its processor, where its
+deltas go, its timings), held in one :class:`RequestTable`, which is also the one way into the
+engine: ``add`` / ``abort`` go straight to ``LLMEngine.add_request`` / ``abort_request`` (the
+engine's inbox, drained by its next step). The offline ``LLM`` and the server's ``AsyncEngine`` share
+the table; only the thread that steps the engine calls :meth:`RequestTable.step`.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from m2serve.engine.sampling import TokenLogprobs
+from m2serve.engine.core import LLMEngine
+from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, ToolCallDelta
 
@@ -152,3 +162,126 @@ class OutputProcessor:
         out.num_output_tokens = self.num_output_tokens
         out.num_reasoning_tokens = self.num_reasoning_tokens
         return out
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Everything above the engine about one engine request.
+
+    processor: its output processor (detokeniser, stop strings, parser; the parser's counters
+    ``rejected_tool_calls`` / ``parser_error`` are read when it finishes); deliver: where its deltas,
+    or the exception that ended it, go (the server: onto the HTTP request's asyncio queue through
+    the event loop; None offline, where the caller reads :meth:`RequestTable.step`'s result);
+    arrival / last_output: ``time.perf_counter()`` seconds at submission / at its last delta with
+    tokens (TTFT and inter-token latency).
+    """
+
+    request_id: str
+    processor: OutputProcessor
+    deliver: Callable[[OutputDelta | BaseException], None] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    last_output: float | None = None
+
+
+class RequestTable:
+    """The records of the engine requests not yet finished, and the one path into the engine.
+
+    engine: the token-id engine. ``add`` / ``abort`` / ``ids`` / ``has_unfinished`` may be called
+    from any thread (under a lock held across the engine call, so a record exists exactly while its
+    engine request is live); ``step`` / ``abort_running`` / ``fail_all`` only from the thread that
+    steps the engine.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.records: dict[str, RequestRecord] = {}
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        processor: OutputProcessor,
+        deliver: Callable[[OutputDelta | BaseException], None] | None = None,
+    ) -> RequestRecord:
+        """Queue one engine request (n = 1) and register its record. Raises ValueError (prompt too
+        long, bad params, ``request_id`` in use) with nothing registered."""
+        with self._lock:
+            if request_id in self.records:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.add_request(request_id, list(prompt_token_ids), params)
+            rec = self.records[request_id] = RequestRecord(request_id, processor, deliver)
+        return rec
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the record and abort the engine request (its pages are freed at the next step; no
+        further delta is produced). Returns whether it was still open; unknown ids are ignored."""
+        with self._lock:
+            rec = self.records.pop(request_id, None)
+            if rec is not None:
+                self.engine.abort_request(request_id)
+        return rec is not None
+
+    def ids(self) -> list[str]:
+        """The ids of the open records."""
+        with self._lock:
+            return list(self.records)
+
+    def has_unfinished(self) -> bool:
+        """True while a record is open or the engine still has work (an abort not applied yet)."""
+        with self._lock:
+            if self.records:
+                return True
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[RequestRecord, OutputDelta]]:
+        """One engine step; one (record, delta) per open request that produced output. A finished
+        delta closes its record; a stop-string match finishes the request here and aborts it in
+        the engine."""
+        out = []
+        for o in self.engine.step():
+            with self._lock:
+                rec = self.records.get(o.request_id)
+            if rec is None:
+                continue  # aborted above the engine (client gone or stop string)
+            d = rec.processor.process(
+                o.new_token_ids,
+                o.finished,
+                o.finish_reason,
+                o.new_logprobs,
+                o.prompt_logprobs,
+                o.num_prompt_tokens,
+                o.num_cached_tokens,
+            )
+            if d.finished:
+                with self._lock:
+                    self.records.pop(o.request_id, None)
+                if d.stop_hit and not o.finished:
+                    self.engine.abort_request(o.request_id)
+            out.append((rec, d))
+        return out
+
+    def abort_running(self, error: BaseException | None = None) -> list[str]:
+        """After a failed step: end the engine's running requests (``LLMEngine.abort_running``) and
+        close their records, and those of requests the engine already finished in the failed step
+        (their outputs were lost with it); ``error`` goes to each closed record's ``deliver``.
+        Returns all their ids (no final delta is produced for them)."""
+        ids = self.engine.abort_running()
+        with self._lock:
+            ids += [rid for rid in self.records if rid not in ids and not self.engine.has_request(rid)]
+            ended = [self.records.pop(rid) for rid in ids if rid in self.records]
+        _deliver_all(ended, error)
+        return ids
+
+    def fail_all(self, error: BaseException) -> None:
+        """Close every record, sending ``error`` to each (the engine is dead)."""
+        with self._lock:
+            ended, self.records = list(self.records.values()), {}
+        _deliver_all(ended, error)
+
+
+def _deliver_all(records: list[RequestRecord], error: BaseException | None) -> None:
+    for rec in records:
+        if error is not None and rec.deliver is not None:
+            rec.deliver(error)
