@@ -88,7 +88,7 @@ def build(verbose: bool = False) -> Path:
 
 def _register_fake() -> None:
     @torch.library.register_fake(f"{LIBRARY}::grouped_linear")
-    def _(x, offsets, q, scale, scale2, fmt, block_n, block_k, isa, tile_n, gemv_rows):
+    def _(x, offsets, q, scale, scale2, fmt, block_n, block_k, isa, tile_n, gemv_rows, mm_tile_n):
         return x.new_empty(x.shape[0], q.shape[1])
 
 

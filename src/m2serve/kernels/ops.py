@@ -32,8 +32,9 @@ from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
 from m2serve.kernels.build import KernelBackend, kernel_backend
 
-TILE_N = 16  # output rows per parallel task: E x N/TILE_N tasks keep both threads streaming at 8 rows/expert
+TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
 GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
+MM_TILE_N = 256  # output rows per decode-tile + at::mm task
 
 
 class WeightFormat(enum.IntEnum):
@@ -151,7 +152,7 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
         scale = w.scale if w.scale is not None else w.q.new_empty(0)
         return torch.ops.m2serve_kernels.grouped_linear(
             x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
-            backend.isa, TILE_N, GEMV_ROWS)
+            backend.isa, TILE_N, GEMV_ROWS, MM_TILE_N)
     out = x.new_zeros(x.shape[0], w.out_features)
     start = 0
     for e, end in enumerate(offsets.tolist()):

@@ -32,6 +32,7 @@
 #define M2_X86 1
 #define M2_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define M2_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define M2_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 #else
 #define M2_X86 0
 #endif
@@ -108,7 +109,7 @@ void fp4_tail(const Weight& w, int64_t e, int64_t n, const uint8_t* p, int64_t k
   }
 }
 
-void decode_row_scalar(const Weight& w, int64_t e, int64_t n, float* out) {
+void decode_row_scalar(const Weight& w, int64_t e, int64_t n, float* out, float*) {
   const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
   const int64_t K = w.K;
   if (w.fmt == BF16) return bf16_tail(p, 0, K, out);  // already bf16
@@ -162,7 +163,7 @@ M2_AVX2 inline void e2m1x16_avx2(const uint8_t* p, __m256& out0, __m256& out1) {
   out1 = _mm256_permute2f128_ps(a, c, 0x31);
 }
 
-M2_AVX2 void decode_row_avx2(const Weight& w, int64_t e, int64_t n, float* out) {
+M2_AVX2 void decode_row_avx2(const Weight& w, int64_t e, int64_t n, float* out, float*) {
   const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
   const int64_t K = w.K;
   if (w.fmt == BF16) {
@@ -176,8 +177,8 @@ M2_AVX2 void decode_row_avx2(const Weight& w, int64_t e, int64_t n, float* out) 
   }
   if (w.fmt == FP8_BLOCK) {
     const float* srow = fp8_scale_row(w, e, n);
-    for (int64_t k0 = 0; k0 < K; k0 += w.block_k) {
-      __m256 s = _mm256_set1_ps(srow[k0 / w.block_k]);
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      __m256 s = _mm256_set1_ps(srow[b]);
       for (int64_t k = k0; k < k0 + w.block_k; k += 8) {
         __m256 v = _mm256_mul_ps(e4m3x8_avx2(p + k), s);
         _mm256_storeu_ps(out + k, w.round_bf16 ? round_bf16_avx2(v) : v);
@@ -186,8 +187,8 @@ M2_AVX2 void decode_row_avx2(const Weight& w, int64_t e, int64_t n, float* out) 
     return;
   }
   const int64_t g = w.block_k;
-  for (int64_t k0 = 0; k0 < K; k0 += g) {
-    __m256 s = _mm256_set1_ps(fp4_group_scale(w, e, n, k0 / g));
+  for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+    __m256 s = _mm256_set1_ps(fp4_group_scale(w, e, n, gi));
     for (int64_t k = k0; k < k0 + g; k += 16) {
       __m256 v0, v1;
       e2m1x16_avx2(p + k / 2, v0, v1);
@@ -247,7 +248,53 @@ M2_AVX512 inline void e2m1x32_avx512(const uint8_t* p, __m512& out0, __m512& out
   out1 = _mm512_permutex2var_ps(vlo, idx1, vhi);
 }
 
-M2_AVX512 void decode_row_avx512(const Weight& w, int64_t e, int64_t n, float* out) {
+// 32 e4m3 bytes -> 32 values * 2^-8, exact, through fp16: the byte's sign and 7 magnitude bits placed
+// in an fp16 (sign bit 15, exponent+mantissa at bit 7) read 2^-8 * e4m3, subnormals included;
+// 0x7F/0xFF become fp16 NaN. The caller multiplies by (s * 2^8), exact as long as that is finite.
+M2_AVX512 inline void e4m3x32_scaled_avx512(const uint8_t* p, __m512& v0, __m512& v1) {
+  __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(h, 8), 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+  const __m512i em = _mm512_set1_epi16(0x3F80);
+  __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, em), em);
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(h, _mm512_set1_epi16(0x7E00)));
+  v0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  v1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// FP4 block scales of row n, one per 16 columns: gs16[i] = scale of group (16 i) / g. NVFP4 scales
+// are decoded 16 at a time (same fp32 product / quotient as fp4_group_scale).
+M2_AVX512 void fp4_scales16_avx512(const Weight& w, int64_t e, int64_t n, float* gs16) {
+  const int64_t G = w.K / w.block_k, rep = w.block_k / 16;
+  const uint8_t* sp = static_cast<const uint8_t*>(w.s) + e * w.s_e + n * w.s_n;
+  int64_t g = 0;
+  if (w.fmt == MXFP4 && rep == 2) {  // E8M0: 2^(e-127) as fp32 bits (e = 0: subnormal 2^-127; 255: NaN)
+    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    for (; g + 16 <= G; g += 16) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + g)));
+      __m512i bits = _mm512_slli_epi32(b, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)),
+                                   _mm512_set1_epi32(int(QNAN)));
+      _mm512_storeu_ps(gs16 + 2 * g, _mm512_castsi512_ps(_mm512_permutexvar_epi32(dup_lo, bits)));
+      _mm512_storeu_ps(gs16 + 2 * g + 16, _mm512_castsi512_ps(_mm512_permutexvar_epi32(dup_hi, bits)));
+    }
+  }
+  if (w.fmt != MXFP4 && rep == 1) {
+    const __m512 s2 = _mm512_set1_ps(w.s2[e]);
+    for (; g + 16 <= G; g += 16) {
+      __m512 v = e4m3x16_avx512(sp + g);
+      _mm512_storeu_ps(gs16 + g, w.fmt == NVFP4_MODELOPT ? _mm512_mul_ps(v, s2) : _mm512_div_ps(v, s2));
+    }
+  }
+  for (int64_t i = g * rep; g < G; ++g) {
+    const float v = fp4_group_scale(w, e, n, g);
+    for (int64_t r = 0; r < rep; ++r) gs16[i++] = v;
+  }
+}
+
+M2_AVX512 void decode_row_avx512(const Weight& w, int64_t e, int64_t n, float* out, float* scratch) {
   const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
   const int64_t K = w.K;
   if (w.fmt == BF16) {
@@ -261,8 +308,8 @@ M2_AVX512 void decode_row_avx512(const Weight& w, int64_t e, int64_t n, float* o
   }
   if (w.fmt == FP8_BLOCK) {
     const float* srow = fp8_scale_row(w, e, n);
-    for (int64_t k0 = 0; k0 < K; k0 += w.block_k) {
-      __m512 s = _mm512_set1_ps(srow[k0 / w.block_k]);
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      __m512 s = _mm512_set1_ps(srow[b]);
       for (int64_t k = k0; k < k0 + w.block_k; k += 16) {
         __m512 v = _mm512_mul_ps(e4m3x16_avx512(p + k), s);
         _mm512_storeu_ps(out + k, w.round_bf16 ? round_bf16_avx512(v) : v);
@@ -270,13 +317,14 @@ M2_AVX512 void decode_row_avx512(const Weight& w, int64_t e, int64_t n, float* o
     }
     return;
   }
-  const int64_t g = w.block_k;  // a multiple of 16: one scale per 16 decoded values
+  float* gs16 = scratch;  // one scale per 16 columns (K/16 floats)
+  fp4_scales16_avx512(w, e, n, gs16);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512 v0, v1;
     e2m1x32_avx512(p + k / 2, v0, v1);
-    v0 = _mm512_mul_ps(v0, _mm512_set1_ps(fp4_group_scale(w, e, n, k / g)));
-    v1 = _mm512_mul_ps(v1, _mm512_set1_ps(fp4_group_scale(w, e, n, (k + 16) / g)));
+    v0 = _mm512_mul_ps(v0, _mm512_set1_ps(gs16[k / 16]));  // k / 16: a shift
+    v1 = _mm512_mul_ps(v1, _mm512_set1_ps(gs16[k / 16 + 1]));
     if (w.round_bf16) { v0 = round_bf16_avx512(v0); v1 = round_bf16_avx512(v1); }
     _mm512_storeu_ps(out + k, v0);
     _mm512_storeu_ps(out + k + 16, v1);
@@ -296,6 +344,77 @@ M2_AVX512 float dot_avx512(const float* a, const float* b, int64_t K) {
   for (; k < K; ++k) tail += a[k] * b[k];
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
 }
+
+// ---------------------------------------------------------------- AVX-512 + BF16, bf16 activations
+// Rows [n0, n1) of expert e against R activation rows xb [R, K] bf16 (row stride K) -> y [R, N] f32.
+// Each group of 32 weights is decoded in fp32 (the formula), rounded once (RNE) to bf16 by
+// vcvtne2ps2bf16 - which flushes fp32-subnormal values (|W| < 2^-126) to zero, as oneDNN's bf16 GEMM
+// does with such products - and multiplied into fp32 accumulators by vdpbf16ps.
+template <int R>
+M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                    float* y, int64_t N, float* gs16) {
+  const int64_t K = w.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// (a macro: lambdas do not inherit the function's target attribute)
+#define M2_DOT32(wv, k)                                                                       \
+  do {                                                                                        \
+    const __m512bh w32 = (wv);                                                                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] =                              \
+        _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
+  } while (0)
+    if (w.fmt == BF16) {
+      for (int64_t k = 0; k < K; k += 32) M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+    } else if (w.fmt == FP8_BLOCK) {
+      const float* srow = fp8_scale_row(w, e, n);
+      for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+        const float s8 = srow[b] * 256.0f;  // exact unless it overflows: then 2^8 and s one at a time
+        const __m512 s = _mm512_set1_ps(std::isinf(s8) ? srow[b] : s8);
+        const __m512 pre = _mm512_set1_ps(std::isinf(s8) ? 256.0f : 1.0f);
+        for (int64_t k = k0; k < k0 + w.block_k; k += 32) {
+          __m512 v0, v1;
+          e4m3x32_scaled_avx512(p + k, v0, v1);
+          if (std::isinf(s8)) { v0 = _mm512_mul_ps(v0, pre); v1 = _mm512_mul_ps(v1, pre); }
+          M2_DOT32(_mm512_cvtne2ps_pbh(_mm512_mul_ps(v1, s), _mm512_mul_ps(v0, s)), k);  // i < 16: v0
+        }
+      }
+    } else {
+      fp4_scales16_avx512(w, e, n, gs16);
+      for (int64_t k = 0; k < K; k += 32) {
+        __m512 v0, v1;
+        e2m1x32_avx512(p + k / 2, v0, v1);
+        v0 = _mm512_mul_ps(v0, _mm512_set1_ps(gs16[k / 16]));
+        v1 = _mm512_mul_ps(v1, _mm512_set1_ps(gs16[k / 16 + 1]));
+        M2_DOT32(_mm512_cvtne2ps_pbh(v1, v0), k);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#undef M2_DOT32
+
+// Up to 8 rows per pass over the weights (more rows: more passes, each decoding again).
+M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                  int64_t rows, float* y, int64_t N, float* gs16) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const uint16_t* xr = xb + r0 * w.K;
+    float* yr = y + r0 * N;
+    switch (std::min<int64_t>(8, rows - r0)) {
+      case 1: gemv_bf16_avx512<1>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 2: gemv_bf16_avx512<2>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 3: gemv_bf16_avx512<3>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 4: gemv_bf16_avx512<4>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 5: gemv_bf16_avx512<5>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 6: gemv_bf16_avx512<6>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 7: gemv_bf16_avx512<7>(w, e, n0, n1, xr, yr, N, gs16); break;
+      default: gemv_bf16_avx512<8>(w, e, n0, n1, xr, yr, N, gs16); break;
+    }
+  }
+}
 #endif
 
 bool isa_supported(int64_t isa) {
@@ -311,22 +430,33 @@ bool isa_supported(int64_t isa) {
   return false;
 }
 
-using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*);
+bool cpu_has_avx512bf16() {
+#if M2_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*, float*);  // scratch: K/16 floats
 using DotFn = float (*)(const float*, const float*, int64_t);
 
 // x [R, K] bf16/f32 contiguous; offsets int32 [E] cumulative row ends (F.grouped_mm's offs);
 // q [E, N, Kq] as stored; scale per format; scale2 f32 [E] (NVFP4) -> y [R, N] in x's dtype.
-// Rows at or past offsets[E-1] get 0. gemv_rows: experts with more rows take the tile + at::mm path.
+// Rows at or past offsets[E-1] get 0. Parallel tasks: (expert, tile of tile_n output rows); experts
+// with more than gemv_rows rows take the decode-tile + at::mm path in tiles of mm_tile_n rows.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& q,
                           const at::Tensor& scale, const std::optional<at::Tensor>& scale2, int64_t fmt,
-                          int64_t block_n, int64_t block_k, int64_t isa, int64_t tile_n, int64_t gemv_rows) {
+                          int64_t block_n, int64_t block_k, int64_t isa, int64_t tile_n, int64_t gemv_rows,
+                          int64_t mm_tile_n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "grouped_linear: x must be a contiguous [R, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "grouped_linear: activations must be bfloat16 or float32, found ", x.scalar_type());
   TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kInt, "grouped_linear: offsets must be int32 [E]");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "grouped_linear: q must be a contiguous [E, N, Kq] tensor");
   TORCH_CHECK(isa_supported(isa), "grouped_linear: ISA ", isa, " is not supported by this CPU");
-  TORCH_CHECK(tile_n > 0 && block_k > 0 && block_n > 0, "grouped_linear: tile and block sizes must be positive");
+  TORCH_CHECK(tile_n > 0 && mm_tile_n > 0 && block_k > 0 && block_n > 0, "grouped_linear: tile and block sizes must be positive");
   const int64_t E = q.size(0), N = q.size(1), K = x.size(1), R = x.size(0);
   TORCH_CHECK(offsets.size(0) == E, "grouped_linear: offsets has ", offsets.size(0), " entries for ", E, " experts");
   TORCH_CHECK(scale.is_contiguous(), "grouped_linear: scale must be contiguous");
@@ -382,28 +512,44 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   for (int64_t e = 0; e < E; ++e) {
     int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
     if (r1 == r0) continue;
-    for (int64_t n0 = 0; n0 < N; n0 += tile_n) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tile_n)});
+    const int64_t tn = r1 - r0 <= gemv_rows ? tile_n : mm_tile_n;
+    for (int64_t n0 = 0; n0 < N; n0 += tn) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tn)});
   }
+  // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
+  const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
+                     (fmt != FP8_BLOCK || block_k % 32 == 0);
   at::Tensor y32 = at::zeros({R, N}, x.options().dtype(at::kFloat));
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   float* yp = y32.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(K);
+    std::vector<float> buf(K), scratch(K / 16 + 1);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
       const int64_t rows = tk.r1 - tk.r0;
+      if (rows <= gemv_rows && fused) {
+#if M2_X86
+        const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr()) + tk.r0 * K;
+        gemv_bf16_rows(w, tk.e, tk.n0, tk.n1, xb, rows, yp + tk.r0 * N, N, scratch.data());
+#endif
+        continue;
+      }
       if (rows <= gemv_rows) {
         for (int64_t n = tk.n0; n < tk.n1; ++n) {
-          decode(w, tk.e, n, buf.data());
+          decode(w, tk.e, n, buf.data(), scratch.data());
           for (int64_t r = tk.r0; r < tk.r1; ++r) yp[r * N + n] = dot(buf.data(), xp + r * K, K);
         }
         continue;
       }
       // many rows: decode the tile to the activation dtype (values already rounded) and GEMM it
-      at::Tensor tile = at::empty({tk.n1 - tk.n0, K}, x.options());
-      for (int64_t n = tk.n0; n < tk.n1; ++n) {
-        decode(w, tk.e, n, buf.data());
+      at::Tensor tile;
+      if (fmt == BF16 && w.round_bf16) {
+        tile = q.select(0, tk.e).narrow(0, tk.n0, tk.n1 - tk.n0);
+      } else {
+        tile = at::empty({tk.n1 - tk.n0, K}, x.options());
+      }
+      for (int64_t n = tk.n0; n < tk.n1 && !(fmt == BF16 && w.round_bf16); ++n) {
+        decode(w, tk.e, n, buf.data(), scratch.data());
         if (w.round_bf16) {
           uint16_t* dst = reinterpret_cast<uint16_t*>(tile.data_ptr()) + (n - tk.n0) * K;
           for (int64_t k = 0; k < K; ++k) dst[k] = uint16_t(f_bits(buf[k]) >> 16);
@@ -423,7 +569,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
 TORCH_LIBRARY(m2serve_kernels, m) {
   m.def("isa_supported(int isa) -> bool");
   m.def("grouped_linear(Tensor x, Tensor offsets, Tensor q, Tensor scale, Tensor? scale2, int fmt, int block_n, "
-        "int block_k, int isa, int tile_n, int gemv_rows) -> Tensor");
+        "int block_k, int isa, int tile_n, int gemv_rows, int mm_tile_n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(m2serve_kernels, CPU, m) { m.impl("grouped_linear", &grouped_linear); }
