@@ -163,8 +163,13 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
 
 
 def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
-    """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act."""
+    """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act.
+
+    A bf16 weight with more than GEMV_ROWS rows of bf16 activations goes straight to ``F.linear``
+    (one multithreaded GEMM; the kernels would only tile the same GEMM)."""
     rows = x.reshape(-1, x.shape[-1])
+    if w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS:
+        return F.linear(x, w.q[0])
     offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
     return grouped_linear(rows, offsets, w, backend).view(*x.shape[:-1], w.out_features)
 
