@@ -146,3 +146,15 @@ def select_backend(requested: str) -> KernelBackend:
         return KernelBackend(f"cpu-{requested}", ISA_CODES[requested], f"{ISA_ENV}={requested}")
     best = next(isa for isa in ("avx512", "avx2", "scalar") if isa_supported(isa))
     return KernelBackend(f"cpu-{best}", ISA_CODES[best], "widest ISA this CPU supports")
+
+
+def build_kernels_main() -> int:
+    """``m2serve build-kernels``: build (or find) the kernels and print the backend; exit 1 with the
+    reason when they cannot be built."""
+    reason = load_library()
+    if reason is not None:
+        print(f"m2serve build-kernels: {reason}; CPU linears will use the pure-PyTorch path", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {cache_dir()}")
+    print(kernel_backend().banner())
+    return 0

@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
     )
 
+    sub.add_parser("build-kernels", help="build the packed-weight CPU kernels now (else: on first use)")
     pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
     pl.add_argument("--max-batch-size", type=int)
@@ -411,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``m2serve`` console script; returns the exit status."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command == "build-kernels":
+        from m2serve.kernels.build import build_kernels_main
+        return build_kernels_main()
     try:
         opts = resolve_options(ns, parser)
     except ValueError as e:
