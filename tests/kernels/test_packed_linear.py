@@ -234,3 +234,32 @@ def test_fp8_scales_near_the_fp32_limit(isa, dtype):
     want = w.dequantize(0, dtype)
     got = linear(torch.eye(256, dtype=dtype)[:GEMV_ROWS], w, build.select_backend(isa))
     torch.testing.assert_close(got, want[:, :GEMV_ROWS].T, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_w13_from_separate_w1_w3_matches_two_linears(isa, fmt):
+    # how the experts' buffers (w1, w3 each [E, I, H] with their own NVFP4 weight_scale_2) feed the op
+    E, H, I = 3, 256, 128
+    w1, w3 = make_weight(fmt, I, H, 11, E, 200), make_weight(fmt, I, H, 12, E, 200)
+    w2 = make_weight(fmt, H, I, 13, E, 200)
+    if w3.scale_2 is not None:
+        w3.scale_2 = w3.scale_2 * 3  # differs from w1's
+    w13 = PackedWeights.concat_rows([w1, w3])
+    assert w13.out_features == 2 * I
+    for fmt_w in (w1, w3, w2, w13):
+        if fmt_w.fmt is WeightFormat.MXFP4:
+            fmt_w.scale.clamp_(118, 124)
+        if fmt_w.fmt is WeightFormat.FP8_BLOCK:
+            fmt_w.scale.clamp_(2**-10, 2**-6)
+    counts = [2, 9, 30]
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
+    x = torch.randn(sum(counts), H).to(torch.bfloat16)
+    y = grouped_expert_ffn(x, offsets, w13, w2, build.select_backend(isa))
+    ref, start = torch.zeros_like(x), 0
+    for e, end in enumerate(offsets.tolist()):
+        xe = x[start:end]
+        gate, up = F.linear(xe, w1.dequantize(e, x.dtype)), F.linear(xe, w3.dequantize(e, x.dtype))
+        ref[start:end] = F.linear(F.silu(gate) * up, w2.dequantize(e, x.dtype))
+        start = end
+    torch.testing.assert_close(y, ref, rtol=2**-6, atol=2**-6 * float(ref.abs().max()))

@@ -57,8 +57,9 @@ class PackedWeights:
 
     fmt BF16: q bf16 [E, N, K], scale None. FP8_BLOCK: q float8_e4m3fn [E, N, K], scale f32
     [E, ceil(N/block_n), K/block_k] (``weight_scale_inv``, multiplied). NVFP4_*: q uint8 [E, N, K/2]
-    (low nibble = even column), scale float8_e4m3fn [E, N, K/block_k], scale_2 f32 [E] (ModelOpt
-    ``weight_scale_2`` multiplier / compressed-tensors ``weight_global_scale`` divisor). MXFP4: q uint8
+    (low nibble = even column), scale float8_e4m3fn [E, N, K/block_k], scale_2 f32 [E] or [E, N] (per
+    output row, e.g. w1 rows then w3 rows; ModelOpt ``weight_scale_2`` multiplier / compressed-tensors
+    ``weight_global_scale`` divisor). MXFP4: q uint8
     [E, N, K/2], scale uint8 E8M0 [E, N, K/block_k]. block_n / block_k: the format's block (FP8) or
     group (FP4, block_n = 1) sizes from formats/.
     """
@@ -95,11 +96,39 @@ class PackedWeights:
             return q.to(dtype)
         if self.fmt is WeightFormat.FP8_BLOCK:
             return dequantize_fp8_block(q, self.scale[e], dtype, self.block_n)
-        if self.fmt is WeightFormat.NVFP4_MODELOPT:
-            return dequantize_nvfp4_modelopt(q, self.scale[e], self.scale_2[e], dtype)
-        if self.fmt is WeightFormat.NVFP4_CT:
-            return dequantize_nvfp4_ct(q, self.scale[e], self.scale_2[e], dtype)
-        return dequantize_mxfp4(q, self.scale[e], dtype)
+        if self.fmt is WeightFormat.MXFP4:
+            return dequantize_mxfp4(q, self.scale[e], dtype)
+        fn = dequantize_nvfp4_modelopt if self.fmt is WeightFormat.NVFP4_MODELOPT else dequantize_nvfp4_ct
+        s2 = self.scale_2[e]
+        if s2.dim() == 0:
+            return fn(q, self.scale[e], s2, dtype)
+        # per-row scale_2: dequantise each run of rows sharing one value (w1 rows, then w3 rows)
+        starts = [0, *(torch.nonzero(s2[1:] != s2[:-1]).flatten() + 1).tolist(), len(s2)]
+        return torch.cat([fn(q[a:b], self.scale[e][a:b], s2[a], dtype) for a, b in zip(starts, starts[1:])])
+
+    @classmethod
+    def concat_rows(cls, parts: list[PackedWeights]) -> PackedWeights:
+        """Stack the output rows of same-format weights, expert by expert: [E, N_1 + N_2 + ..., K]
+        (w13 from w1 and w3). NVFP4 scale_2 becomes per row [E, N]. Raises ValueError naming the
+        mismatch for different formats, expert counts or K, or an FP8 part whose rows do not fill
+        whole scale blocks."""
+        first = parts[0]
+        for p in parts:
+            if (p.fmt, p.num_experts, p.in_features, p.block_k) != (first.fmt, first.num_experts,
+                                                                   first.in_features, first.block_k):
+                raise ValueError(f"concat_rows: {p.fmt.name} [{p.num_experts}, {p.out_features}, "
+                                 f"{p.in_features}] does not match {first.fmt.name} [{first.num_experts}, "
+                                 f"{first.out_features}, {first.in_features}]")
+            if p.fmt is WeightFormat.FP8_BLOCK and p.out_features % p.block_n:
+                raise ValueError(f"concat_rows: FP8 part with {p.out_features} rows is not a multiple of "
+                                 f"the {p.block_n}-row scale block")
+        scale = None if first.scale is None else torch.cat([p.scale for p in parts], dim=1)
+        s2 = None
+        if first.scale_2 is not None:
+            rows = [p.scale_2 if p.scale_2.dim() == 2 else p.scale_2[:, None].expand(-1, p.out_features)
+                    for p in parts]
+            s2 = torch.cat(rows, dim=1).contiguous()
+        return cls(first.fmt, torch.cat([p.q for p in parts], dim=1), scale, s2, first.block_n, first.block_k)
 
     @classmethod
     def stack(cls, weights: list[torch.Tensor | PackedFP8 | PackedFP4]) -> PackedWeights:

@@ -76,7 +76,7 @@ struct Weight {
   int64_t fmt, N, K, block_n, block_k;
   const uint8_t* q; int64_t q_e, q_n;  // bytes: bf16 as 2 bytes, fp8 1 byte, fp4 K/2 bytes per row
   const void* s; int64_t s_e, s_n;     // fp8: f32 [E, N/bn, K/bk]; fp4: u8/e4m3 [E, N, K/g]
-  const float* s2;                      // [E] (NVFP4 only)
+  const float* s2; int64_t s2_e, s2_n;  // NVFP4 only: [E] or [E, N] (per output row; stride 0 = shared)
   bool round_bf16;                      // activations are bf16: one rounding of each weight
 };
 
@@ -85,7 +85,8 @@ inline float fp4_group_scale(const Weight& w, int64_t e, int64_t n, int64_t g) {
   uint8_t b = static_cast<const uint8_t*>(w.s)[e * w.s_e + n * w.s_n + g];
   if (w.fmt == MXFP4) return e8m0_to_f(b);
   float ws = e4m3_to_f(b);
-  return w.fmt == NVFP4_MODELOPT ? ws * w.s2[e] : ws / w.s2[e];
+  const float s2 = w.s2[e * w.s2_e + n * w.s2_n];
+  return w.fmt == NVFP4_MODELOPT ? ws * s2 : ws / s2;
 }
 
 inline const float* fp8_scale_row(const Weight& w, int64_t e, int64_t n) {
@@ -282,7 +283,7 @@ M2_AVX512 void fp4_scales16_avx512(const Weight& w, int64_t e, int64_t n, float*
     }
   }
   if (w.fmt != MXFP4 && rep == 1) {
-    const __m512 s2 = _mm512_set1_ps(w.s2[e]);
+    const __m512 s2 = _mm512_set1_ps(w.s2[e * w.s2_e + n * w.s2_n]);
     for (; g + 16 <= G; g += 16) {
       __m512 v = e4m3x16_avx512(sp + g);
       _mm512_storeu_ps(gs16 + g, w.fmt == NVFP4_MODELOPT ? _mm512_mul_ps(v, s2) : _mm512_div_ps(v, s2));
@@ -443,7 +444,7 @@ using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*, float*);  // 
 using DotFn = float (*)(const float*, const float*, int64_t);
 
 // x [R, K] bf16/f32 contiguous; offsets int32 [E] cumulative row ends (F.grouped_mm's offs);
-// q [E, N, Kq] as stored; scale per format; scale2 f32 [E] (NVFP4) -> y [R, N] in x's dtype.
+// q [E, N, Kq] as stored; scale per format; scale2 f32 [E] or [E, N] (NVFP4) -> y [R, N] in x's dtype.
 // Rows at or past offsets[E-1] get 0. Parallel tasks: (expert, tile of tile_n output rows); experts
 // with more than gemv_rows rows take the decode-tile + at::mm path in tiles of mm_tile_n rows.
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& q,
@@ -461,7 +462,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   TORCH_CHECK(offsets.size(0) == E, "grouped_linear: offsets has ", offsets.size(0), " entries for ", E, " experts");
   TORCH_CHECK(scale.is_contiguous(), "grouped_linear: scale must be contiguous");
   Weight w{fmt, N, K, block_n, block_k, static_cast<const uint8_t*>(q.data_ptr()), 0, 0,
-           scale.data_ptr(), 0, 0, nullptr, x.scalar_type() == at::kBFloat16};
+           scale.data_ptr(), 0, 0, nullptr, 0, 0, x.scalar_type() == at::kBFloat16};
   w.q_e = q.stride(0) * q.element_size();
   w.q_n = q.stride(1) * q.element_size();
   switch (fmt) {
@@ -483,9 +484,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
       TORCH_CHECK(block_k % 16 == 0 && K % block_k == 0,
                   "grouped_linear: fp4 needs K a multiple of the group and the group a multiple of 16");
       if (fmt != MXFP4) {
-        TORCH_CHECK(scale2.has_value() && scale2->scalar_type() == at::kFloat && scale2->numel() == E &&
-                    scale2->is_contiguous(), "grouped_linear: NVFP4 needs a contiguous f32 scale2 [E]");
+        TORCH_CHECK(scale2.has_value() && scale2->scalar_type() == at::kFloat && scale2->size(0) == E &&
+                    (scale2->dim() == 1 || (scale2->dim() == 2 && scale2->size(1) == N)),
+                    "grouped_linear: NVFP4 needs an f32 scale2 [E] or [E, N]");
         w.s2 = scale2->data_ptr<float>();
+        w.s2_e = scale2->stride(0);
+        w.s2_n = scale2->dim() == 2 ? scale2->stride(1) : 0;
       }
       break;
     default:
