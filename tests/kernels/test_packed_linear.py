@@ -263,3 +263,19 @@ def test_w13_from_separate_w1_w3_matches_two_linears(isa, fmt):
         ref[start:end] = F.linear(F.silu(gate) * up, w2.dequantize(e, x.dtype))
         start = end
     torch.testing.assert_close(y, ref, rtol=2**-6, atol=2**-6 * float(ref.abs().max()))
+
+
+def test_two_threads_under_inference_mode():
+    # worker threads of at::parallel_for do not inherit InferenceMode (the many-row path writes y there)
+    w = make_weight(WeightFormat.FP8_BLOCK, 512, 256)
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            y = linear(x, w)
+            y_small = linear(x[:3], w)
+    finally:
+        torch.set_num_threads(threads)
+    _check_products(y, x, w.dequantize(0, torch.bfloat16))
+    _check_products(y_small, x[:3], w.dequantize(0, torch.bfloat16))

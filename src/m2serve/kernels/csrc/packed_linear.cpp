@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -527,6 +528,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   const float* xp = xf.data_ptr<float>();
   float* yp = y32.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    // worker threads do not inherit the caller's InferenceMode; y32 may be an inference tensor
+    c10::InferenceMode inference;
     std::vector<float> buf(K), scratch(K / 16 + 1);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
