@@ -34,7 +34,7 @@ from m2serve.kernels.build import KernelBackend, kernel_backend
 
 TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
 GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
-MM_TILE_N = 256  # output rows per decode-tile + at::mm task
+MM_TILE_N = 4096  # weight rows decoded per at::mm of a many-row expert (bounds the temporary tile)
 
 
 class WeightFormat(enum.IntEnum):

@@ -20,7 +20,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -512,62 +511,70 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     ends[e] = off.data_ptr<int32_t>()[e];
     TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= R, "grouped_linear: offsets must be non-decreasing and <= R");
   }
-  struct Task { int64_t e, r0, r1, n0, n1; };
-  std::vector<Task> tasks;
-  for (int64_t e = 0; e < E; ++e) {
-    int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
-    if (r1 == r0) continue;
-    const int64_t tn = r1 - r0 <= gemv_rows ? tile_n : mm_tile_n;
-    for (int64_t n0 = 0; n0 < N; n0 += tn) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tn)});
-  }
   // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
   const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
                      (fmt != FP8_BLOCK || block_k % 32 == 0);
-  at::Tensor y32 = at::zeros({R, N}, x.options().dtype(at::kFloat));
-  at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  const float* xp = xf.data_ptr<float>();
+  struct Task { int64_t e, r0, r1, n0, n1; };
+  std::vector<Task> tasks, gemm;  // GEMV tiles (threads split over them); experts with many rows
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
+    if (r1 == r0) continue;
+    if (r1 - r0 > gemv_rows) {
+      for (int64_t n0 = 0; n0 < N; n0 += mm_tile_n) gemm.push_back({e, r0, r1, n0, std::min(N, n0 + mm_tile_n)});
+      continue;
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += tile_n) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tile_n)});
+  }
+  at::Tensor y32 = at::empty({R, N}, x.options().dtype(at::kFloat));
+  if (ends.empty() || ends.back() < R) y32.narrow(0, E ? ends.back() : 0, R - (E ? ends.back() : 0)).zero_();
+  at::Tensor xf = (fused || tasks.empty() || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
   float* yp = y32.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    // worker threads do not inherit the caller's InferenceMode; y32 may be an inference tensor
-    c10::InferenceMode inference;
     std::vector<float> buf(K), scratch(K / 16 + 1);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
       const int64_t rows = tk.r1 - tk.r0;
-      if (rows <= gemv_rows && fused) {
+      if (fused) {
 #if M2_X86
         const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr()) + tk.r0 * K;
         gemv_bf16_rows(w, tk.e, tk.n0, tk.n1, xb, rows, yp + tk.r0 * N, N, scratch.data());
 #endif
         continue;
       }
-      if (rows <= gemv_rows) {
-        for (int64_t n = tk.n0; n < tk.n1; ++n) {
-          decode(w, tk.e, n, buf.data(), scratch.data());
-          for (int64_t r = tk.r0; r < tk.r1; ++r) yp[r * N + n] = dot(buf.data(), xp + r * K, K);
-        }
-        continue;
-      }
-      // many rows: decode the tile to the activation dtype (values already rounded) and GEMM it
-      at::Tensor tile;
-      if (fmt == BF16 && w.round_bf16) {
-        tile = q.select(0, tk.e).narrow(0, tk.n0, tk.n1 - tk.n0);
-      } else {
-        tile = at::empty({tk.n1 - tk.n0, K}, x.options());
-      }
-      for (int64_t n = tk.n0; n < tk.n1 && !(fmt == BF16 && w.round_bf16); ++n) {
+      const float* xp = static_cast<const float*>(xf.data_ptr());
+      for (int64_t n = tk.n0; n < tk.n1; ++n) {
         decode(w, tk.e, n, buf.data(), scratch.data());
-        if (w.round_bf16) {
-          uint16_t* dst = reinterpret_cast<uint16_t*>(tile.data_ptr()) + (n - tk.n0) * K;
-          for (int64_t k = 0; k < K; ++k) dst[k] = uint16_t(f_bits(buf[k]) >> 16);
-        } else {
-          std::memcpy(tile.data_ptr<float>() + (n - tk.n0) * K, buf.data(), K * sizeof(float));
-        }
+        for (int64_t r = tk.r0; r < tk.r1; ++r) yp[r * N + n] = dot(buf.data(), xp + r * K, K);
       }
-      at::Tensor part = at::mm(x.narrow(0, tk.r0, rows), tile.t());  // [rows, tile] act dtype
-      y32.narrow(0, tk.r0, rows).narrow(1, tk.n0, tk.n1 - tk.n0).copy_(part);
     }
   });
+  // Experts with many rows: decode a tile of mm_tile_n weight rows to the activation dtype (values
+  // already rounded; threads split over its rows), then one at::mm outside any parallel region so
+  // that it runs with all threads and the best GEMM (bf16 weights are used as they are).
+  for (const Task& tk : gemm) {
+    const int64_t rows = tk.r1 - tk.r0, nt = tk.n1 - tk.n0;
+    at::Tensor tile;
+    if (fmt == BF16 && w.round_bf16) {
+      tile = q.select(0, tk.e).narrow(0, tk.n0, nt);
+    } else {
+      tile = at::empty({nt, K}, x.options());
+      char* base = static_cast<char*>(tile.data_ptr());
+      at::parallel_for(tk.n0, tk.n1, 16, [&](int64_t a, int64_t b) {
+        std::vector<float> buf(K), scratch(K / 16 + 1);
+        for (int64_t n = a; n < b; ++n) {
+          decode(w, tk.e, n, buf.data(), scratch.data());
+          if (w.round_bf16) {
+            uint16_t* dst = reinterpret_cast<uint16_t*>(base) + (n - tk.n0) * K;
+            for (int64_t k = 0; k < K; ++k) dst[k] = uint16_t(f_bits(buf[k]) >> 16);
+          } else {
+            std::memcpy(reinterpret_cast<float*>(base) + (n - tk.n0) * K, buf.data(), K * sizeof(float));
+          }
+        }
+      });
+    }
+    at::Tensor part = at::mm(x.narrow(0, tk.r0, rows), tile.t());  // [rows, nt] act dtype
+    y32.narrow(0, tk.r0, rows).narrow(1, tk.n0, nt).copy_(part);
+  }
   return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
 }
 
