@@ -8,15 +8,22 @@ here with the checkpoints.md §6 conventions (NVFP4: weight_scale_2 = amax / (6 
 block scales per 16; MXFP4: E8M0 scale 2^(floor(log2 amax) - 2) per 32; nearest E2M1 code).
 Attention, router, embeddings and lm_head stay BF16, as in the releases (checkpoints.md §7).
 
-Each (encoding, --weight-dequant mode) is loaded in its own subprocess, one after the other, so
-memory figures do not mix: load seconds, resident weight memory (distinct torch storages of the
-parameters and buffers), the worker's peak RSS (VmHWM), and decode tokens/s (``--batch`` sequences of
-32 prompt tokens, ``--decode`` greedy steps, after one warm-up step). Ratios are against BF16 /
-load measured in the same run. ``runtime`` keeps the quantised weights as stored (FP8: every FP8
-linear, dequantised per forward, experts per activation; FP4: the experts, dequantised per active
-expert).
+Each row (encoding, --weight-dequant mode, CPU linear backend) runs in its own subprocess, one
+after the other, once per thread count (``--threads``, default 1 and 2), so memory figures do not
+mix: load seconds, resident weight memory (distinct torch storages of the parameters and buffers),
+the worker's peak RSS (VmHWM), batch-1 decode tokens/s (32 prompt tokens, ``--decode`` greedy steps
+after one warm-up step) and prefill tokens/s (one ``--prefill``-token prompt after a warm-up one).
+``backend`` is ``kernels`` (m2serve/kernels: bf16 and FP8 linears computed from the stored codes)
+or ``aten`` (``M2SERVE_CPU_ISA=none``: the previous dequantise + ``aten::mm`` path, the baseline).
+``runtime`` keeps the quantised weights as stored (FP8: every FP8 linear; FP4: the experts).
 
-    python benchmarks/formats.py [--dtype bfloat16] [--threads 2] [--batch 1] [--decode 8] [--cache DIR]
+Bytes read per decode token = every weight except the embedding table, with the experts counted
+at top-k / E of their bytes, as held in memory (packed or dense). The decode bound is the streaming
+read bandwidth (a ``sum`` over 1 GiB, measured here before each thread count's rows) divided by
+those bytes. Ratios are against the ``bf16 load aten`` row of the same thread count.
+
+    python benchmarks/formats.py [--dtype bfloat16] [--threads 1 2] [--decode 8] [--prefill 512] [--cache DIR]
+        [--rows bf16:load:aten fp8:runtime:kernels ...]
 
 The four checkpoints take 5.5 GB; they are built in a temp dir and removed at the end, unless
 ``--cache DIR`` names a directory where they are kept and reused by the next run.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -37,8 +45,8 @@ from pathlib import Path
 BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
                   rotary_dim=64, intermediate_size=1536, num_local_experts=32, num_experts_per_tok=8,
                   num_hidden_layers=2, vocab_size=32000)
-RUNS = (("bf16", "load"), ("fp8", "load"), ("fp8", "runtime"), ("nvfp4", "load"), ("nvfp4", "runtime"),
-        ("mxfp4", "load"), ("mxfp4", "runtime"))
+RUNS = ("bf16:load:aten", "bf16:load:kernels", "fp8:load:kernels", "fp8:runtime:kernels",
+        "nvfp4:load:kernels", "nvfp4:runtime:kernels", "mxfp4:load:kernels", "mxfp4:runtime:kernels")
 PROMPT = 32
 
 MODELOPT_QUANT = {
@@ -153,9 +161,38 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def bytes_per_decode_token(model) -> int:
+    """Weight bytes one batch-1 decode step reads: everything but the embedding table, experts at
+    top-k / E of their (held) bytes."""
+    cfg = model.config
+    total = 0.0
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if "embed_tokens" in name:
+            continue
+        share = cfg.num_experts_per_tok / cfg.num_local_experts if ".experts." in name else 1.0
+        total += t.numel() * t.element_size() * share
+    return int(total)
+
+
+def stream_gbs(threads: int, reps: int = 5) -> float:
+    """Streaming read bandwidth in GB/s with ``threads`` threads: best of ``reps`` sums over 1 GiB."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from m2serve.kernels.build import kernel_backend
     from m2serve.model.load import load_model
     from m2serve.model.simple_cache import SimpleKVCache
 
@@ -164,35 +201,42 @@ def worker(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     model = load_model(args.path, dtype=dtype, progress=False, weight_dequant=args.mode)
     load_s = time.perf_counter() - t
-    V, B = model.config.vocab_size, args.batch
-    cache = SimpleKVCache.create(model.config, num_pages=B * (PROMPT + args.decode + 2) // 16 + B + 2,
-                                 page_size=16, dtype=dtype)
-    prompts = [[(7919 * i + 13 * b) % V for i in range(PROMPT)] for b in range(B)]
+    V, P = model.config.vocab_size, args.prefill
+    pages = 3 * (P + PROMPT + args.decode) // 16 + 8
+    cache = SimpleKVCache.create(model.config, num_pages=pages, page_size=16, dtype=dtype)
+    prompt = [(7919 * i + 13) % V for i in range(PROMPT)]
+    long_prompt = [(104729 * i + 7) % V for i in range(P)]
     with torch.inference_mode():
-        toks = model(cache.batch(list(enumerate(prompts))), cache.storage).argmax(-1).tolist()
-        toks = model(cache.batch([(b, [x]) for b, x in enumerate(toks)]), cache.storage).argmax(-1).tolist()
+        tok = model(cache.batch([(0, prompt)]), cache.storage).argmax(-1).tolist()
+        tok = model(cache.batch([(0, tok)]), cache.storage).argmax(-1).tolist()
         t = time.perf_counter()
         for _ in range(args.decode):
-            step = cache.batch([(b, [x]) for b, x in enumerate(toks)])
-            toks = model(step, cache.storage).argmax(-1).tolist()
+            tok = model(cache.batch([(0, tok)]), cache.storage).argmax(-1).tolist()
         decode_s = time.perf_counter() - t
+        model(cache.batch([(1, long_prompt)]), cache.storage)  # warm-up prefill
+        t = time.perf_counter()
+        model(cache.batch([(2, long_prompt)]), cache.storage)
+        prefill_s = time.perf_counter() - t
     print(json.dumps({"load_s": load_s, "weights_gib": resident_bytes(model) / 2**30,
-                      "peak_rss_gib": peak_rss_gib(),
-                      "decode_tok_s": B * args.decode / decode_s}))
+                      "peak_rss_gib": peak_rss_gib(), "decode_tok_s": args.decode / decode_s,
+                      "prefill_tok_s": P / prefill_s, "bytes_per_token": bytes_per_decode_token(model),
+                      "backend": kernel_backend().name}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--rows", nargs="+", default=list(RUNS), help="encoding:mode:backend rows to run")
     p.add_argument("--cache", type=Path, help="keep the built checkpoints here and reuse them")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="load", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
+        args.threads = args.threads[0]
         worker(args)
         return
     root = args.cache or Path(tempfile.mkdtemp(prefix="m2serve-formats-"))
@@ -200,23 +244,31 @@ def main() -> None:
         t = time.perf_counter()
         paths = build_all(root)
         print(f"4 encodings of the bench config ready in {time.perf_counter() - t:.0f} s (compute "
-              f"{args.dtype}, {args.threads} threads, batch {args.batch}, {args.decode} decode steps)")
-        sizes = {k: sum(f.stat().st_size for f in v.glob("*.safetensors")) / 2**30 for k, v in paths.items()}
-        rows = []
-        for enc, mode in RUNS:
-            cmd = [sys.executable, __file__, "--worker", "--path", str(paths[enc]), "--mode", mode,
-                   "--dtype", args.dtype, "--threads", str(args.threads), "--batch", str(args.batch),
-                   "--decode", str(args.decode)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            rows.append((enc, mode, json.loads(out.strip().splitlines()[-1])))
-        base = rows[0][2]
-        print(f"{'encoding':9}{'dequant':9}{'file GiB':>9}{'load s':>8}{'weights GiB':>13}"
-              f"{'peak RSS GiB':>14}{'decode tok/s':>14}{'x BF16 mem':>12}{'x BF16 tok/s':>14}")
-        for enc, mode, r in rows:
-            print(f"{enc:9}{mode:9}{sizes[enc]:9.2f}{r['load_s']:8.1f}{r['weights_gib']:13.2f}"
-                  f"{r['peak_rss_gib']:14.2f}{r['decode_tok_s']:14.2f}"
-                  f"{r['weights_gib'] / base['weights_gib']:12.2f}"
-                  f"{r['decode_tok_s'] / base['decode_tok_s']:14.2f}")
+              f"{args.dtype}, batch-1 decode of {args.decode} steps, {args.prefill}-token prefill)")
+        for threads in args.threads:
+            bw = stream_gbs(threads)
+            print(f"\n{threads} thread(s): streaming read {bw:.1f} GB/s")
+            rows = []
+            for row in args.rows:
+                enc, mode, backend = row.split(":")
+                env = {**os.environ, "M2SERVE_CPU_ISA": "none" if backend == "aten" else ""}
+                cmd = [sys.executable, __file__, "--worker", "--path", str(paths[enc]), "--mode", mode,
+                       "--dtype", args.dtype, "--threads", str(threads), "--decode", str(args.decode),
+                       "--prefill", str(args.prefill)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+                rows.append((enc, mode, backend, json.loads(out.strip().splitlines()[-1])))
+            base = next((r for e, m, b, r in rows if (e, m, b) == ("bf16", "load", "aten")), rows[0][3])
+            print(f"{'encoding':9}{'dequant':9}{'backend':13}{'load s':>7}{'weights GiB':>12}{'peak RSS':>9}"
+                  f"{'MB/token':>9}{'decode tok/s':>13}{'bound':>7}{'x bound':>8}{'GB/s':>6}"
+                  f"{'x aten bf16':>12}{'prefill tok/s':>14}{'x aten':>7}")
+            for enc, mode, _, r in rows:
+                bound = bw * 1e9 / r["bytes_per_token"]
+                print(f"{enc:9}{mode:9}{r['backend']:13}{r['load_s']:7.1f}{r['weights_gib']:12.2f}"
+                      f"{r['peak_rss_gib']:9.2f}{r['bytes_per_token'] / 1e6:9.1f}{r['decode_tok_s']:13.2f}"
+                      f"{bound:7.1f}{bound / r['decode_tok_s']:8.2f}"
+                      f"{r['decode_tok_s'] * r['bytes_per_token'] / 1e9:6.1f}"
+                      f"{r['decode_tok_s'] / base['decode_tok_s']:12.2f}{r['prefill_tok_s']:14.1f}"
+                      f"{r['prefill_tok_s'] / base['prefill_tok_s']:7.2f}")
     finally:
         if not args.cache:
             shutil.rmtree(root, ignore_errors=True)

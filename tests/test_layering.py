@@ -1,4 +1,4 @@
-"""Imports point down only (docs/architecture.md): config <- formats <- model <- parallel <- engine
+"""Imports point down only (docs/architecture.md): config <- formats <- kernels <- model <- parallel <- engine
 <- serve, config <- text <- serve; checkpoints may import config, formats and text. transformers
 is a test dependency only and never imported from src/."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import m2serve
 
 SRC = Path(m2serve.__file__).parent
-CHAIN = ["config", "formats", "model", "parallel", "engine"]
+CHAIN = ["config", "formats", "kernels", "model", "parallel", "engine"]
 ALLOWED = {layer: set(CHAIN[: i + 1]) for i, layer in enumerate(CHAIN)}
 ALLOWED["text"] = {"config", "text"}
 ALLOWED["checkpoints"] = {"config", "formats", "text", "checkpoints"}

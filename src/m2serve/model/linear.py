@@ -1,5 +1,8 @@
 """Bias-free linear layer holding its weight [out, in] (uninitialised until loaded), dense or as
-stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices)."""
+stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices).
+
+On CPU, bf16 and FP8-block weights go through the packed-weight kernels (m2serve/kernels) when
+they are built: same values as dequantise + ``F.linear``, up to the fp32 summation order."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels.ops import PackedWeights, WeightFormat
+from m2serve.kernels.ops import linear as packed_linear
 
 
 class Linear(nn.Module):
@@ -17,13 +22,15 @@ class Linear(nn.Module):
     Unlike nn.Linear, construction does not initialise the (possibly huge) weight. :meth:`load`
     with a :class:`PackedFP8` replaces the (never filled) ``weight`` by buffers ``weight_q``
     float8_e4m3fn [out, in] and ``weight_scale_inv`` f32 [ceil(out/128), ceil(in/128)]; forward then
-    dequantises per call (the same values as dequantising at load).
+    computes straight from the codes (m2serve/kernels; elsewhere it dequantises per call) with the
+    same values as dequantising at load. A bf16 weight with bf16 activations also uses the kernels.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.packed = False
+        self.act_dtype = self.weight.dtype
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -59,6 +66,17 @@ class Linear(nn.Module):
             return PackedFP8(self.weight_q, self.weight_scale_inv).dequantize(self.act_dtype)
         return self.weight
 
+    def stored_weight(self) -> PackedWeights | None:
+        """The weight as the kernels take it (one expert): FP8 block when packed, bf16 when dense bf16,
+        else None (fp32 / fp16 weights stay on ``F.linear``)."""
+        if self.packed:
+            return PackedWeights(WeightFormat.FP8_BLOCK, self.weight_q[None], self.weight_scale_inv[None],
+                                 None, FP8_BLOCK, FP8_BLOCK)
+        if self.weight.dtype == torch.bfloat16:
+            return PackedWeights(WeightFormat.BF16, self.weight[None])
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], same dtype."""
-        return F.linear(x, self.dense_weight())
+        stored = self.stored_weight() if x.dtype == self.act_dtype else None
+        return F.linear(x, self.dense_weight()) if stored is None else packed_linear(x, stored)

@@ -160,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
     )
 
+    sub.add_parser("build-kernels", help="build the packed-weight CPU kernels now (else: on first use)")
     pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
     pl.add_argument("--max-batch-size", type=int)
@@ -488,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                           if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
     if unknown:
         command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ns.command == "build-kernels":
+        from m2serve.kernels.build import build_kernels_main
+        return build_kernels_main()
     try:
         opts = resolve_options(ns, parser)
     except ValueError as e:

@@ -1,0 +1,160 @@
+"""Build, cache and load the packed-weight CPU kernels (csrc/packed_linear.cpp), and pick the ISA.
+
+The C++ is compiled once with ``torch.utils.cpp_extension`` (ninja) into a cache directory keyed
+by the source hash and the torch / Python versions, under a file lock so that ``cpu:N`` ranks
+started together build it once; later processes just load the shared library. ``m2serve
+build-kernels`` does the same ahead of time. Any failure (no compiler, no headers, failed build,
+a CPU without the requested ISA) leaves :func:`kernel_backend` reporting the pure-PyTorch
+backend with the reason, for the start banner.
+
+Environment: ``M2SERVE_CPU_ISA`` = ``avx512`` | ``avx2`` | ``scalar`` forces an ISA (the default
+is the widest the CPU has); ``none`` disables the kernels (the previous dequantise + aten path,
+kept as a benchmark switch). ``M2SERVE_KERNEL_CACHE`` moves the cache (default
+``~/.cache/m2serve/kernels``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+LIBRARY = "m2serve_kernels"
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISA_ENV = "M2SERVE_CPU_ISA"
+CACHE_ENV = "M2SERVE_KERNEL_CACHE"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    """Which CPU linear backend this process uses.
+
+    name: ``cpu-avx512`` | ``cpu-avx2`` | ``cpu-scalar`` (the C++ kernels) or ``pytorch``
+    (dequantise + aten); isa: the kernels' ISA code (``ISA_CODES``), None for ``pytorch``;
+    reason: why this backend (for the start banner).
+    """
+
+    name: str
+    isa: int | None
+    reason: str
+
+    @property
+    def available(self) -> bool:
+        return self.isa is not None
+
+    def banner(self) -> str:
+        return f"CPU linear backend: {self.name} ({self.reason})"
+
+
+def cache_dir() -> Path:
+    """Build directory of this source + torch + Python (``$M2SERVE_KERNEL_CACHE`` overrides the root)."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "m2serve" / "kernels")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
+    return root / tag.replace("+", "_")
+
+
+def _library_path(build_dir: Path) -> Path:
+    return build_dir / f"{LIBRARY}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels if this cache has no library yet (printing 'building CPU kernels (once)'),
+    under a file lock; return the shared library's path. Raises whatever the toolchain raises
+    (RuntimeError for a failed build, OSError/FileNotFoundError for a missing compiler)."""
+    from filelock import FileLock  # torch's own dependency
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build_dir / "build.lock")):
+        lib = _library_path(build_dir)
+        if lib.exists():
+            return lib
+        print("building CPU kernels (once)", file=sys.stderr, flush=True)
+        cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=verbose)
+        return lib
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(f"{LIBRARY}::grouped_linear")
+    def _(x, offsets, q, scale, scale2, fmt, block_n, block_k, isa, tile_n, gemv_rows, mm_tile_n):
+        return x.new_empty(x.shape[0], q.shape[1])
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> str | None:
+    """Build (if needed) and load the kernels once per process; None on success, else the reason."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"no kernels for {platform.machine()} CPUs"
+    compiler = os.environ.get("CXX", "c++")
+    lib = _library_path(cache_dir())
+    if not lib.exists() and shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH); install g++ and rerun"
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as exc:  # noqa: BLE001 - any toolchain failure means: fall back, say why
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"kernel build failed: {first[:200]}"
+    _register_fake()
+    return None
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU runs kernels of ``isa`` (``ISA_CODES`` key). Needs the library loaded."""
+    return bool(torch.ops.m2serve_kernels.isa_supported(ISA_CODES[isa]))
+
+
+def supported_isas() -> list[str]:
+    """ISAs of ``ISA_CODES`` this CPU runs (empty when the kernels are unavailable)."""
+    if load_library() is not None:
+        return []
+    return [isa for isa in ISA_CODES if isa_supported(isa)]
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_backend() -> KernelBackend:
+    """The backend for packed and bf16 CPU linears in this process (cached; reads ``M2SERVE_CPU_ISA``).
+
+    Raises ValueError naming ``M2SERVE_CPU_ISA`` and its accepted values for an unknown value.
+    """
+    return select_backend(os.environ.get(ISA_ENV, "").strip().lower())
+
+
+def select_backend(requested: str) -> KernelBackend:
+    """Backend for an ``M2SERVE_CPU_ISA`` value ('' = the widest ISA the CPU has)."""
+    if requested not in ("", "none", *ISA_CODES):
+        raise ValueError(f"{ISA_ENV}={requested!r}: use avx512, avx2, scalar or none (unset = widest)")
+    if requested == "none":
+        return KernelBackend("pytorch", None, f"{ISA_ENV}=none")
+    reason = load_library()
+    if reason is not None:
+        return KernelBackend("pytorch", None, reason)
+    if requested:
+        if not isa_supported(requested):
+            return KernelBackend("pytorch", None, f"{ISA_ENV}={requested} but this CPU lacks it")
+        return KernelBackend(f"cpu-{requested}", ISA_CODES[requested], f"{ISA_ENV}={requested}")
+    best = next(isa for isa in ("avx512", "avx2", "scalar") if isa_supported(isa))
+    return KernelBackend(f"cpu-{best}", ISA_CODES[best], "widest ISA this CPU supports")
+
+
+def build_kernels_main() -> int:
+    """``m2serve build-kernels``: build (or find) the kernels and print the backend; exit 1 with the
+    reason when they cannot be built."""
+    reason = load_library()
+    if reason is not None:
+        print(f"m2serve build-kernels: {reason}; CPU linears will use the pure-PyTorch path", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {cache_dir()}")
+    print(kernel_backend().banner())
+    return 0

@@ -1,0 +1,591 @@
+// Packed-weight CPU linears: y = x · dequant(W)ᵀ with W kept as stored (checkpoints.md §5-§6).
+//
+// Legend: E experts in one call (1 for a plain linear), R activation rows (sorted by expert),
+// N output features, K input features, Kq stored bytes per weight row.
+//
+// One op, m2serve::grouped_linear, covers a dense linear (E = 1) and the grouped MoE linears:
+// rows [off[e-1], off[e]) of x go through expert e's weight. Every weight element is decoded in
+// registers with the spec's formula, in fp32, then rounded ONCE to the activation dtype (so the
+// result equals x · dequantize(W, x.dtype)ᵀ up to the order of the fp32 summation):
+//   bf16            W = bf16 value
+//   FP8 block       W = fp32(e4m3 q[n, k]) * s[n / block_n, k / block_k]          (s: weight_scale_inv)
+//   NVFP4 ModelOpt  W = e2m1(code) * (fp32(e4m3 ws[n, k / g]) * s2)                (s2: weight_scale_2)
+//   NVFP4 c-t       W = e2m1(code) * (fp32(e4m3 ws[n, k / g]) / s2)                (s2: weight_global_scale)
+//   MXFP4           W = e2m1(code) * 2^(e8m0[n, k / g] - 127)
+// Block and group sizes are arguments (formats/ owns them). Small row counts stream each weight
+// row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV); larger row
+// counts decode a tile of rows to the activation dtype and hand it to at::mm. Threads split over
+// (expert, output tile). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
+// the vector functions carry GCC target attributes, so the file builds without -march flags.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define M2_X86 1
+#define M2_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define M2_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define M2_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+#else
+#define M2_X86 0
+#endif
+
+namespace {
+
+enum Fmt : int64_t { BF16 = 0, FP8_BLOCK = 1, NVFP4_MODELOPT = 2, NVFP4_CT = 3, MXFP4 = 4 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+constexpr uint32_t QNAN = 0x7FC00000u;
+// E2M1 code -> value (checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
+alignas(64) constexpr float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float bits_f(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t f_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+
+// e4m3fn -> fp32, exact: the 7 magnitude bits placed at fp32 bit 20 give 2^(e-127)·(1+m/8) (or the
+// fp32 subnormal (m/8)·2^-126 for e = 0); one multiply by 2^120 rebiases both exactly. 0x7F/0xFF NaN.
+inline float e4m3_to_f(uint8_t b) {
+  uint32_t em = b & 0x7Fu, sign = uint32_t(b & 0x80u) << 24;
+  if (em == 0x7Fu) return bits_f(QNAN | sign);
+  return bits_f(f_bits(bits_f(em << 20) * 0x1p120f) | sign);
+}
+
+// E8M0 -> fp32 2^(e-127), exact (e = 0 is the fp32 subnormal 2^-127; 255 is NaN).
+inline float e8m0_to_f(uint8_t e) {
+  if (e == 255) return bits_f(QNAN);
+  return e == 0 ? bits_f(0x00400000u) : bits_f(uint32_t(e) << 23);
+}
+
+// fp32 -> bf16 -> fp32, round to nearest even (c10::BFloat16's rounding; NaN stays NaN).
+inline float round_bf16(float f) {
+  uint32_t u = f_bits(f);
+  if (std::isnan(f)) return bits_f((u | 0x00400000u) & 0xFFFF0000u);
+  return bits_f((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+// One grouped weight as stored, raw pointers plus strides (elements of each tensor's dtype).
+struct Weight {
+  int64_t fmt, N, K, block_n, block_k;
+  const uint8_t* q; int64_t q_e, q_n;  // bytes: bf16 as 2 bytes, fp8 1 byte, fp4 K/2 bytes per row
+  const void* s; int64_t s_e, s_n;     // fp8: f32 [E, N/bn, K/bk]; fp4: u8/e4m3 [E, N, K/g]
+  const float* s2; int64_t s2_e, s2_n;  // NVFP4 only: [E] or [E, N] (per output row; stride 0 = shared)
+  bool round_bf16;                      // activations are bf16: one rounding of each weight
+};
+
+// Block scale of the FP4 group g of row n of expert e.
+inline float fp4_group_scale(const Weight& w, int64_t e, int64_t n, int64_t g) {
+  uint8_t b = static_cast<const uint8_t*>(w.s)[e * w.s_e + n * w.s_n + g];
+  if (w.fmt == MXFP4) return e8m0_to_f(b);
+  float ws = e4m3_to_f(b);
+  const float s2 = w.s2[e * w.s2_e + n * w.s2_n];
+  return w.fmt == NVFP4_MODELOPT ? ws * s2 : ws / s2;
+}
+
+inline const float* fp8_scale_row(const Weight& w, int64_t e, int64_t n) {
+  return static_cast<const float*>(w.s) + e * w.s_e + (n / w.block_n) * w.s_n;
+}
+
+// ---------------------------------------------------------------- scalar ISA (and vector tails)
+void bf16_tail(const uint8_t* p, int64_t k, int64_t K, float* out) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  for (; k < K; ++k) out[k] = bits_f(uint32_t(h[k]) << 16);
+}
+
+// FP4 columns [k, K) of one row (k a multiple of the group), scalar.
+void fp4_tail(const Weight& w, int64_t e, int64_t n, const uint8_t* p, int64_t k, float* out) {
+  for (; k < w.K; k += 2) {
+    float blk = fp4_group_scale(w, e, n, k / w.block_k);
+    uint8_t b = p[k / 2];
+    out[k] = E2M1[b & 0xF] * blk;
+    out[k + 1] = E2M1[b >> 4] * blk;
+    if (w.round_bf16) { out[k] = round_bf16(out[k]); out[k + 1] = round_bf16(out[k + 1]); }
+  }
+}
+
+void decode_row_scalar(const Weight& w, int64_t e, int64_t n, float* out, float*) {
+  const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+  const int64_t K = w.K;
+  if (w.fmt == BF16) return bf16_tail(p, 0, K, out);  // already bf16
+  if (w.fmt == FP8_BLOCK) {
+    const float* srow = fp8_scale_row(w, e, n);
+    for (int64_t k = 0; k < K; ++k) out[k] = e4m3_to_f(p[k]) * srow[k / w.block_k];
+  } else {
+    return fp4_tail(w, e, n, p, 0, out);  // rounds as it goes
+  }
+  if (w.round_bf16)
+    for (int64_t k = 0; k < K; ++k) out[k] = round_bf16(out[k]);
+}
+
+float dot_scalar(const float* a, const float* b, int64_t K) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
+#if M2_X86
+// ---------------------------------------------------------------- AVX2 + FMA
+M2_AVX2 inline __m256 round_bf16_avx2(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// 8 e4m3 bytes -> 8 exact fp32 values (scalar e4m3_to_f, lane-wise).
+M2_AVX2 inline __m256 e4m3x8_avx2(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(em, 20)), _mm256_set1_ps(0x1p120f));
+  __m256i nan = _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F));
+  __m256i r = _mm256_blendv_epi8(_mm256_castps_si256(v), _mm256_set1_epi32(int(QNAN)), nan);
+  return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
+}
+
+// 8 packed bytes -> 16 E2M1 values in column order (low nibble first), as two vectors.
+M2_AVX2 inline void e2m1x16_avx2(const uint8_t* p, __m256& out0, __m256& out1) {
+  const __m256 mag = _mm256_load_ps(E2M1);  // codes 0-7 (magnitudes)
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(0xF)), hi = _mm256_srli_epi32(b, 4);
+  __m256 vlo = _mm256_or_ps(_mm256_permutevar8x32_ps(mag, lo),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(lo, 3), 31)));
+  __m256 vhi = _mm256_or_ps(_mm256_permutevar8x32_ps(mag, hi),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(hi, 3), 31)));
+  __m256 a = _mm256_unpacklo_ps(vlo, vhi), c = _mm256_unpackhi_ps(vlo, vhi);  // per 128-bit lane
+  out0 = _mm256_permute2f128_ps(a, c, 0x20);
+  out1 = _mm256_permute2f128_ps(a, c, 0x31);
+}
+
+M2_AVX2 void decode_row_avx2(const Weight& w, int64_t e, int64_t n, float* out, float*) {
+  const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+  const int64_t K = w.K;
+  if (w.fmt == BF16) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * k)));
+      _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
+    bf16_tail(p, k, K, out);
+    return;
+  }
+  if (w.fmt == FP8_BLOCK) {
+    const float* srow = fp8_scale_row(w, e, n);
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      __m256 s = _mm256_set1_ps(srow[b]);
+      for (int64_t k = k0; k < k0 + w.block_k; k += 8) {
+        __m256 v = _mm256_mul_ps(e4m3x8_avx2(p + k), s);
+        _mm256_storeu_ps(out + k, w.round_bf16 ? round_bf16_avx2(v) : v);
+      }
+    }
+    return;
+  }
+  const int64_t g = w.block_k;
+  for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+    __m256 s = _mm256_set1_ps(fp4_group_scale(w, e, n, gi));
+    for (int64_t k = k0; k < k0 + g; k += 16) {
+      __m256 v0, v1;
+      e2m1x16_avx2(p + k / 2, v0, v1);
+      v0 = _mm256_mul_ps(v0, s);
+      v1 = _mm256_mul_ps(v1, s);
+      if (w.round_bf16) { v0 = round_bf16_avx2(v0); v1 = round_bf16_avx2(v1); }
+      _mm256_storeu_ps(out + k, v0);
+      _mm256_storeu_ps(out + k + 8, v1);
+    }
+  }
+}
+
+M2_AVX2 float dot_avx2(const float* a, const float* b, int64_t K) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+  }
+  for (; k + 8 <= K; k += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+  float tail = 0.f;
+  for (; k < K; ++k) tail += a[k] * b[k];
+  __m256 s = _mm256_add_ps(acc0, acc1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h) + tail;
+}
+
+// ---------------------------------------------------------------- AVX-512 (F, BW, VL, DQ)
+M2_AVX512 inline __m512 round_bf16_avx512(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+M2_AVX512 inline __m512 e4m3x16_avx512(const uint8_t* p) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(em, 20)), _mm512_set1_ps(0x1p120f));
+  __mmask16 nan = _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F));
+  __m512i r = _mm512_mask_blend_epi32(nan, _mm512_castps_si512(v), _mm512_set1_epi32(int(QNAN)));
+  return _mm512_castsi512_ps(_mm512_or_si512(r, sign));
+}
+
+// 16 packed bytes -> 32 E2M1 values in column order, as two vectors (a 16-entry table lookup).
+M2_AVX512 inline void e2m1x32_avx512(const uint8_t* p, __m512& out0, __m512& out1) {
+  const __m512 table = _mm512_load_ps(E2M1);
+  const __m512i idx0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i idx1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512 vlo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)), table);
+  __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+  out0 = _mm512_permutex2var_ps(vlo, idx0, vhi);
+  out1 = _mm512_permutex2var_ps(vlo, idx1, vhi);
+}
+
+// 32 e4m3 bytes -> 32 values * 2^-8, exact, through fp16: the byte's sign and 7 magnitude bits placed
+// in an fp16 (sign bit 15, exponent+mantissa at bit 7) read 2^-8 * e4m3, subnormals included;
+// 0x7F/0xFF become fp16 NaN. The caller multiplies by (s * 2^8), exact as long as that is finite.
+M2_AVX512 inline void e4m3x32_scaled_avx512(const uint8_t* p, __m512& v0, __m512& v1) {
+  __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(h, 8), 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+  const __m512i em = _mm512_set1_epi16(0x3F80);
+  __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, em), em);
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(h, _mm512_set1_epi16(0x7E00)));
+  v0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  v1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// FP4 block scales of row n, one per 16 columns: gs16[i] = scale of group (16 i) / g. NVFP4 scales
+// are decoded 16 at a time (same fp32 product / quotient as fp4_group_scale).
+M2_AVX512 void fp4_scales16_avx512(const Weight& w, int64_t e, int64_t n, float* gs16) {
+  const int64_t G = w.K / w.block_k, rep = w.block_k / 16;
+  const uint8_t* sp = static_cast<const uint8_t*>(w.s) + e * w.s_e + n * w.s_n;
+  int64_t g = 0;
+  if (w.fmt == MXFP4 && rep == 2) {  // E8M0: 2^(e-127) as fp32 bits (e = 0: subnormal 2^-127; 255: NaN)
+    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    for (; g + 16 <= G; g += 16) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + g)));
+      __m512i bits = _mm512_slli_epi32(b, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(255)),
+                                   _mm512_set1_epi32(int(QNAN)));
+      _mm512_storeu_ps(gs16 + 2 * g, _mm512_castsi512_ps(_mm512_permutexvar_epi32(dup_lo, bits)));
+      _mm512_storeu_ps(gs16 + 2 * g + 16, _mm512_castsi512_ps(_mm512_permutexvar_epi32(dup_hi, bits)));
+    }
+  }
+  if (w.fmt != MXFP4 && rep == 1) {
+    const __m512 s2 = _mm512_set1_ps(w.s2[e * w.s2_e + n * w.s2_n]);
+    for (; g + 16 <= G; g += 16) {
+      __m512 v = e4m3x16_avx512(sp + g);
+      _mm512_storeu_ps(gs16 + g, w.fmt == NVFP4_MODELOPT ? _mm512_mul_ps(v, s2) : _mm512_div_ps(v, s2));
+    }
+  }
+  for (int64_t i = g * rep; g < G; ++g) {
+    const float v = fp4_group_scale(w, e, n, g);
+    for (int64_t r = 0; r < rep; ++r) gs16[i++] = v;
+  }
+}
+
+M2_AVX512 void decode_row_avx512(const Weight& w, int64_t e, int64_t n, float* out, float* scratch) {
+  const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+  const int64_t K = w.K;
+  if (w.fmt == BF16) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * k)));
+      _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+    bf16_tail(p, k, K, out);
+    return;
+  }
+  if (w.fmt == FP8_BLOCK) {
+    const float* srow = fp8_scale_row(w, e, n);
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+      __m512 s = _mm512_set1_ps(srow[b]);
+      for (int64_t k = k0; k < k0 + w.block_k; k += 16) {
+        __m512 v = _mm512_mul_ps(e4m3x16_avx512(p + k), s);
+        _mm512_storeu_ps(out + k, w.round_bf16 ? round_bf16_avx512(v) : v);
+      }
+    }
+    return;
+  }
+  float* gs16 = scratch;  // one scale per 16 columns (K/16 floats)
+  fp4_scales16_avx512(w, e, n, gs16);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512 v0, v1;
+    e2m1x32_avx512(p + k / 2, v0, v1);
+    v0 = _mm512_mul_ps(v0, _mm512_set1_ps(gs16[k / 16]));  // k / 16: a shift
+    v1 = _mm512_mul_ps(v1, _mm512_set1_ps(gs16[k / 16 + 1]));
+    if (w.round_bf16) { v0 = round_bf16_avx512(v0); v1 = round_bf16_avx512(v1); }
+    _mm512_storeu_ps(out + k, v0);
+    _mm512_storeu_ps(out + k + 16, v1);
+  }
+  fp4_tail(w, e, n, p, k, out);
+}
+
+M2_AVX512 float dot_avx512(const float* a, const float* b, int64_t K) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), acc1);
+  }
+  for (; k + 16 <= K; k += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc0);
+  float tail = 0.f;
+  for (; k < K; ++k) tail += a[k] * b[k];
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+}
+
+// ---------------------------------------------------------------- AVX-512 + BF16, bf16 activations
+// Rows [n0, n1) of expert e against R activation rows xb [R, K] bf16 (row stride K) -> y [R, N] f32.
+// Each group of 32 weights is decoded in fp32 (the formula), rounded once (RNE) to bf16 by
+// vcvtne2ps2bf16 - which flushes fp32-subnormal values (|W| < 2^-126) to zero, as oneDNN's bf16 GEMM
+// does with such products - and multiplied into fp32 accumulators by vdpbf16ps.
+template <int R>
+M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                    float* y, int64_t N, float* gs16) {
+  const int64_t K = w.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// (a macro: lambdas do not inherit the function's target attribute)
+#define M2_DOT32(wv, k)                                                                       \
+  do {                                                                                        \
+    const __m512bh w32 = (wv);                                                                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] =                              \
+        _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
+  } while (0)
+    if (w.fmt == BF16) {
+      for (int64_t k = 0; k < K; k += 32) M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+    } else if (w.fmt == FP8_BLOCK) {
+      const float* srow = fp8_scale_row(w, e, n);
+      for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
+        const float s8 = srow[b] * 256.0f;  // exact unless it overflows: then 2^8 and s one at a time
+        const __m512 s = _mm512_set1_ps(std::isinf(s8) ? srow[b] : s8);
+        const __m512 pre = _mm512_set1_ps(std::isinf(s8) ? 256.0f : 1.0f);
+        for (int64_t k = k0; k < k0 + w.block_k; k += 32) {
+          __m512 v0, v1;
+          e4m3x32_scaled_avx512(p + k, v0, v1);
+          if (std::isinf(s8)) { v0 = _mm512_mul_ps(v0, pre); v1 = _mm512_mul_ps(v1, pre); }
+          M2_DOT32(_mm512_cvtne2ps_pbh(_mm512_mul_ps(v1, s), _mm512_mul_ps(v0, s)), k);  // i < 16: v0
+        }
+      }
+    } else {
+      fp4_scales16_avx512(w, e, n, gs16);
+      for (int64_t k = 0; k < K; k += 32) {
+        __m512 v0, v1;
+        e2m1x32_avx512(p + k / 2, v0, v1);
+        v0 = _mm512_mul_ps(v0, _mm512_set1_ps(gs16[k / 16]));
+        v1 = _mm512_mul_ps(v1, _mm512_set1_ps(gs16[k / 16 + 1]));
+        M2_DOT32(_mm512_cvtne2ps_pbh(v1, v0), k);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#undef M2_DOT32
+
+// Up to 8 rows per pass over the weights (more rows: more passes, each decoding again).
+M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                  int64_t rows, float* y, int64_t N, float* gs16) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const uint16_t* xr = xb + r0 * w.K;
+    float* yr = y + r0 * N;
+    switch (std::min<int64_t>(8, rows - r0)) {
+      case 1: gemv_bf16_avx512<1>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 2: gemv_bf16_avx512<2>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 3: gemv_bf16_avx512<3>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 4: gemv_bf16_avx512<4>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 5: gemv_bf16_avx512<5>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 6: gemv_bf16_avx512<6>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 7: gemv_bf16_avx512<7>(w, e, n0, n1, xr, yr, N, gs16); break;
+      default: gemv_bf16_avx512<8>(w, e, n0, n1, xr, yr, N, gs16); break;
+    }
+  }
+}
+#endif
+
+bool isa_supported(int64_t isa) {
+  if (isa == SCALAR) return true;
+#if M2_X86
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == AVX2) return avx2;
+  if (isa == AVX512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
+bool cpu_has_avx512bf16() {
+#if M2_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*, float*);  // scratch: K/16 floats
+using DotFn = float (*)(const float*, const float*, int64_t);
+
+// x [R, K] bf16/f32 contiguous; offsets int32 [E] cumulative row ends (F.grouped_mm's offs);
+// q [E, N, Kq] as stored; scale per format; scale2 f32 [E] or [E, N] (NVFP4) -> y [R, N] in x's dtype.
+// Rows at or past offsets[E-1] get 0. Parallel tasks: (expert, tile of tile_n output rows); experts
+// with more than gemv_rows rows take the decode-tile + at::mm path in tiles of mm_tile_n rows.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& q,
+                          const at::Tensor& scale, const std::optional<at::Tensor>& scale2, int64_t fmt,
+                          int64_t block_n, int64_t block_k, int64_t isa, int64_t tile_n, int64_t gemv_rows,
+                          int64_t mm_tile_n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "grouped_linear: x must be a contiguous [R, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "grouped_linear: activations must be bfloat16 or float32, found ", x.scalar_type());
+  TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kInt, "grouped_linear: offsets must be int32 [E]");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "grouped_linear: q must be a contiguous [E, N, Kq] tensor");
+  TORCH_CHECK(isa_supported(isa), "grouped_linear: ISA ", isa, " is not supported by this CPU");
+  TORCH_CHECK(tile_n > 0 && mm_tile_n > 0 && block_k > 0 && block_n > 0, "grouped_linear: tile and block sizes must be positive");
+  const int64_t E = q.size(0), N = q.size(1), K = x.size(1), R = x.size(0);
+  TORCH_CHECK(offsets.size(0) == E, "grouped_linear: offsets has ", offsets.size(0), " entries for ", E, " experts");
+  TORCH_CHECK(scale.is_contiguous(), "grouped_linear: scale must be contiguous");
+  Weight w{fmt, N, K, block_n, block_k, static_cast<const uint8_t*>(q.data_ptr()), 0, 0,
+           scale.data_ptr(), 0, 0, nullptr, 0, 0, x.scalar_type() == at::kBFloat16};
+  w.q_e = q.stride(0) * q.element_size();
+  w.q_n = q.stride(1) * q.element_size();
+  switch (fmt) {
+    case BF16:
+      TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.size(2) == K, "grouped_linear: bf16 weight must be [E, N, K] bf16");
+      break;
+    case FP8_BLOCK:
+      TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && q.size(2) == K, "grouped_linear: fp8 weight must be e4m3 [E, N, K]");
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 3 && scale.size(0) == E &&
+                  scale.size(1) == (N + block_n - 1) / block_n && scale.size(2) == K / block_k,
+                  "grouped_linear: fp8 scale must be f32 [E, ceil(N/block_n), K/block_k]");
+      TORCH_CHECK(K % block_k == 0 && block_k % 16 == 0,
+                  "grouped_linear: fp8 needs K a multiple of block_k and block_k a multiple of 16");
+      break;
+    case NVFP4_MODELOPT: case NVFP4_CT: case MXFP4:
+      TORCH_CHECK(q.scalar_type() == at::kByte && 2 * q.size(2) == K, "grouped_linear: fp4 weight must be uint8 [E, N, K/2]");
+      TORCH_CHECK(scale.element_size() == 1 && scale.dim() == 3 && scale.size(0) == E && scale.size(1) == N &&
+                  scale.size(2) == K / block_k, "grouped_linear: fp4 scale must be one byte per group [E, N, K/group]");
+      TORCH_CHECK(block_k % 16 == 0 && K % block_k == 0,
+                  "grouped_linear: fp4 needs K a multiple of the group and the group a multiple of 16");
+      if (fmt != MXFP4) {
+        TORCH_CHECK(scale2.has_value() && scale2->scalar_type() == at::kFloat && scale2->size(0) == E &&
+                    (scale2->dim() == 1 || (scale2->dim() == 2 && scale2->size(1) == N)),
+                    "grouped_linear: NVFP4 needs an f32 scale2 [E] or [E, N]");
+        w.s2 = scale2->data_ptr<float>();
+        w.s2_e = scale2->stride(0);
+        w.s2_n = scale2->dim() == 2 ? scale2->stride(1) : 0;
+      }
+      break;
+    default:
+      TORCH_CHECK(false, "grouped_linear: unknown format code ", fmt);
+  }
+  w.s_e = scale.dim() == 3 ? scale.stride(0) : 0;
+  w.s_n = scale.dim() == 3 ? scale.stride(1) : 0;
+
+  DecodeFn decode = decode_row_scalar;
+  DotFn dot = dot_scalar;
+#if M2_X86
+  if (isa == AVX2) { decode = decode_row_avx2; dot = dot_avx2; }
+  if (isa == AVX512) { decode = decode_row_avx512; dot = dot_avx512; }
+#endif
+
+  std::vector<int64_t> ends(E);
+  auto off = offsets.contiguous();
+  for (int64_t e = 0; e < E; ++e) {
+    ends[e] = off.data_ptr<int32_t>()[e];
+    TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= R, "grouped_linear: offsets must be non-decreasing and <= R");
+  }
+  // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
+  const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
+                     (fmt != FP8_BLOCK || block_k % 32 == 0);
+  struct Task { int64_t e, r0, r1, n0, n1; };
+  std::vector<Task> tasks, gemm;  // GEMV tiles (threads split over them); experts with many rows
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
+    if (r1 == r0) continue;
+    if (r1 - r0 > gemv_rows) {
+      for (int64_t n0 = 0; n0 < N; n0 += mm_tile_n) gemm.push_back({e, r0, r1, n0, std::min(N, n0 + mm_tile_n)});
+      continue;
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += tile_n) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tile_n)});
+  }
+  at::Tensor y32 = at::empty({R, N}, x.options().dtype(at::kFloat));
+  if (ends.empty() || ends.back() < R) y32.narrow(0, E ? ends.back() : 0, R - (E ? ends.back() : 0)).zero_();
+  at::Tensor xf = (fused || tasks.empty() || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
+  float* yp = y32.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(K), scratch(K / 16 + 1);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& tk = tasks[t];
+      const int64_t rows = tk.r1 - tk.r0;
+      if (fused) {
+#if M2_X86
+        const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr()) + tk.r0 * K;
+        gemv_bf16_rows(w, tk.e, tk.n0, tk.n1, xb, rows, yp + tk.r0 * N, N, scratch.data());
+#endif
+        continue;
+      }
+      const float* xp = static_cast<const float*>(xf.data_ptr());
+      for (int64_t n = tk.n0; n < tk.n1; ++n) {
+        decode(w, tk.e, n, buf.data(), scratch.data());
+        for (int64_t r = tk.r0; r < tk.r1; ++r) yp[r * N + n] = dot(buf.data(), xp + r * K, K);
+      }
+    }
+  });
+  // Experts with many rows: decode a tile of mm_tile_n weight rows to the activation dtype (values
+  // already rounded; threads split over its rows), then one at::mm outside any parallel region so
+  // that it runs with all threads and the best GEMM (bf16 weights are used as they are).
+  for (const Task& tk : gemm) {
+    const int64_t rows = tk.r1 - tk.r0, nt = tk.n1 - tk.n0;
+    at::Tensor tile;
+    if (fmt == BF16 && w.round_bf16) {
+      tile = q.select(0, tk.e).narrow(0, tk.n0, nt);
+    } else {
+      tile = at::empty({nt, K}, x.options());
+      char* base = static_cast<char*>(tile.data_ptr());
+      at::parallel_for(tk.n0, tk.n1, 16, [&](int64_t a, int64_t b) {
+        std::vector<float> buf(K), scratch(K / 16 + 1);
+        for (int64_t n = a; n < b; ++n) {
+          decode(w, tk.e, n, buf.data(), scratch.data());
+          if (w.round_bf16) {
+            uint16_t* dst = reinterpret_cast<uint16_t*>(base) + (n - tk.n0) * K;
+            for (int64_t k = 0; k < K; ++k) dst[k] = uint16_t(f_bits(buf[k]) >> 16);
+          } else {
+            std::memcpy(reinterpret_cast<float*>(base) + (n - tk.n0) * K, buf.data(), K * sizeof(float));
+          }
+        }
+      });
+    }
+    at::Tensor part = at::mm(x.narrow(0, tk.r0, rows), tile.t());  // [rows, nt] act dtype
+    y32.narrow(0, tk.r0, rows).narrow(1, tk.n0, nt).copy_(part);
+  }
+  return x.scalar_type() == at::kFloat ? y32 : y32.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(m2serve_kernels, m) {
+  m.def("isa_supported(int isa) -> bool");
+  m.def("grouped_linear(Tensor x, Tensor offsets, Tensor q, Tensor scale, Tensor? scale2, int fmt, int block_n, "
+        "int block_k, int isa, int tile_n, int gemv_rows, int mm_tile_n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(m2serve_kernels, CPU, m) { m.impl("grouped_linear", &grouped_linear); }
+
+TORCH_LIBRARY_IMPL(m2serve_kernels, CompositeExplicitAutograd, m) { m.impl("isa_supported", &isa_supported); }

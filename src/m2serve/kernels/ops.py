@@ -1,0 +1,216 @@
+"""Linears over weights kept as stored: ``y = x · dequant(W)ᵀ`` (checkpoints.md §6), one expert or many.
+
+Legend: E experts (1 for a plain linear), R activation rows sorted by expert, N output features,
+K input features, I_loc an expert's intermediate width on this rank.
+
+On CPU with the kernels built (build.py), every call is one ``m2serve_kernels::grouped_linear``:
+each weight is decoded in registers with the spec formula in fp32, rounded once to the activation
+dtype, and accumulated in fp32, so the result equals ``x · dequantize(W, x.dtype)ᵀ`` up to the order
+of the fp32 summation. Elsewhere (no kernels, CUDA, fp16) the same functions dequantise with
+formats/ (pure PyTorch) and call ``F.linear``: same values, same contract.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from m2serve.formats.fp4 import (
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    FP4Scheme,
+    PackedFP4,
+    decode_e8m0,
+    dequantize_mxfp4,
+    dequantize_nvfp4_ct,
+    dequantize_nvfp4_modelopt,
+)
+from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
+from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
+from m2serve.kernels.build import KernelBackend, kernel_backend
+
+TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
+GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
+MM_TILE_N = 4096  # weight rows decoded per at::mm of a many-row expert (bounds the temporary tile)
+
+
+class WeightFormat(enum.IntEnum):
+    """Storage of a :class:`PackedWeights` (the C++ format codes)."""
+
+    BF16 = 0
+    FP8_BLOCK = 1
+    NVFP4_MODELOPT = 2
+    NVFP4_CT = 3
+    MXFP4 = 4
+
+
+_FP4 = {FP4Scheme.NVFP4_MODELOPT: WeightFormat.NVFP4_MODELOPT, FP4Scheme.NVFP4_CT: WeightFormat.NVFP4_CT,
+        FP4Scheme.MXFP4: WeightFormat.MXFP4}
+
+
+@dataclass(slots=True)
+class PackedWeights:
+    """E linear weights [N, K] as stored, stacked along a leading expert dim.
+
+    fmt BF16: q bf16 [E, N, K], scale None. FP8_BLOCK: q float8_e4m3fn [E, N, K], scale f32
+    [E, ceil(N/block_n), K/block_k] (``weight_scale_inv``, multiplied). NVFP4_*: q uint8 [E, N, K/2]
+    (low nibble = even column), scale float8_e4m3fn [E, N, K/block_k], scale_2 f32 [E] or [E, N] (per
+    output row, e.g. w1 rows then w3 rows; ModelOpt ``weight_scale_2`` multiplier / compressed-tensors
+    ``weight_global_scale`` divisor). MXFP4: q uint8
+    [E, N, K/2], scale uint8 E8M0 [E, N, K/block_k]. block_n / block_k: the format's block (FP8) or
+    group (FP4, block_n = 1) sizes from formats/.
+    """
+
+    fmt: WeightFormat
+    q: torch.Tensor
+    scale: torch.Tensor | None = None
+    scale_2: torch.Tensor | None = None
+    block_n: int = 1
+    block_k: int = 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        packed = self.fmt in (WeightFormat.NVFP4_MODELOPT, WeightFormat.NVFP4_CT, WeightFormat.MXFP4)
+        return self.q.shape[2] * (2 if packed else 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes + scales): what one pass over all E weights reads."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.scale_2) if t is not None)
+
+    def dequantize(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s dense [N, K] of ``dtype`` by formats/' pure-PyTorch formulas (one rounding)."""
+        q = self.q[e]
+        if self.fmt is WeightFormat.BF16:
+            return q.to(dtype)
+        if self.fmt is WeightFormat.FP8_BLOCK:
+            return dequantize_fp8_block(q, self.scale[e], dtype, self.block_n)
+        if self.fmt is WeightFormat.MXFP4:
+            return dequantize_mxfp4(q, self.scale[e], dtype)
+        fn = dequantize_nvfp4_modelopt if self.fmt is WeightFormat.NVFP4_MODELOPT else dequantize_nvfp4_ct
+        s2 = self.scale_2[e]
+        if s2.dim() == 0:
+            return fn(q, self.scale[e], s2, dtype)
+        # per-row scale_2: dequantise each run of rows sharing one value (w1 rows, then w3 rows)
+        starts = [0, *(torch.nonzero(s2[1:] != s2[:-1]).flatten() + 1).tolist(), len(s2)]
+        return torch.cat([fn(q[a:b], self.scale[e][a:b], s2[a], dtype) for a, b in zip(starts, starts[1:])])
+
+    @classmethod
+    def concat_rows(cls, parts: list[PackedWeights]) -> PackedWeights:
+        """Stack the output rows of same-format weights, expert by expert: [E, N_1 + N_2 + ..., K]
+        (w13 from w1 and w3). NVFP4 scale_2 becomes per row [E, N]. Raises ValueError naming the
+        mismatch for different formats, expert counts or K, or an FP8 part whose rows do not fill
+        whole scale blocks."""
+        first = parts[0]
+        for p in parts:
+            if (p.fmt, p.num_experts, p.in_features, p.block_k) != (first.fmt, first.num_experts,
+                                                                   first.in_features, first.block_k):
+                raise ValueError(f"concat_rows: {p.fmt.name} [{p.num_experts}, {p.out_features}, "
+                                 f"{p.in_features}] does not match {first.fmt.name} [{first.num_experts}, "
+                                 f"{first.out_features}, {first.in_features}]")
+            if p.fmt is WeightFormat.FP8_BLOCK and p.out_features % p.block_n:
+                raise ValueError(f"concat_rows: FP8 part with {p.out_features} rows is not a multiple of "
+                                 f"the {p.block_n}-row scale block")
+        scale = None if first.scale is None else torch.cat([p.scale for p in parts], dim=1)
+        s2 = None
+        if first.scale_2 is not None:
+            rows = [p.scale_2 if p.scale_2.dim() == 2 else p.scale_2[:, None].expand(-1, p.out_features)
+                    for p in parts]
+            s2 = torch.cat(rows, dim=1).contiguous()
+        return cls(first.fmt, torch.cat([p.q for p in parts], dim=1), scale, s2, first.block_n, first.block_k)
+
+    @classmethod
+    def stack(cls, weights: list[torch.Tensor | PackedFP8 | PackedFP4]) -> PackedWeights:
+        """Stack E same-format weights (each [N, K] as loaded: bf16 tensor, PackedFP8 or PackedFP4).
+
+        Raises ValueError naming the first weight of another format, scheme or shape, for
+        dense weights that are not bf16, and for an MXFP4 scale holding the E8M0 NaN code.
+        """
+        first = weights[0]
+        for w in weights[1:]:
+            if type(w) is not type(first) or tuple(w.shape) != tuple(first.shape) or (
+                    isinstance(w, PackedFP4) and w.scheme is not first.scheme):
+                raise ValueError(f"{getattr(w, 'name', 'weight')}: cannot stack with "
+                                 f"{getattr(first, 'name', 'weight')} (format, scheme or shape differ)")
+        if isinstance(first, PackedFP8):
+            return cls(WeightFormat.FP8_BLOCK, torch.stack([w.q for w in weights]),
+                       torch.stack([w.scale.float() for w in weights]), None, FP8_BLOCK, FP8_BLOCK)
+        if isinstance(first, PackedFP4):
+            fmt = _FP4[first.scheme]
+            if fmt is WeightFormat.MXFP4:
+                for w in weights:
+                    decode_e8m0(w.scale, f"{w.name}_scale")  # reject NaN codes at load, not mid-request
+            s2 = None if fmt is WeightFormat.MXFP4 else torch.stack([w.scale_2.float().reshape(())
+                                                                     for w in weights])
+            group = MXFP4_GROUP if fmt is WeightFormat.MXFP4 else NVFP4_GROUP
+            return cls(fmt, torch.stack([w.packed for w in weights]), torch.stack([w.scale for w in weights]),
+                       s2, 1, group)
+        if first.dtype != torch.bfloat16:
+            raise ValueError(f"dense weights must be bfloat16 to stack, found {first.dtype}")
+        return cls(WeightFormat.BF16, torch.stack(list(weights)))
+
+
+def _kernels_apply(x: torch.Tensor, backend: KernelBackend) -> bool:
+    return backend.available and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
+                   backend: KernelBackend | None = None) -> torch.Tensor:
+    """x [R, K] act, offsets int32 [E] (cumulative row ends, as F.grouped_mm's ``offs``) -> [R, N] act.
+
+    Rows [offsets[e-1], offsets[e]) go through expert e; rows at or past offsets[-1] give 0.
+    ``backend`` defaults to :func:`kernel_backend`. Raises ValueError naming both widths when x's
+    K does not match the weights.
+    """
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
+                         f"in_features {w.in_features}")
+    backend = backend if backend is not None else kernel_backend()
+    if _kernels_apply(x, backend):
+        scale = w.scale if w.scale is not None else w.q.new_empty(0)
+        return torch.ops.m2serve_kernels.grouped_linear(
+            x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
+            backend.isa, TILE_N, GEMV_ROWS, MM_TILE_N)
+    out = x.new_zeros(x.shape[0], w.out_features)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w.dequantize(e, x.dtype))
+        start = end
+    return out
+
+
+def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
+    """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act.
+
+    A bf16 weight with more than GEMV_ROWS rows of bf16 activations goes straight to ``F.linear``
+    (one multithreaded GEMM; the kernels would only tile the same GEMM)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS:
+        return F.linear(x, w.q[0])
+    offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
+    return grouped_linear(rows, offsets, w, backend).view(*x.shape[:-1], w.out_features)
+
+
+def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
+                       packed_w2: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
+    """SwiGLU of every active expert of a layer in two grouped calls (spec/model.md §3 step 11).
+
+    x_sorted [R, H] act (rows sorted by local expert), offsets int32 [E_loc] cumulative row ends,
+    packed_w13 [E_loc, 2·I_loc, H] (w1 rows then w3 rows), packed_w2 [E_loc, H, I_loc] -> [R, H] act:
+    ``w2 · (silu(w1·x) ⊙ (w3·x))`` per expert, with the same roundings to the activation dtype as
+    model/experts.py's ``expert_ffn`` on dequantised weights.
+    """
+    gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend).chunk(2, dim=-1)  # [R, I_loc] x2
+    return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend)
