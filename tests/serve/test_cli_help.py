@@ -21,7 +21,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def test_every_option_of_every_subcommand_shows_its_default():
     subs = _subcommands(build_parser())
-    assert set(subs) == {"serve", "generate", "plan"}
+    assert set(subs) == {"serve", "generate", "plan", "build-kernels"}
     missing = []
     for name, sp in subs.items():
         for act in sp._actions:

@@ -1,4 +1,4 @@
-"""Linears over weights kept as stored: ``y = x · dequant(W)ᵀ`` (checkpoints.md §6), one expert or many.
+"""Linears over weights kept as stored: ``y = x · dequant(W)ᵀ`` (docs/checkpoints.md §6), one expert or many.
 
 Legend: E experts (1 for a plain linear), R activation rows sorted by expert, N output features,
 K input features, I_loc an expert's intermediate width on this rank.
@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
 from m2serve.formats.fp4 import (
-    MXFP4_GROUP,
-    NVFP4_GROUP,
     FP4Scheme,
     PackedFP4,
     decode_e8m0,
@@ -28,7 +27,6 @@ from m2serve.formats.fp4 import (
     dequantize_nvfp4_ct,
     dequantize_nvfp4_modelopt,
 )
-from m2serve.formats.fp8 import BLOCK as FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
 from m2serve.kernels.build import KernelBackend, kernel_backend
 
@@ -205,7 +203,7 @@ def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = No
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
                        packed_w2: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
-    """SwiGLU of every active expert of a layer in two grouped calls (spec/model.md §3 step 11).
+    """SwiGLU of every active expert of a layer in two grouped calls (docs/model.md §3 step 11).
 
     x_sorted [R, H] act (rows sorted by local expert), offsets int32 [E_loc] cumulative row ends,
     packed_w13 [E_loc, 2·I_loc, H] (w1 rows then w3 rows), packed_w2 [E_loc, H, I_loc] -> [R, H] act:
