@@ -10,7 +10,8 @@ OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 inva
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
 API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
 Retry-After when the waiting queue is full or the engine is down. A bad request never reaches the
-engine thread.
+engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
+route's error shape (FastAPI's default 422 is never sent, so it is not listed).
 
 Access log: one line per request at INFO (``m2serve.access``: method, path, status, latency, prompt and
 completion tokens), at WARNING with the error message for a 4xx/5xx.
@@ -31,6 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -200,6 +202,67 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine.shutdown()
 
 
+def _object(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": list(props), "properties": props}
+
+
+_STRING = {"type": "string"}
+_ERROR_SCHEMAS = {  # errors.py's two wire shapes
+    "OpenAIError": _object(error=_object(message=_STRING, type=_STRING, param={"type": ["string", "null"]},
+                                         code={"type": ["string", "integer", "null"]})),
+    "AnthropicError": _object(type={"const": "error"}, error=_object(type=_STRING, message=_STRING)),
+}
+_STATUS_TEXT = {
+    400: "invalid request (the error names the field at fault)",
+    401: "missing or invalid API key",
+    404: "unknown model, or unknown stored response",
+    413: "request body larger than --max-request-bytes",
+    500: "an engine step failed while running this request",
+    503: "waiting queue full or engine not running (with Retry-After)",
+}
+
+
+def _statuses(path: str, method: str, has_body: bool) -> list[int]:
+    """The error statuses the server really answers on ``method path`` (see the module docstring)."""
+    out = []
+    if has_body:
+        out.append(400)
+    if not path.startswith(_AUTH_FREE):
+        out.append(401)
+    if has_body or path.startswith("/v1/responses/"):
+        out.append(404)  # unknown model / stored response
+    if method == "post":
+        out.append(413)
+    if path in _GEN_ROUTES:
+        out += [500, 503]
+    if path == "/health":
+        out.append(503)
+    return out
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document with the statuses this server answers: validation errors are 400 in
+    the API's error shape (FastAPI lists 422, which the server never sends), plus 401/404/413/500/503
+    where they can happen."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    components.update(_ERROR_SCHEMAS)
+    for path, ops in doc.get("paths", {}).items():
+        shape = "AnthropicError" if path.startswith(_ANTHROPIC_PREFIX) else "OpenAIError"
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in _statuses(path, method, "requestBody" in op):
+                responses[str(status)] = {"description": _STATUS_TEXT[status], "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
+    app.openapi_schema = doc
+    return doc
+
+
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """The FastAPI application around a (not yet started) AsyncEngine.
 
@@ -219,4 +282,5 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/metrics", metrics_route, methods=["GET"])
     for module in (models, chat, completions, responses, anthropic_messages):
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     return app

@@ -52,8 +52,9 @@ class ChatJob:
     tool_choice ``auto`` or ``none`` (the constrained choices are refused by the API modules until
     constrained decoding exists); params: from :func:`sampling_params`; reasoning_split: the parser
     mode (True split, False passthrough, None the server's --reasoning-parser); one_call: return at
-    most one tool call per choice; messages_param: the request field holding the history, named in
-    errors (``messages``, ``input``).
+    most one tool call per choice; messages_param / max_tokens_param: the request fields holding the
+    history (``messages``, ``input``) and the output-token limit (``max_tokens``,
+    ``max_completion_tokens``, ``max_output_tokens``), named in errors.
     """
 
     messages: list[dict[str, Any]]
@@ -65,6 +66,7 @@ class ChatJob:
     chat_template_kwargs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     messages_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
 
 
 @dataclass(slots=True)
@@ -238,8 +240,23 @@ def encode(
     return ctx.llm.encode(text)
 
 
-def check_length(ctx: ServeContext, ids: list[int], param: str) -> None:
-    """400 unless the prompt leaves at least one token of the context to generate."""
+def check_length(
+    ctx: ServeContext, ids: list[int], param: str, max_tokens: int | None = None,
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """400 unless the prompt leaves at least one token of the context to generate, and, when the
+    request sets ``max_tokens``, room for all of them (a 400 with the three numbers, as vLLM answers,
+    rather than a silently shorter answer)."""
+    n, limit = len(ids), ctx.caps.max_length
+    if max_tokens is not None and n < limit and n + max_tokens > limit:
+        raise APIError(
+            400,
+            f"{max_tokens_param} is too large: {max_tokens}. This model's maximum context length is "
+            f"{limit} tokens and your request has {n} input tokens ({max_tokens} > {limit} - {n}); "
+            f"lower {max_tokens_param} to at most {limit - n} or shorten the prompt",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
     if len(ids) >= ctx.caps.max_length:
         raise APIError(
             400,
@@ -287,7 +304,7 @@ async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
         return text, encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
 
     prompt, ids = await run_in_threadpool(work)
-    check_length(ctx, ids, job.messages_param)
+    check_length(ctx, ids, job.messages_param, job.params.max_tokens, job.max_tokens_param)
     params = llm.chat_params(job.params, prompt)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = llm.reasoning_mode(job.reasoning_split)

@@ -60,9 +60,9 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 class ResponsesRequest(BaseModel):
-    """The fields m2serve uses; others are accepted and ignored (``extra="allow"``)."""
+    """The fields m2serve uses, validated strictly; others are accepted and ignored (``extra="allow"``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -263,6 +263,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
         messages_param="input",
+        max_tokens_param="max_output_tokens",
     )
     return job, history
 
