@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,8 @@ from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput, fan_out
 from m2serve.serve.output import OutputDelta
 from m2serve.text.parser import StreamingParser, ToolCallDelta
 from m2serve.text.template import TemplateError
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- the job
 
@@ -331,6 +334,9 @@ def submit(
     rids: list[str] = []
     slots: dict[str, tuple[int, int]] = {}
     retry = {"Retry-After": str(ctx.settings.retry_after_s)}
+    if ctx.closing:
+        raise APIError(503, "the server is shutting down; retry on another replica or after the restart",
+                       "server_error", code="server_shutdown", headers=retry)
     try:
         for p, ids in enumerate(prompts):
             for c, (rid, child) in enumerate(fan_out(f"{base_id}-{p}", params)):
@@ -349,13 +355,35 @@ def submit(
         raise APIError(503, str(e), "server_error", headers=retry) from e
     record = access_record(request.scope)
     n_prompt = record.prompt_tokens = sum(len(ids) for ids in prompts)
+    ctx.live[q] = base_id
     return Submission(rids, q, slots, n_prompt, one_call, record, params.stop)
 
 
+class ServerClosing(Exception):
+    """Ends a stream at the shutdown deadline (put into its delta queue by :func:`end_in_flight`)."""
+
+
+def end_in_flight(ctx: ServeContext, grace_s: float) -> int:
+    """At the shutdown deadline: refuse new submissions and end every request still streaming, each
+    in its API's shape (the stream's error event and terminal events, or a 503 body), with one log
+    line per request. Its engine requests are aborted as the stream ends. Returns how many ended."""
+    ctx.closing = True
+    live = list(ctx.live.items())
+    for q, base_id in live:
+        log.warning("request %s aborted: the server is shutting down and its grace period "
+                    "(--grace-period %g s) ended before the request finished", base_id, grace_s)
+        q.put_nowait(ServerClosing(f"the server is shutting down: its grace period ({grace_s:g} s) ended "
+                                   "before this request finished; retry it"))
+    return len(live)
+
+
 def engine_error(e: BaseException) -> APIError:
-    """An engine failure as an APIError: rejected at admission 400, failed step 500, dead engine 503."""
+    """An engine failure as an APIError: rejected at admission 400, failed step 500, dead engine or
+    server shutdown 503."""
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    if isinstance(e, ServerClosing):
+        return APIError(503, str(e), "server_error", code="server_shutdown")
     if isinstance(e, StepFailedError):
         return APIError(500, str(e), "server_error")
     return APIError(503, str(e), "server_error")
@@ -371,10 +399,12 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
             if sub.one_call:
                 d.tool_calls = [tc for tc in d.tool_calls if tc.index == 0]
             yield ChoiceDelta(index, p, d)
-    except (ValueError, EngineDeadError) as e:
+    except (ValueError, EngineDeadError, ServerClosing) as e:
         err = engine_error(e)
         sub.record.error = err.message
         raise err from e
+    finally:
+        ctx.live.pop(sub.queue, None)
 
 
 async def consume(
