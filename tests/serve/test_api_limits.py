@@ -2,7 +2,8 @@
 
 One server with one running slot (--max-batch-size 1) and a waiting queue of one (--max-queue-size 1):
 a third concurrent request gets 503 + Retry-After; then SIGTERM lets the in-flight stream finish,
-aborts the one still running when the grace period ends, and the process exits 0. The SIGTERM
+ends the one still running when the grace period ends (an error event, then [DONE]), and the process
+exits 0. The SIGTERM
 test stops the server, so it runs last.
 """
 
@@ -143,7 +144,9 @@ def test_sigterm_finishes_inflight_aborts_after_grace_exits_0(server):
         if c["choices"] and c["choices"][0].get("finish_reason")
     ]
     assert finishes == ["length"] and chunks[-1]["usage"]["completion_tokens"] == 10  # A ran to its end
-    assert "data: [DONE]" not in b["lines"]  # B was cut off after the grace period
+    # B was ended at the grace deadline, in the stream's own shape (issue 16 item 6): an error event, [DONE]
+    assert "error" not in b and b["lines"][-1] == "data: [DONE]", b
+    assert json.loads(b["lines"][-2][6:])["error"]["code"] == "server_shutdown"
     try:
         rc = server.proc.wait(GRACE_S + 30)
     except subprocess.TimeoutExpired:

@@ -46,7 +46,7 @@ class SamplingParams:
     Construction validates every field and raises ``ValueError`` naming the field.
 
     Consumed by the engine (sampler + scheduler, token ids only):
-      temperature (0 = greedy), top_p, top_k (<= 0 disables), min_p, repetition_penalty (prompt and
+      temperature (0 = greedy), top_p, top_k (0 or -1 disables), min_p, repetition_penalty (prompt and
       output tokens), presence_penalty and frequency_penalty (output tokens), logit_bias {token id:
       bias in [-100, 100]}, seed (key of the request's counter-based uniform stream: same seed,
       same output whatever else is in the batch), stop_token_ids, ignore_eos, min_tokens (eos and
@@ -108,7 +108,8 @@ class SamplingParams:
              or (num(self.thinking_temperature) and self.thinking_temperature >= 0),
              "thinking_temperature", ">= 0 (0 = greedy) or null")
         need(self.top_p is None or (num(self.top_p) and 0 < self.top_p <= 1), "top_p", "in (0, 1]")
-        need(self.top_k is None or integer(self.top_k), "top_k", "an integer (<= 0 disables)")
+        need(self.top_k is None or (integer(self.top_k) and self.top_k >= -1), "top_k",
+             "an integer >= 1, or 0 or -1 (disabled)")
         need(num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         need(num(self.repetition_penalty) and self.repetition_penalty > 0,
              "repetition_penalty", "> 0 (1.0 = off)")

@@ -10,7 +10,8 @@ OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 inva
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
 API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
 Retry-After when the waiting queue is full or the engine is down. A bad request never reaches the
-engine thread.
+engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
+route's error shape (FastAPI's default 422 is never sent, so it is not listed).
 
 Access log: one line per request at INFO (``m2serve.access``: method, path, status, latency, prompt and
 completion tokens), at WARNING with the error message for a 4xx/5xx.
@@ -22,6 +23,8 @@ Streams are Server-Sent Events. A client that disconnects cancels its stream tas
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import secrets
 import time
@@ -31,6 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -192,12 +196,93 @@ async def metrics_route(request: Request) -> Response:
     return Response(request.app.state.ctx.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+# Seconds between malloc_trim calls (see _trim_native_heap).
+TRIM_PERIOD_S = 10.0
+
+
+async def _trim_native_heap(period_s: float) -> None:
+    """Every ``period_s``, glibc's ``malloc_trim(0)``: hand the free pages of every malloc arena back
+    to the OS. Tokenising, rendering and step bookkeeping run on many threads, each with its own
+    arena; their freed memory otherwise stays resident, so RSS crept up request after request.
+    A no-op where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return
+    while True:
+        await asyncio.sleep(period_s)
+        trim(0)
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = app.state.ctx.engine
     engine.start(asyncio.get_running_loop())
+    trimmer = asyncio.ensure_future(_trim_native_heap(TRIM_PERIOD_S))
     yield
+    trimmer.cancel()
     engine.shutdown()
+
+
+def _object(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": list(props), "properties": props}
+
+
+_STRING = {"type": "string"}
+_ERROR_SCHEMAS = {  # errors.py's two wire shapes
+    "OpenAIError": _object(error=_object(message=_STRING, type=_STRING, param={"type": ["string", "null"]},
+                                         code={"type": ["string", "integer", "null"]})),
+    "AnthropicError": _object(type={"const": "error"}, error=_object(type=_STRING, message=_STRING)),
+}
+_STATUS_TEXT = {
+    400: "invalid request (the error names the field at fault)",
+    401: "missing or invalid API key",
+    404: "unknown model, or unknown stored response",
+    413: "request body larger than --max-request-bytes",
+    500: "an engine step failed while running this request",
+    503: "waiting queue full or engine not running (with Retry-After)",
+}
+
+
+def _statuses(path: str, method: str, has_body: bool) -> list[int]:
+    """The error statuses the server really answers on ``method path`` (see the module docstring)."""
+    out = []
+    if has_body:
+        out.append(400)
+    if not path.startswith(_AUTH_FREE):
+        out.append(401)
+    if has_body or path.startswith("/v1/responses/"):
+        out.append(404)  # unknown model / stored response
+    if method == "post":
+        out.append(413)
+    if path in _GEN_ROUTES:
+        out += [500, 503]
+    if path == "/health":
+        out.append(503)
+    return out
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document with the statuses this server answers: validation errors are 400 in
+    the API's error shape (FastAPI lists 422, which the server never sends), plus 401/404/413/500/503
+    where they can happen."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    components.update(_ERROR_SCHEMAS)
+    for path, ops in doc.get("paths", {}).items():
+        shape = "AnthropicError" if path.startswith(_ANTHROPIC_PREFIX) else "OpenAIError"
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status in _statuses(path, method, "requestBody" in op):
+                responses[str(status)] = {"description": _STATUS_TEXT[status], "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}}
+    app.openapi_schema = doc
+    return doc
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -219,4 +304,5 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/metrics", metrics_route, methods=["GET"])
     for module in (models, chat, completions, responses, anthropic_messages):
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     return app

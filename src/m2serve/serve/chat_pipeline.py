@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,8 @@ from m2serve.serve.output import OutputDelta
 from m2serve.text.parser import StreamingParser, ToolCallDelta
 from m2serve.text.template import TemplateError
 
+log = logging.getLogger(__name__)
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -52,8 +55,9 @@ class ChatJob:
     tool_choice ``auto`` or ``none`` (the constrained choices are refused by the API modules until
     constrained decoding exists); params: from :func:`sampling_params`; reasoning_split: the parser
     mode (True split, False passthrough, None the server's --reasoning-parser); one_call: return at
-    most one tool call per choice; messages_param: the request field holding the history, named in
-    errors (``messages``, ``input``).
+    most one tool call per choice; messages_param / max_tokens_param: the request fields holding the
+    history (``messages``, ``input``) and the output-token limit (``max_tokens``,
+    ``max_completion_tokens``, ``max_output_tokens``), named in errors.
     """
 
     messages: list[dict[str, Any]]
@@ -65,6 +69,7 @@ class ChatJob:
     chat_template_kwargs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     messages_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
 
 
 @dataclass(slots=True)
@@ -238,8 +243,23 @@ def encode(
     return ctx.llm.encode(text)
 
 
-def check_length(ctx: ServeContext, ids: list[int], param: str) -> None:
-    """400 unless the prompt leaves at least one token of the context to generate."""
+def check_length(
+    ctx: ServeContext, ids: list[int], param: str, max_tokens: int | None = None,
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """400 unless the prompt leaves at least one token of the context to generate, and, when the
+    request sets ``max_tokens``, room for all of them (a 400 with the three numbers, as vLLM answers,
+    rather than a silently shorter answer)."""
+    n, limit = len(ids), ctx.caps.max_length
+    if max_tokens is not None and n < limit and n + max_tokens > limit:
+        raise APIError(
+            400,
+            f"{max_tokens_param} is too large: {max_tokens}. This model's maximum context length is "
+            f"{limit} tokens and your request has {n} input tokens ({max_tokens} > {limit} - {n}); "
+            f"lower {max_tokens_param} to at most {limit - n} or shorten the prompt",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
     if len(ids) >= ctx.caps.max_length:
         raise APIError(
             400,
@@ -287,7 +307,7 @@ async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
         return text, encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
 
     prompt, ids = await run_in_threadpool(work)
-    check_length(ctx, ids, job.messages_param)
+    check_length(ctx, ids, job.messages_param, job.params.max_tokens, job.max_tokens_param)
     params = llm.chat_params(job.params, prompt)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = llm.reasoning_mode(job.reasoning_split)
@@ -314,6 +334,9 @@ def submit(
     rids: list[str] = []
     slots: dict[str, tuple[int, int]] = {}
     retry = {"Retry-After": str(ctx.settings.retry_after_s)}
+    if ctx.closing:
+        raise APIError(503, "the server is shutting down; retry on another replica or after the restart",
+                       "server_error", code="server_shutdown", headers=retry)
     try:
         for p, ids in enumerate(prompts):
             for c, (rid, child) in enumerate(fan_out(f"{base_id}-{p}", params)):
@@ -332,13 +355,35 @@ def submit(
         raise APIError(503, str(e), "server_error", headers=retry) from e
     record = access_record(request.scope)
     n_prompt = record.prompt_tokens = sum(len(ids) for ids in prompts)
+    ctx.live[q] = base_id
     return Submission(rids, q, slots, n_prompt, one_call, record, params.stop)
 
 
+class ServerClosing(Exception):
+    """Ends a stream at the shutdown deadline (put into its delta queue by :func:`end_in_flight`)."""
+
+
+def end_in_flight(ctx: ServeContext, grace_s: float) -> int:
+    """At the shutdown deadline: refuse new submissions and end every request still streaming, each
+    in its API's shape (the stream's error event and terminal events, or a 503 body), with one log
+    line per request. Its engine requests are aborted as the stream ends. Returns how many ended."""
+    ctx.closing = True
+    live = list(ctx.live.items())
+    for q, base_id in live:
+        log.warning("request %s aborted: the server is shutting down and its grace period "
+                    "(--grace-period %g s) ended before the request finished", base_id, grace_s)
+        q.put_nowait(ServerClosing(f"the server is shutting down: its grace period ({grace_s:g} s) ended "
+                                   "before this request finished; retry it"))
+    return len(live)
+
+
 def engine_error(e: BaseException) -> APIError:
-    """An engine failure as an APIError: rejected at admission 400, failed step 500, dead engine 503."""
+    """An engine failure as an APIError: rejected at admission 400, failed step 500, dead engine or
+    server shutdown 503."""
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    if isinstance(e, ServerClosing):
+        return APIError(503, str(e), "server_error", code="server_shutdown")
     if isinstance(e, StepFailedError):
         return APIError(500, str(e), "server_error")
     return APIError(503, str(e), "server_error")
@@ -354,10 +399,12 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
             if sub.one_call:
                 d.tool_calls = [tc for tc in d.tool_calls if tc.index == 0]
             yield ChoiceDelta(index, p, d)
-    except (ValueError, EngineDeadError) as e:
+    except (ValueError, EngineDeadError, ServerClosing) as e:
         err = engine_error(e)
         sub.record.error = err.message
         raise err from e
+    finally:
+        ctx.live.pop(sub.queue, None)
 
 
 async def consume(

@@ -14,6 +14,7 @@ run the model's steps until rank 0 stops.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import logging
 import math
@@ -30,6 +31,8 @@ from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, EngineA
 log = logging.getLogger("m2serve")
 
 ENV_PREFIX = "M2SERVE_"
+# Seconds the streams ended at the grace deadline get to send their last events before uvicorn cancels.
+SHUTDOWN_FLUSH_S = 5.0
 
 # Server-level defaults (engine-level ones come from EngineArgs).
 SERVE_DEFAULTS: dict[str, Any] = {
@@ -342,9 +345,25 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     before the model loads), then the model loads and uvicorn serves on that socket.
     ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
     On SIGTERM uvicorn stops accepting connections and gives in-flight requests
-    ``grace_period`` seconds; then the engine aborts what is left and the process exits 0.
+    ``grace_period`` seconds; at that deadline every request still running ends in its API's shape
+    (an error event, then ``[DONE]`` / ``message``'s or ``response.failed``'s terminal events; a 503
+    when not streamed), with one log line each, and the process exits 0.
     """
     import uvicorn
+
+    from m2serve.serve.chat_pipeline import end_in_flight
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server; its graceful shutdown ends what still runs at the grace deadline
+        (uvicorn itself would cancel the tasks: truncated bodies and a traceback each)."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            grace = float(opts["grace_period"])
+            timer = asyncio.get_running_loop().call_later(grace, end_in_flight, app.state.ctx, grace)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     from m2serve.serve.api import ServerSettings, build_app
     from m2serve.serve.async_engine import AsyncEngine
@@ -374,10 +393,11 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
         host=opts["host"],
         port=int(opts["port"]),
         log_level=opts["log_level"],
-        timeout_graceful_shutdown=float(opts["grace_period"]),
+        # past the grace deadline, the ended streams get this long to send their last events
+        timeout_graceful_shutdown=float(opts["grace_period"]) + SHUTDOWN_FLUSH_S,
         access_log=False,
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
     # uvicorn re-raises the captured signal after its graceful shutdown; with these handlers
     # that re-raise is a no-op and the process exits 0 instead of dying from the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

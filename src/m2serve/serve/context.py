@@ -3,6 +3,7 @@ the thinking sealer and the stored responses."""
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,13 +81,20 @@ class ResponseStore:
 
 @dataclass(slots=True)
 class ServeContext:
-    """Everything a handler needs; one per app, in ``app.state.ctx``."""
+    """Everything a handler needs; one per app, in ``app.state.ctx``.
+
+    live: the delta queue of every submitted request still streaming -> its id (the chat pipeline
+    adds and removes them; at the shutdown deadline each gets an end); closing: set at that deadline,
+    after which nothing new is submitted.
+    """
 
     engine: AsyncEngine
     settings: ServerSettings
     caps: ModelCapabilities
     sealer: Sealer
     responses: ResponseStore = field(default_factory=ResponseStore)
+    live: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    closing: bool = False
 
     @property
     def llm(self) -> Any:

@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response types (docs/serving.md §10, docs/parsers.md §3).
 
 Pydantic lives only here, at the HTTP edge. Requests forbid unknown fields, so a misspelt field
-is a 400 naming it rather than a silently ignored option. Responses mirror the OpenAI shapes the
+is a 400 naming it rather than a silently ignored option, and are validated strictly: ``"10"`` is not
+an integer, ``"yes"`` not a boolean and ``true`` not a token id or a count (each a 400 naming the
+field). Responses mirror the OpenAI shapes the
 official ``openai`` client parses; extensions (``reasoning_content``, ``top_k`` ...) are listed in
 docs/serving.md §10.
 """
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -31,7 +33,7 @@ class StreamOptions(OpenAIModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -53,7 +55,7 @@ class NamedToolChoice(OpenAIModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "json_object", "json_schema"]
 
 
@@ -61,6 +63,7 @@ class ResponseFormat(BaseModel):
 MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM is unbounded: generous, but every one is scanned per token
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
+MAX_SEQUENCES = 1024  # prompts x n of one /v1/completions request (each is an engine request)
 
 
 class _SamplingFields(OpenAIModel):
@@ -99,13 +102,20 @@ class _SamplingFields(OpenAIModel):
 class ChatMessage(BaseModel):
     """One history message. Extra keys (``reasoning``, ``thinking``, ``name``) pass to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_needs_call_id(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the assistant's tool call it "
+                             "answers)")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -258,7 +258,10 @@ class StreamingParser:
 
     # ---------------------------------------------------------------- public API
     def feed(self, text: str) -> ParserDelta:
-        """Consume the next decoded text chunk; return what can be emitted now (P21, P22)."""
+        """Consume the next decoded text chunk; return what can be emitted now (P21, P22). An empty
+        chunk changes nothing (it must not count as a parameter value's first text, for one)."""
+        if not text:
+            return self._take_delta()
         if self._pos == len(self._buf) and "<" not in text:
             try:
                 if self._feed_plain(text):

@@ -348,6 +348,7 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, i
     messages, tools = chat_messages(req, ctx.sealer), chat_tools(req)
 
     def work() -> list[int]:
-        return cp.encode(ctx, cp.render_prompt(ctx, messages, tools), "messages", tools=tools)
+        return cp.encode(ctx, cp.render_prompt(ctx, messages, tools), "messages", check_length=True,
+                         tools=tools)
 
     return {"input_tokens": len(await run_in_threadpool(work))}

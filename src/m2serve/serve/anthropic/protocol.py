@@ -7,7 +7,8 @@ against the server, so the shapes here are checked against it.
 
 Unknown top-level fields (``container``, ``diagnostics``, ``inference_geo``, ``service_tier``, ``speed``,
 ``user_profile_id``, ``workspace_id``, ``metadata`` ...) are accepted and ignored: the SDK sends fields a
-server has no use for, and they must never be a 400. Content blocks stay dicts, checked one by one in
+server has no use for, and they must never be a 400. Declared fields are validated strictly (``"10"``
+is not an integer, ``"yes"`` not a boolean). Content blocks stay dicts, checked one by one in
 messages.py so that an error names ``messages.<i>.content.<j>``.
 """
 
@@ -21,7 +22,7 @@ from m2serve.serve.protocol import MAX_STOP_STRINGS
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class Message(_Lenient):

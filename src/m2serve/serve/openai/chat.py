@@ -37,6 +37,7 @@ def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
         one_call=req.parallel_tool_calls is False,
         chat_template_kwargs=req.chat_template_kwargs,
         skip_special_tokens=req.skip_special_tokens,
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
     )
 
 

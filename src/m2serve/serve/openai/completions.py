@@ -30,6 +30,10 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     if req.best_of not in (None, req.n):
         raise APIError(400, "best_of is not supported (use n)", param="best_of")
     raw = _completion_prompts(req.prompt)
+    if len(raw) * req.n > P.MAX_SEQUENCES:
+        raise APIError(400, f"n: {len(raw)} prompts x n={req.n} = {len(raw) * req.n} sequences in one "
+                            f"request; the limit is {P.MAX_SEQUENCES} (lower n or send fewer prompts)",
+                       param="n")
     texts = [p for p in raw if isinstance(p, str)]
     encoded = iter(
         await run_in_threadpool(lambda: [cp.encode(ctx, p, "prompt", check_length=True) for p in texts])
@@ -41,12 +45,12 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
         else:
             cp.check_token_ids(ctx, p, "prompt", "prompt token id")
             prompts.append((ctx.llm.decode(p, skip_special_tokens=False), list(p)))
-    for _, ids in prompts:
-        cp.check_length(ctx, ids, "prompt")
     params = cp.sampling_params(
         ctx, **_sampling_fields(req), logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None,
     )
+    for _, ids in prompts:
+        cp.check_length(ctx, ids, "prompt", params.max_tokens)
     base = P.new_id("cmpl")
     sub = cp.submit(ctx, request, base, [ids for _, ids in prompts], params, None, req.skip_special_tokens)
     model = ctx.settings.served_model_name

@@ -1,4 +1,5 @@
-"""GET /v1/models, POST /tokenize and /detokenize (docs/serving.md §10)."""
+"""GET /v1/models, POST /tokenize and /detokenize (docs/serving.md §10). /tokenize refuses a text
+longer than the context can hold before tokenising it, as the generation routes do."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ async def tokenize(req: P.TokenizeRequest, request: Request) -> dict[str, Any]:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = [m.model_dump(exclude_unset=True) for m in req.messages]
             text = cp.render_prompt(ctx, messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
-            return cp.encode(ctx, text, "messages", tools=tools)
-        return cp.encode(ctx, req.prompt or "", "prompt")
+            return cp.encode(ctx, text, "messages", check_length=True, tools=tools)
+        return cp.encode(ctx, req.prompt or "", "prompt", check_length=True)
 
     ids = await run_in_threadpool(work)
     return {"tokens": ids, "count": len(ids), "max_model_len": ctx.caps.max_length}

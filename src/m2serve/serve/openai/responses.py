@@ -27,7 +27,8 @@ non-streamed response: ``reasoning`` (``reasoning_text`` content), ``message`` (
 ``response.output_text.delta`` / ``.done``, ``response.reasoning_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, ``response.content_part.done``,
 ``response.output_item.done``, ``response.completed`` (``response.incomplete`` when max_output_tokens
-cut it). Wire types are hand-written (plain dicts out, a lenient pydantic model in) rather than the
+cut it; ``error`` then ``response.failed`` when an error cut the stream, e.g. the shutdown
+deadline). Wire types are hand-written (plain dicts out, a lenient pydantic model in) rather than the
 ``openai`` package's, which is a client SDK and a test dependency only; the tests parse every response
 and event with that SDK.
 """
@@ -60,9 +61,9 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 class ResponsesRequest(BaseModel):
-    """The fields m2serve uses; others are accepted and ignored (``extra="allow"``)."""
+    """The fields m2serve uses, validated strictly; others are accepted and ignored (``extra="allow"``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -263,6 +264,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
         messages_param="input",
+        max_tokens_param="max_output_tokens",
     )
     return job, history
 
@@ -287,6 +289,7 @@ class ResponseBuilder:
     open: bool = False
     seq: int = 0
     usage: cp.TokenUsage | None = None
+    error: dict[str, str] | None = None
     _text: list[str] = field(default_factory=list)  # the open item's text so far
 
     def start(self) -> list[dict]:
@@ -371,6 +374,15 @@ class ResponseBuilder:
         self.status = "incomplete" if d.delta.finish_reason == "length" else "completed"
         return ev + [self.event(f"response.{self.status}", response=self.response())]
 
+    def fail(self, e: APIError) -> list[dict]:
+        """The events that end a stream cut by an error: ``error``, then ``response.failed``."""
+        body = openai_error_body(e)["error"]
+        self.status = "failed"  # the response's error code is one of the API's enum
+        code = "server_error" if e.status >= 500 else "invalid_prompt"
+        self.error = {"code": code, "message": body["message"]}
+        error = self.event("error", code=str(body["code"]), message=body["message"], param=body["param"])
+        return [error, self.event("response.failed", response=self.response())]
+
     def response(self) -> dict[str, Any]:
         r, u = self.request, self.usage
         return {
@@ -378,7 +390,7 @@ class ResponseBuilder:
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
-            "error": None,
+            "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
@@ -524,7 +536,8 @@ async def _stream(
             for ev in events:
                 yield _sse(ev)
     except APIError as e:
-        yield _sse(builder.event("error", **openai_error_body(e)["error"]))
+        for ev in builder.fail(e):
+            yield _sse(ev)
 
 
 def _sse(ev: dict) -> str:
