@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
 from m2serve.serve.metrics import EngineGauges, ServerMetrics
@@ -61,6 +62,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     processor: OutputProcessor
+    constraint: TokenConstraint | None = None
 
 
 class AsyncEngine:
@@ -124,8 +126,10 @@ class AsyncEngine:
         params: SamplingParams,
         processor: OutputProcessor,
         q: asyncio.Queue | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> asyncio.Queue:
-        """Queue a request; its deltas go to ``q`` (a new queue if None), which is returned.
+        """Queue a request (``constraint``: its own constrained-decoding matcher, or None); its deltas
+        go to ``q`` (a new queue if None), which is returned.
 
         Several requests (the n choices of one HTTP request) may share one queue.
         Raises QueueFullError / EngineDeadError.
@@ -143,7 +147,7 @@ class AsyncEngine:
             q = q if q is not None else asyncio.Queue()
             self._tracked[request_id] = _Tracked(q, time.perf_counter(), parser=processor.parser)
             self._inbox_adds += 1
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, processor))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, processor, constraint))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -239,7 +243,8 @@ class AsyncEngine:
             if not tracked:
                 return  # aborted before it reached the engine
             try:
-                self.llm.add_request(item.request_id, item.prompt_token_ids, item.params, item.processor)
+                self.llm.add_request(item.request_id, item.prompt_token_ids, item.params, item.processor,
+                                     item.constraint)
             except ValueError as e:  # rejected at admission (prompt too long ...): the request's fault
                 self._finish_with(item.request_id, e)
                 return

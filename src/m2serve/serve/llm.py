@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,10 +28,12 @@ from typing import Any
 
 from m2serve.config.engine_args import EngineArgs, apply_num_threads
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.serve.resolve import resolve_model
+from m2serve.text.constraint import GrammarCompiler
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
 from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, ChatTemplate, TemplateError
@@ -206,6 +209,17 @@ class LLM:
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._procs: dict[str, OutputProcessor] = {}
         self._ids = itertools.count()
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The checkpoint's grammar compiler for constrained decoding (docs/constrained-decoding.md),
+        built on first use (it reads tokenizer.json and scans the vocabulary once)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.from_pretrained(self.model_path, self.config.vocab_size)
+            return self._grammar
 
     # ------------------------------------------------------------------ text helpers
 
@@ -300,10 +314,16 @@ class LLM:
     # ------------------------------------------------------------------ engine requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, processor: OutputProcessor
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        processor: OutputProcessor,
+        constraint: TokenConstraint | None = None,
     ) -> None:
-        """Queue one engine request (n = 1). Raises ValueError (prompt too long, bad params)."""
-        self.engine.add_request(request_id, list(prompt_token_ids), params)
+        """Queue one engine request (n = 1; ``constraint``: its own matcher or None). Raises ValueError
+        (prompt too long, bad params)."""
+        self.engine.add_request(request_id, list(prompt_token_ids), params, constraint=constraint)
         self._procs[request_id] = processor
 
     def abort_request(self, request_id: str) -> None:

@@ -33,6 +33,7 @@ Bodies (``ConstraintSpec`` builders):
 - ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
   matching the schema (json_object: any object).
 - ``regex_spec`` / ``choice_spec`` / ``lark_spec``: vLLM ``structured_outputs`` regex / choice / grammar.
+- ``free_spec``: any tokens (a reasoning budget on an otherwise unconstrained request).
 
 Supported JSON Schema subset: what llguidance compiles in strict mode (``lenient`` false), see
 docs/constrained-decoding.md: ``type`` (and lists), ``enum``, ``const``, ``properties``, ``required``,
@@ -168,6 +169,11 @@ def no_tool_call_spec() -> ConstraintSpec:
     token, since text terminals never match special tokens; its spelling is excluded by the regex)."""
     return ConstraintSpec("none", "tool_choice",
                           f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)<minimax:tool_call>(?s:.*)/\n")
+
+
+def free_spec() -> ConstraintSpec:
+    """Body = any tokens (a reasoning budget without other structure: only the reasoning is bounded)."""
+    return ConstraintSpec("free", "thinking.budget_tokens", "body: <[ANY]>*\n")
 
 
 def _function(tool: Any, index: int) -> tuple[str, Mapping[str, Any]]:
@@ -378,7 +384,7 @@ class GrammarCompiler:
         else:
             start = "start: body\n"
         body = spec.body.replace("<[TC]>", f"<[{tok.tool_call_id}]>").replace(
-            "<[TC_END]>", f"<[{tok.tool_call_end_id}]>")
+            "<[TC_END]>", f"<[{tok.tool_call_end_id}]>").replace("<[ANY]>", f"<[0-{tok.vocab_size - 1}]>")
         lark = start + body
         if not spec.subgrammars:
             return llguidance.LLMatcher.grammar_from_lark(lark)
