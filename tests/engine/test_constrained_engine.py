@@ -67,7 +67,7 @@ def run(eng: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str]]:
 
 
 def test_all_kinds_in_one_batch(tiny_random_dir, compiler):
-    eng = make_engine(tiny_random_dir, kv_cache_format="bfloat16", num_kv_pages=8000, max_batch_size=2048,
+    eng = make_engine(tiny_random_dir, num_kv_pages=8000, max_batch_size=2048,
                       max_batch_input_tokens=16384)
     ids = compiler.tokenizer.encode(PROMPT)
     kinds = {f"json-{name}": json_spec(schema) for name, schema in SCHEMAS.items()}
