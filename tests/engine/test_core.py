@@ -352,3 +352,23 @@ def test_a_failed_constraint_finishes_with_stop_not_nan(toy_model, toy_config):
     assert [t for o in finals for t in o.new_token_ids] == [7, 63]
     assert finals[-1].finish_reason == "stop"
     assert all(math.isfinite(lp.logprob) for o in finals for lp in o.new_logprobs)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=5.0, top_k=0, top_p=1.0, logit_bias={9: 100.0, 11: 100.0}),
+    dict(temperature=1.0, top_k=1, logit_bias={9: 100.0}, repetition_penalty=0.05),
+    dict(temperature=0.0, logit_bias={11: 100.0}, presence_penalty=-2.0, frequency_penalty=-2.0),
+    dict(temperature=1.0, top_p=0.01, min_p=0.9, logit_bias={9: 100.0}),
+])
+def test_forbidden_tokens_are_never_drawn_whatever_the_sampling_parameters(toy_model, toy_config, params):
+    # issue 20: the mask comes after logit_bias and penalties and before temperature / top-k / top-p /
+    # min-p, so a token the constraint forbids (9, 11 boosted by +100) is never drawn
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=64)
+    cs = [OnlyThenEos({3, 5, 7}, 12, eos=63) for _ in range(6)]
+    for i, c in enumerate(cs):
+        eng.add_request(f"c{i}", [9, 11, 9], SamplingParams(max_tokens=20, seed=i, stop_token_ids=[63],
+                                                            **params), constraint=c)
+    outs = run_outputs(eng)
+    for i, c in enumerate(cs):
+        toks = [t for o in outs[f"c{i}"] for t in o.new_token_ids]
+        assert set(toks[:12]) <= {3, 5, 7} and toks[12:] == [63] and c.accepted == toks
