@@ -230,7 +230,7 @@ def structured_outputs(value: Any) -> OutputFormat | None:
     one), ``regex``, ``choice``, ``grammar`` (Lark); 400 naming the field otherwise."""
     if value is None:
         return None
-    kinds = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+    kinds = ("json", "regex", "choice", "grammar")
     given = [k for k in kinds if isinstance(value, dict) and value.get(k) is not None]
     if len(given) != 1:
         raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar",
@@ -243,7 +243,7 @@ def structured_outputs(value: Any) -> OutputFormat | None:
         except json.JSONDecodeError as e:
             raise APIError(400, f"structured_outputs.json: not valid JSON ({e})",
                            param="structured_outputs.json") from e
-    return OutputFormat(kinds[key], v, f"structured_outputs.{key}")  # type: ignore[arg-type]
+    return OutputFormat(key, v, f"structured_outputs.{key}")  # type: ignore[arg-type]
 
 
 def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
