@@ -258,6 +258,15 @@ def test_seeded_request_same_tokens_alone_and_in_a_mixed_batch(toy_model, toy_co
     assert got["t"] == got_alone
 
 
+def run_outputs(eng) -> dict[str, list]:
+    """Step to completion; request id -> its RequestOutputs."""
+    finals: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            finals.setdefault(o.request_id, []).append(o)
+    return finals
+
+
 class OnlyThenEos:
     """A hand-written constraint (engine/constraint.py): tokens from ``allowed`` for ``n`` draws,
     then only ``eos``; terminated once eos was accepted. Records what it accepted."""
@@ -278,6 +287,9 @@ class OnlyThenEos:
 
     def is_terminated(self) -> bool:
         return bool(self.accepted) and self.accepted[-1] == self.eos
+
+    def only_end_of_turn(self) -> bool:
+        return len(self.accepted) >= self.n
 
 
 def test_constraint_masks_draws_and_finishes_the_request(toy_model, toy_config):
@@ -302,3 +314,61 @@ def test_constraint_masks_draws_and_finishes_the_request(toy_model, toy_config):
     lps = [lp for o in finals["c"] for lp in o.new_logprobs]
     assert {t for t, _ in lps[0].top} <= {3, 5} and lps[2].logprob == 0.0   # constrained distribution
     assert [t for o in finals["free"] for t in o.new_token_ids] == free   # its neighbour is unconstrained
+
+
+@pytest.mark.parametrize("extra", [dict(min_tokens=8), dict(ignore_eos=True),
+                                   dict(min_tokens=8, ignore_eos=True)])
+def test_min_tokens_and_ignore_eos_yield_to_a_constraint_that_allows_only_end_of_turn(toy_model, toy_config,
+                                                                                       extra):
+    # issue 20: once the grammar allows only end of turn, the min_tokens eos mask yields (else the row
+    # would be all -inf) and ignore_eos does not keep the request going: it finishes with "stop"
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16)
+    c = OnlyThenEos({3, 5}, 2, eos=63)
+    eng.add_request("c", [3, 1, 4], SamplingParams(max_tokens=10, stop_token_ids=[63], temperature=1.0,
+                                                   seed=7, logprobs=1, **extra), constraint=c)
+    finals = run_outputs(eng)["c"]
+    toks = [t for o in finals for t in o.new_token_ids]
+    assert toks[:2] and set(toks[:2]) <= {3, 5} and toks[2:] == [63]
+    assert finals[-1].finish_reason == "stop"
+    lps = [lp for o in finals for lp in o.new_logprobs]
+    assert all(math.isfinite(lp.logprob) for lp in lps) and lps[2].logprob == 0.0  # the only allowed token
+
+
+class FailsAfter(OnlyThenEos):
+    """A constraint whose grammar fails (allows nothing) after ``n`` tokens: as GrammarConstraint does,
+    it then allows only end of turn and reports itself terminated once that token is accepted."""
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) > self.n
+
+
+def test_a_failed_constraint_finishes_with_stop_not_nan(toy_model, toy_config):
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=16)
+    c = FailsAfter({7}, 1, eos=63)
+    eng.add_request("c", [3, 1, 4], SamplingParams(max_tokens=10, min_tokens=5, logprobs=1, temperature=1.0,
+                                                   stop_token_ids=[63],
+                                                   seed=1), constraint=c)
+    finals = run_outputs(eng)["c"]
+    assert [t for o in finals for t in o.new_token_ids] == [7, 63]
+    assert finals[-1].finish_reason == "stop"
+    assert all(math.isfinite(lp.logprob) for o in finals for lp in o.new_logprobs)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=5.0, top_k=0, top_p=1.0, logit_bias={9: 100.0, 11: 100.0}),
+    dict(temperature=1.0, top_k=1, logit_bias={9: 100.0}, repetition_penalty=0.05),
+    dict(temperature=0.0, logit_bias={11: 100.0}, presence_penalty=-2.0, frequency_penalty=-2.0),
+    dict(temperature=1.0, top_p=0.01, min_p=0.9, logit_bias={9: 100.0}),
+])
+def test_forbidden_tokens_are_never_drawn_whatever_the_sampling_parameters(toy_model, toy_config, params):
+    # issue 20: the mask comes after logit_bias and penalties and before temperature / top-k / top-p /
+    # min-p, so a token the constraint forbids (9, 11 boosted by +100) is never drawn
+    eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=64)
+    cs = [OnlyThenEos({3, 5, 7}, 12, eos=63) for _ in range(6)]
+    for i, c in enumerate(cs):
+        eng.add_request(f"c{i}", [9, 11, 9], SamplingParams(max_tokens=20, seed=i, stop_token_ids=[63],
+                                                            **params), constraint=c)
+    outs = run_outputs(eng)
+    for i, c in enumerate(cs):
+        toks = [t for o in outs[f"c{i}"] for t in o.new_token_ids]
+        assert set(toks[:12]) <= {3, 5, 7} and toks[12:] == [63] and c.accepted == toks

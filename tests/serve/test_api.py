@@ -24,9 +24,9 @@ class RecordingEngine:
     def __init__(self, engine):
         self._engine, self.seen = engine, []
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, constraint=None):
         self.seen.append((request_id, list(prompt_token_ids), params))
-        return self._engine.add_request(request_id, prompt_token_ids, params)
+        return self._engine.add_request(request_id, prompt_token_ids, params, constraint=constraint)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

@@ -161,25 +161,25 @@ def test_bad_fields_400(server, client):
         400,
     )
     assert "bogus_field" in err["message"]
+    # constrained decoding (issue 20): a named tool that is not declared, a schema that does not compile
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "g"}}
     err = _assert_error_shape(
         httpx.post(
             url,
             headers=_headers(),
-            json={"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": "required"},
+            json={"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": named},
         ),
         400,
     )
-    assert "constrained decoding" in err["message"]
+    assert "'g'" in err["message"] and err["param"] == "tool_choice"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}}
     err = _assert_error_shape(
-        httpx.post(
-            url,
-            headers=_headers(),
-            json={"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}},
-        ),
+        httpx.post(url, headers=_headers(),
+                   json={"model": MODEL, "messages": MESSAGES, "response_format": bad}),
         400,
     )
-    assert "constrained decoding" in err["message"]
+    assert "does not compile" in err["message"] and err["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"999999999": 5})
     assert e.value.status_code == 400

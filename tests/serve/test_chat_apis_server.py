@@ -28,6 +28,7 @@ QUESTION = "What's the weather in Paris?"
 RESULT = "cloudy, 18 C"
 TOOL_RESULT = json.dumps({"result": RESULT})  # the result shape tiny-chat was trained on
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "("}}}  # bad regex
 DESCRIPTION = "Get the weather for a city"
 CHAT_TOOL = {"type": "function",
              "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA}}
@@ -165,9 +166,9 @@ def test_wrong_x_api_key_is_401_in_anthropic_shape(server):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
      "messages.0.content.0"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "tools": [ANTHROPIC_TOOL],
-      "tool_choice": {"type": "any"}}, "tool_choice"),
+      "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
-      "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "output_config.format"),
+      "output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}}, "output_config.format"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "temperature": 1.5}, "temperature"),
 ])
 def test_messages_400s_name_the_field(claude, body, field):
@@ -241,8 +242,8 @@ def test_previous_response_id_continues_and_get_delete(oai):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}), "text.format"),
-    (dict(tools=[RESPONSES_TOOL], tool_choice="required"), "tool_choice"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}), "text.format"),
+    (dict(tools=[RESPONSES_TOOL], tool_choice={"type": "function", "name": "nope"}), "tool_choice"),
     (dict(max_output_tokens=0), "max_output_tokens"),
 ])
 def test_responses_400s_name_the_field(oai, kwargs, param):
@@ -301,7 +302,7 @@ def test_access_log_one_line_per_request_and_errors_with_message(server, claude)
     claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": tag}])
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": tag}],
-                               tool_choice={"type": "any"}, tools=[ANTHROPIC_TOOL])
+                               tool_choice={"type": "tool", "name": "nope"}, tools=[ANTHROPIC_TOOL])
     log = server.log()
     ok = re.findall(r"POST /v1/messages 200 [\d.]+ ms prompt_tokens=(\d+) completion_tokens=(\d+)", log)
     assert ok and all(int(p) > 0 and int(c) > 0 for p, c in ok)

@@ -152,7 +152,7 @@ def test_messages_request_to_chat_job():
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
             "messages.0.content.0.type",
         ),
-        ({"tool_choice": {"type": "tool", "name": "f"}}, "tool_choice.type"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"tools": [{"name": "web_search", "type": "web_search_20250305"}]}, "tools.0.type"),
         (
             {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
@@ -276,8 +276,8 @@ def test_responses_request_to_chat_job():
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"input": "x", "tool_choice": "required"}, 400, "tool_choice"),
-        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, 400, "text.format"),
+        ({"input": "x", "tool_choice": {"type": "function"}}, 400, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text.format"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
             400,

@@ -10,7 +10,14 @@ into the step's allowed-token bitmask and is told which token was drawn:
   temperature / top-k / top-p / min-p (engine/sampling.py), so logprobs are those of the
   constrained distribution;
 * ``Scheduler.update_from_output`` calls ``accept_token(token_id)`` with the drawn token, then
-  finishes the request with "stop" once ``is_terminated()``.
+  finishes the request with "stop" once ``is_terminated()`` (end of turn accepted, or the
+  constraint failed: a grammar error is logged by the constraint and its row allows only the end
+  of turn, so no row is ever all -inf);
+* ``only_end_of_turn()`` (asked after ``fill_bitmask``) says nothing but an end-of-turn id may
+  follow: the ``min_tokens`` eos mask then yields for that row (``ignore_eos`` needs nothing: the
+  constraint terminates on the end of turn it accepted);
+* the constraint stays with its request across preemption (recompute replays no draws, so it is
+  neither reset nor replayed); ``n > 1`` fans out into n requests with one constraint each.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // BITMASK_WORD_BITS)
 
 
-
 class TokenConstraint(Protocol):
     """What the engine needs from a per-request constraint (see the module docstring)."""
 
@@ -39,4 +45,7 @@ class TokenConstraint(Protocol):
         """Advance past the drawn ``token_id``."""
 
     def is_terminated(self) -> bool:
-        """True once the constrained output is complete."""
+        """True once the constrained output is complete (or failed)."""
+
+    def only_end_of_turn(self) -> bool:
+        """True when the row just filled allows nothing but end-of-turn ids."""

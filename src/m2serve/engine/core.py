@@ -43,7 +43,6 @@ from m2serve.parallel.deploy import start_distributed_model
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class EngineStats:
     """Snapshot of the engine's gauges and counters (docs/architecture.md, engine contract).
@@ -274,15 +273,16 @@ class LLMEngine:
         """Draw the next token of ``reqs`` from their rows ``logits`` [B, V]; constraints fill the
         allowed-token bitmask first (all bits set for rows without one)."""
         B, V = logits.shape
-        allowed = None
+        allowed, ends = None, [False] * B
         if any(r.constraint is not None for r in reqs):
             bitmask = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
             for b, r in enumerate(reqs):
                 if r.constraint is not None:
                     r.constraint.fill_bitmask(bitmask, b)
+                    ends[b] = r.constraint.only_end_of_turn()
             allowed = bitmask.to(logits.device)
         batch = SamplingBatch.build([r.state for r in reqs], [r.num_output_tokens for r in reqs], V,
-                                    logits.device)
+                                    logits.device, ends)
         return sample(logits, batch, self.scheduler.penalties, allowed)
 
     def _drain_inbox(self) -> list[RequestOutput]:

@@ -405,9 +405,11 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, states: Sequence[SamplingState], num_output_tokens: Sequence[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingBatch:
+              device: torch.device | str = "cpu", end_of_turn: Sequence[bool] = ()) -> SamplingBatch:
         """Inputs for rows ``states`` whose requests have generated ``num_output_tokens[b]`` tokens
-        (the output position of this draw). A top_k >= vocab_size is off. Host lists only."""
+        (the output position of this draw). A top_k >= vocab_size is off. ``end_of_turn[b]`` True:
+        row b's constraint allows only the end of turn, so its min_tokens mask yields (masking the
+        only allowed tokens would leave nothing to draw). Host lists only."""
         temps = [s.temperature for s in states]
         greedy = [t < GREEDY_EPS for t in temps]
         ks = [s.params.top_k if 0 < s.params.top_k < vocab_size and not g else 0  # type: ignore[operator]
@@ -419,7 +421,7 @@ class SamplingBatch:
                 brows.append(b)
                 bcols.append(tid)
                 bvals.append(bias)
-            if n < p.min_tokens:
+            if n < p.min_tokens and not (b < len(end_of_turn) and end_of_turn[b]):
                 ids = sorted(set(s.eos_token_ids) | set(p.stop_token_ids))
                 mrows += [b] * len(ids)
                 mcols += ids

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
 from m2serve.serve.metrics import ServerMetrics
@@ -104,8 +105,10 @@ class AsyncEngine:
         params: SamplingParams,
         processor: OutputProcessor,
         q: asyncio.Queue | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> asyncio.Queue:
-        """Queue a request; its deltas go to ``q`` (a new queue if None), which is returned.
+        """Queue a request (``constraint``: its own constrained-decoding matcher, or None); its deltas
+        go to ``q`` (a new queue if None), which is returned.
 
         Several requests (the n choices of one HTTP request) may share one queue. Called on the
         event loop. A request the engine rejects (prompt too long ...) puts its ValueError on the
@@ -121,7 +124,8 @@ class AsyncEngine:
                 )
             deliver = functools.partial(self._loop.call_soon_threadsafe, q.put_nowait)
             try:
-                self.requests.add(request_id, prompt_token_ids, params, processor, deliver)
+                self.requests.add(request_id, prompt_token_ids, params, processor, deliver,
+                                  constraint=constraint)
             except ValueError as e:  # rejected at admission: the request's fault
                 q.put_nowait(e)
                 return q

@@ -11,6 +11,12 @@ sampling parameters and parsers, and talks to the :class:`AsyncEngine`:
     sub = submit(ctx, request, "chatcmpl-..", [prepared.ids], prepared.params, prepared.new_parser)
     async for d in stream(ctx, sub): ...d.pieces()...    # or: choices = await collect(ctx, request, sub)
 
+Constrained decoding is attached here once for every API (docs/constrained-decoding.md): the API
+modules only translate their fields into ``ChatJob.tool_choice`` / ``tool_name`` / ``output`` /
+``reasoning_budget``; :func:`constraint_spec` picks the grammar, :func:`prepare` compiles it (a grammar
+that does not compile is a 400 naming the request field) and :func:`submit` gives every choice its own
+matcher.
+
 Rules written once here: the n fan-out (engine requests from llm.fan_out, shared with the offline
 ``LLM``; choice index = prompt index x n + choice), the one-call rule
 (``parallel_tool_calls: false`` / ``disable_parallel_tool_use``: only the first call of a choice is
@@ -32,12 +38,23 @@ from typing import Any, Literal
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.async_engine import EngineDeadError, QueueFullError, StepFailedError
 from m2serve.serve.context import AccessRecord, ServeContext, access_record
 from m2serve.serve.errors import APIError
 from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput, fan_out
 from m2serve.serve.output import OutputDelta
+from m2serve.text.constraint import (
+    ConstraintSpec,
+    choice_spec,
+    free_spec,
+    json_spec,
+    lark_spec,
+    no_tool_call_spec,
+    regex_spec,
+    tool_calls_spec,
+)
 from m2serve.text.parser import StreamingParser, ToolCallDelta
 from m2serve.text.template import TemplateError
 
@@ -46,23 +63,41 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- the job
 
 
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    """A structured-output request field: ``kind`` ``json`` (``value`` a JSON Schema, None = any
+    object), ``regex`` (a pattern), ``choice`` (a list of strings) or ``grammar`` (Lark text);
+    ``field`` is the request field named in errors (``response_format``, ``text.format``,
+    ``output_config.format``, ``structured_outputs.json`` ...)."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: Any
+    field: str
+
+
 @dataclass(slots=True)
 class ChatJob:
     """One chat request, whatever API it came through.
 
     messages: template-ready history (``role``, ``content`` string, ``reasoning_content``,
     ``tool_calls`` in OpenAI form, ``tool_call_id``); tools: OpenAI function tool dicts or None;
-    tool_choice ``auto`` or ``none`` (the constrained choices are refused by the API modules until
-    constrained decoding exists); params: from :func:`sampling_params`; reasoning_split: the parser
-    mode (True split, False passthrough, None the server's --reasoning-parser); one_call: return at
-    most one tool call per choice; messages_param / max_tokens_param: the request fields holding the
-    history (``messages``, ``input``) and the output-token limit (``max_tokens``,
-    ``max_completion_tokens``, ``max_output_tokens``), named in errors.
+    tool_choice ``auto``, ``none`` (the tool-call tag can never be generated) or ``required`` (one or
+    more calls of the declared tools); tool_name: a named tool choice (calls of that tool only);
+    output: the structured-output format (:class:`OutputFormat`) or None; reasoning_budget: the most
+    reasoning tokens before ``</think>`` is forced (Anthropic ``thinking.budget_tokens``); params: from
+    :func:`sampling_params`; reasoning_split: the parser mode (True split, False passthrough, None the
+    server's --reasoning-parser); one_call: at most one tool call per choice (also in the grammar);
+    messages_param / max_tokens_param: the request fields holding the history (``messages``,
+    ``input``) and the output-token limit (``max_tokens``, ``max_completion_tokens``,
+    ``max_output_tokens``), named in errors.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] = "auto"
+    tool_choice: Literal["auto", "none", "required"] = "auto"
+    tool_name: str | None = None
+    output: OutputFormat | None = None
+    reasoning_budget: int | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     reasoning_split: bool | None = None
     one_call: bool = False
@@ -74,13 +109,15 @@ class ChatJob:
 
 @dataclass(slots=True)
 class PreparedChat:
-    """A rendered, tokenised job: prompt text, its ids, the chat sampling params and a parser factory."""
+    """A rendered, tokenised job: prompt text, its ids, the chat sampling params, a parser factory and
+    a constraint factory (None: unconstrained; else called once per choice)."""
 
     job: ChatJob
     prompt: str
     ids: list[int]
     params: SamplingParams
     new_parser: Callable[[str], StreamingParser | None]
+    new_constraint: Callable[[], TokenConstraint] | None = None
 
 
 @dataclass(slots=True)
@@ -176,10 +213,96 @@ class Choice:
 # --------------------------------------------------------------------------- preparing
 
 
-def refuse_constrained(what: str, param: str, fix: str) -> APIError:
-    """The 400 for features that need constrained decoding (not implemented yet)."""
-    return APIError(400, f"{what} needs constrained decoding, which m2serve does not support yet; {fix}",
-                    param=param)
+def output_format(kind: str | None, value: Any, field_name: str) -> OutputFormat | None:
+    """The :class:`OutputFormat` of an OpenAI-style ``response_format`` / Responses ``text.format`` /
+    Anthropic ``output_config.format``: ``text`` (or None) -> None, ``json_object`` -> any object,
+    ``json_schema`` -> ``value`` (the schema, required); anything else is a 400 naming the field."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return OutputFormat("json", None, field_name)
+    if kind == "json_schema":
+        if not isinstance(value, dict):
+            raise APIError(400, f"{field_name}: a json_schema format needs its schema (a JSON object)",
+                           param=field_name)
+        return OutputFormat("json", value, field_name)
+    raise APIError(400, f"{field_name}: type {kind!r} is not one of text, json_object, json_schema",
+                   param=f"{field_name}.type")
+
+
+def structured_outputs(value: Any) -> OutputFormat | None:
+    """vLLM's ``structured_outputs`` extension: exactly one of ``json`` (a schema, or a JSON string of
+    one), ``regex``, ``choice``, ``grammar`` (Lark); 400 naming the field otherwise."""
+    if value is None:
+        return None
+    kinds = ("json", "regex", "choice", "grammar")
+    given = [k for k in kinds if isinstance(value, dict) and value.get(k) is not None]
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar",
+                       param="structured_outputs")
+    key = given[0]
+    v = value[key]
+    if key == "json" and isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"structured_outputs.json: not valid JSON ({e})",
+                           param="structured_outputs.json") from e
+    return OutputFormat(key, v, f"structured_outputs.{key}")  # type: ignore[arg-type]
+
+
+def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
+    """The grammar a job's output must follow (docs/constrained-decoding.md), or None. A structured
+    output format wins over ``tool_choice`` auto / none; with ``required`` or a named tool it is a 400.
+    Raises ValueError naming the field for a malformed format or tool."""
+    calls = job.tool_choice == "required" or job.tool_name is not None
+    if job.output is not None:
+        if calls:
+            raise APIError(400, f"{job.output.field} cannot be combined with a required or named tool "
+                                "choice (the output is either JSON or tool calls); drop one of them",
+                           param="tool_choice")
+        o = job.output
+        make = {"json": json_spec, "regex": regex_spec, "choice": choice_spec, "grammar": lark_spec}[o.kind]
+        return make(o.value, o.field)
+    if calls:
+        return tool_calls_spec(job.tools or [], job.tool_name, parallel_tool_calls=not job.one_call)
+    if job.tool_choice == "none":
+        return no_tool_call_spec()
+    if job.reasoning_budget is not None:
+        return free_spec()
+    return None
+
+
+def constraint_factory(ctx: ServeContext, spec: ConstraintSpec | None, reasoning: str,
+                       budget: int | None) -> Callable[[], TokenConstraint] | None:
+    """Compile ``spec`` (cached per spec) for outputs starting at ``reasoning`` (``inside`` /
+    ``may_open`` / ``off``); returns a per-choice constraint factory, or None without a spec. A grammar
+    that does not compile is a 400 naming the field llguidance's message starts with."""
+    if spec is None:
+        return None
+    compiler = ctx.llm.grammar
+    try:
+        compiler.constraint(spec, reasoning, budget)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise APIError(400, str(e), param=_error_field(str(e), spec.field)) from e
+    return lambda: compiler.constraint(spec, reasoning, budget)  # type: ignore[arg-type]
+
+
+def _error_field(message: str, default: str) -> str:
+    """The request field a constraint error names: its prefix, ``tools`` for a tool's parameter."""
+    head = message.split(":", 1)[0]
+    if head.startswith(("tool ", "tools[")):
+        return "tools"
+    return head if " " not in head else default
+
+
+def spec_or_400(job: ChatJob) -> ConstraintSpec | None:
+    """:func:`constraint_spec` with its ValueError as a 400 naming the field."""
+    try:
+        return constraint_spec(job)
+    except ValueError as e:
+        field_name = job.output.field if job.output is not None else "tools"
+        raise APIError(400, str(e), param=_error_field(str(e), field_name)) from e
 
 
 def render_prompt(
@@ -300,18 +423,22 @@ async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
     """Render and tokenise ``job`` off the event loop, check its length, add the reasoning-state
     sampling fields; the parser factory honours tool_choice ``none`` (tools rendered, calls not parsed)."""
     llm = ctx.llm
+    spec = spec_or_400(job)
 
-    def work() -> tuple[str, list[int]]:
+    def work() -> tuple[str, list[int], Callable[[], TokenConstraint] | None]:
         text = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
                              messages_param=job.messages_param)
-        return text, encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
+        ids = encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
+        reasoning = "inside" if llm.chat_params(job.params, text).start_in_reasoning else "may_open"
+        return text, ids, constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
 
-    prompt, ids = await run_in_threadpool(work)
+    prompt, ids, new_constraint = await run_in_threadpool(work)
     check_length(ctx, ids, job.messages_param, job.params.max_tokens, job.max_tokens_param)
     params = llm.chat_params(job.params, prompt)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = llm.reasoning_mode(job.reasoning_split)
-    return PreparedChat(job, prompt, ids, params, lambda rid: llm.new_parser(prompt, tools, mode, rid))
+    return PreparedChat(job, prompt, ids, params, lambda rid: llm.new_parser(prompt, tools, mode, rid),
+                        new_constraint)
 
 
 # --------------------------------------------------------------------------- engine
@@ -326,10 +453,12 @@ def submit(
     new_parser: Callable[[str], StreamingParser | None] | None = None,
     skip_special_tokens: bool = True,
     one_call: bool = False,
+    new_constraint: Callable[[], TokenConstraint] | None = None,
 ) -> Submission:
     """Queue ``params.n`` choices of each prompt (the n fan-out: request ``{base}-{p}-{c}``, choice
-    index ``p * n + c``) into one shared delta queue. 503 + Retry-After when the queue is full or the
-    engine is down (nothing stays queued)."""
+    index ``p * n + c``) into one shared delta queue; each choice gets its own constraint from
+    ``new_constraint``. 503 + Retry-After when the queue is full or the engine is down (nothing stays
+    queued)."""
     engine, q = ctx.engine, asyncio.Queue()
     rids: list[str] = []
     slots: dict[str, tuple[int, int]] = {}
@@ -342,7 +471,8 @@ def submit(
             for c, (rid, child) in enumerate(fan_out(f"{base_id}-{p}", params)):
                 parser = new_parser(rid) if new_parser is not None else None
                 proc = ctx.llm.new_processor(rid, child, parser, skip_special_tokens)
-                engine.submit(rid, ids, child, proc, q)
+                constraint = new_constraint() if new_constraint is not None else None
+                engine.submit(rid, ids, child, proc, q, constraint=constraint)
                 rids.append(rid)
                 slots[rid] = (p, p * params.n + c)
     except QueueFullError as e:

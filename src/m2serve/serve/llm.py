@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,10 +31,12 @@ from typing import Any
 
 from m2serve.config.engine_args import EngineArgs, apply_num_threads
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.output import OutputDelta, OutputProcessor, RequestTable
 from m2serve.serve.resolve import resolve_model
+from m2serve.text.constraint import GrammarCompiler
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.parser import StreamingParser, starts_in_reasoning
 from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, ChatTemplate, TemplateError
@@ -204,6 +207,17 @@ class LLM:
         self.max_length = self.engine.max_length
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._ids = itertools.count()
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The checkpoint's grammar compiler for constrained decoding (docs/constrained-decoding.md),
+        built on first use (it reads tokenizer.json and scans the vocabulary once)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.from_pretrained(self.model_path, self.config.vocab_size)
+            return self._grammar
 
     # ------------------------------------------------------------------ text helpers
 
@@ -307,11 +321,16 @@ class LLM:
         self.requests.engine = engine
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, processor: OutputProcessor
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        processor: OutputProcessor,
+        constraint: TokenConstraint | None = None,
     ) -> None:
-        """Queue one engine request (n = 1) with its record (RequestTable.add). Raises ValueError
+        """Queue one engine request (n = 1; ``constraint``: its own matcher or None). Raises ValueError
         (prompt too long, bad params)."""
-        self.requests.add(request_id, prompt_token_ids, params, processor)
+        self.requests.add(request_id, prompt_token_ids, params, processor, constraint=constraint)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request: its pages are freed by the engine; no further deltas are produced."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.text.detokenizer import IncrementalDetokenizer
@@ -204,13 +205,15 @@ class RequestTable:
         params: SamplingParams,
         processor: OutputProcessor,
         deliver: Callable[[OutputDelta | BaseException], None] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> RequestRecord:
-        """Queue one engine request (n = 1) and register its record. Raises ValueError (prompt too
-        long, bad params, ``request_id`` in use) with nothing registered."""
+        """Queue one engine request (n = 1; ``constraint``: its own constrained-decoding matcher or
+        None) and register its record. Raises ValueError (prompt too long, bad params,
+        ``request_id`` in use) with nothing registered."""
         with self._lock:
             if request_id in self.records:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.engine.add_request(request_id, list(prompt_token_ids), params)
+            self.engine.add_request(request_id, list(prompt_token_ids), params, constraint=constraint)
             rec = self.records[request_id] = RequestRecord(request_id, processor, deliver)
         return rec
 

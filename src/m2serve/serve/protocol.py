@@ -90,6 +90,7 @@ class _SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI allows one string or a list of up to 4)."""

@@ -33,6 +33,7 @@ Bodies (``ConstraintSpec`` builders):
 - ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
   matching the schema (json_object: any object).
 - ``regex_spec`` / ``choice_spec`` / ``lark_spec``: vLLM ``structured_outputs`` regex / choice / grammar.
+- ``free_spec``: any tokens (a reasoning budget on an otherwise unconstrained request).
 
 Supported JSON Schema subset: what llguidance compiles in strict mode (``lenient`` false), see
 docs/constrained-decoding.md: ``type`` (and lists), ``enum``, ``const``, ``properties``, ``required``,
@@ -90,13 +91,15 @@ class ConstraintSpec:
     ``field`` is the request field named in errors; ``body`` is the Lark text of the body rule ``body``
     (plus helper rules); ``subgrammars`` are (name, Lark text) referenced as ``@name``; ``parts`` are
     (field, standalone Lark grammar) checked one by one when the whole does not compile, so the error
-    names the part at fault (the tool)."""
+    names the part at fault (the tool); ``free_answer``: only the reasoning is constrained, the matcher
+    is not consulted once the answer starts (``free_spec``)."""
 
     key: str
     field: str
     body: str
     subgrammars: tuple[tuple[str, str], ...] = ()
     parts: tuple[tuple[str, str], ...] = ()
+    free_answer: bool = False
 
 
 def _lark_str(text: str) -> str:
@@ -168,6 +171,12 @@ def no_tool_call_spec() -> ConstraintSpec:
     token, since text terminals never match special tokens; its spelling is excluded by the regex)."""
     return ConstraintSpec("none", "tool_choice",
                           f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)<minimax:tool_call>(?s:.*)/\n")
+
+
+def free_spec() -> ConstraintSpec:
+    """No structure after the reasoning (a reasoning budget alone: only the reasoning is bounded; the
+    answer, from the first token after ``</think>``, is not masked at all)."""
+    return ConstraintSpec("free", "thinking.budget_tokens", "body: <[ANY]>*\n", free_answer=True)
 
 
 def _function(tool: Any, index: int) -> tuple[str, Mapping[str, Any]]:
@@ -378,7 +387,7 @@ class GrammarCompiler:
         else:
             start = "start: body\n"
         body = spec.body.replace("<[TC]>", f"<[{tok.tool_call_id}]>").replace(
-            "<[TC_END]>", f"<[{tok.tool_call_end_id}]>")
+            "<[TC_END]>", f"<[{tok.tool_call_end_id}]>").replace("<[ANY]>", f"<[0-{tok.vocab_size - 1}]>")
         lark = start + body
         if not spec.subgrammars:
             return llguidance.LLMatcher.grammar_from_lark(lark)
@@ -426,7 +435,8 @@ class GrammarCompiler:
         if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or
                                              not isinstance(reasoning_budget, int) or reasoning_budget < 0):
             raise ValueError(f"reasoning_budget={reasoning_budget!r} must be a non-negative integer or None")
-        return GrammarConstraint(self, self.compile(spec, reasoning), reasoning, reasoning_budget)
+        return GrammarConstraint(self, self.compile(spec, reasoning), reasoning, reasoning_budget,
+                                 spec.free_answer)
 
 
 class GrammarConstraint:
@@ -443,10 +453,11 @@ class GrammarConstraint:
     """
 
     def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, reasoning: ReasoningStart,
-                 reasoning_budget: int | None) -> None:
+                 reasoning_budget: int | None, free_answer: bool = False) -> None:
         self._compiler = compiler
         self._matcher = matcher
         self._reasoning_budget = reasoning_budget
+        self._free_answer = free_answer
         self._phase = {"inside": "reasoning", "may_open": "start", "off": "answer"}[reasoning]
         self.reasoning_tokens = 0
         self.error: str | None = None
@@ -463,6 +474,9 @@ class GrammarConstraint:
         if words.numel() != self._compiler.words or bitmask.dtype != torch.int32 or not words.is_contiguous():
             raise ValueError(f"bitmask row must be int32 contiguous with {self._compiler.words} words, got "
                              f"{tuple(bitmask.shape)} {bitmask.dtype}")
+        if self._phase == "answer" and self._free_answer and self.error is None:
+            words.fill_(-1)
+            return
         if self.error is None:
             self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
             if self._matcher.is_error():
@@ -483,8 +497,10 @@ class GrammarConstraint:
             return
         if token_id in self._compiler.eos_token_ids:
             self._ended = True
-            if not self._matcher.is_accepting():
+            if not (self._phase == "answer" and self._free_answer) and not self._matcher.is_accepting():
                 self._fail(f"end of turn (id {token_id}) before the grammar was complete")
+            return
+        if self._phase == "answer" and self._free_answer:
             return
         if not self._matcher.consume_token(token_id):
             self._fail(self._matcher.get_error() or f"token {token_id} is not allowed by the grammar")
@@ -504,6 +520,8 @@ class GrammarConstraint:
 
     def only_end_of_turn(self) -> bool:
         """True when nothing but an end-of-turn id may follow (the grammar is complete, or in error)."""
+        if self._phase == "answer" and self._free_answer:
+            return self.error is not None
         return self.error is not None or self._matcher.is_stopped()
 
     def _fail(self, message: str) -> None:

@@ -12,13 +12,15 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   the current tool loop's reasoning (interleaved thinking, docs/parsers.md §2).
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
   official SDK sends none of the last three, so the checkpoint's generation defaults apply.
-- ``tools`` (``input_schema``); ``tool_choice`` ``auto`` / ``none``; ``any`` and ``tool`` need
-  constrained decoding (400 until it exists); ``disable_parallel_tool_use`` -> at most one tool_use.
+- ``tools`` (``input_schema``); ``tool_choice`` ``auto``, ``none`` (the tool-call tag cannot be
+  generated), ``any`` (one or more calls of the declared tools), ``tool`` (calls of that tool);
+  ``disable_parallel_tool_use`` -> exactly one tool_use (docs/constrained-decoding.md).
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
-  ``budget_tokens`` is accepted and logged as not enforced (no reasoning budget yet).
-- ``output_config.format`` needs constrained decoding (400); ``output_config.effort``, ``metadata``,
-  ``cache_control`` and unknown fields are ignored.
+  ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens.
+- ``output_config.format`` (``{"type": "json_schema", "schema": ...}``): the text after the reasoning
+  is JSON matching the schema; ``output_config.effort``, ``metadata``, ``cache_control`` and unknown
+  fields are ignored.
 
 Pipeline deltas -> Anthropic content blocks (:class:`MessageBuilder`), one code path for both the
 stream (``message_start``, ``ping``, ``content_block_start`` / ``_delta`` (``thinking_delta``,
@@ -152,16 +154,15 @@ def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
 def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, bool]:
     """The chat job of a Messages request and whether thinking blocks are returned."""
     choice = req.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):
-        raise cp.refuse_constrained(f"tool_choice {choice.type!r}", "tool_choice.type",
-                                    "use tool_choice 'auto' or 'none'")
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise APIError(400, "tool_choice.name: a 'tool' choice needs the tool's name",
+                       param="tool_choice.name")
     fmt = (req.output_config or {}).get("format")
-    if fmt:
-        raise cp.refuse_constrained("output_config.format", "output_config.format", "omit it")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "output_config.format must be an object", param="output_config.format")
+    output = cp.output_format(fmt.get("type"), fmt.get("schema"), "output_config.format") if fmt else None
     thinking = req.thinking
-    if thinking is not None and thinking.budget_tokens is not None:
-        log.info("thinking.budget_tokens=%d accepted but not enforced (no reasoning budget yet)",
-                 thinking.budget_tokens)
+    budget = thinking.budget_tokens if thinking is not None and thinking.type != "disabled" else None
     params = cp.sampling_params(
         ctx, {"stop": "stop_sequences"}, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_tokens, stop=tuple(s for s in req.stop_sequences or () if s),
@@ -169,7 +170,10 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     job = cp.ChatJob(
         messages=chat_messages(req, ctx.sealer),
         tools=chat_tools(req),
-        tool_choice="none" if choice is not None and choice.type == "none" else "auto",
+        tool_choice={"none": "none", "any": "required"}.get(choice.type, "auto") if choice else "auto",
+        tool_name=choice.name if choice is not None and choice.type == "tool" else None,
+        output=output,
+        reasoning_budget=budget,
         params=params,
         reasoning_split=True,
         one_call=bool(choice is not None and choice.disable_parallel_tool_use),
@@ -313,7 +317,7 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
     job, thinking = messages_job(ctx, req)
     prepared = await cp.prepare(ctx, job)
     sub = cp.submit(ctx, request, new_id("msg"), [prepared.ids], prepared.params, prepared.new_parser,
-                    one_call=job.one_call)
+                    one_call=job.one_call, new_constraint=prepared.new_constraint)
     builder = MessageBuilder("msg_" + uuid.uuid4().hex[:24], ctx.settings.served_model_name, ctx.sealer,
                              thinking, stops=prepared.params.stop)
     if not req.stream:

@@ -18,20 +18,27 @@ router = APIRouter()
 
 
 def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
-    """The chat job of a chat-completions request (400 for what needs constrained decoding)."""
-    if req.tool_choice == "required" or isinstance(req.tool_choice, P.NamedToolChoice):
-        raise cp.refuse_constrained("tool_choice 'required' and named tool choices", "tool_choice",
-                                    "use tool_choice 'auto' or 'none'")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise cp.refuse_constrained(f"response_format {req.response_format.type!r}", "response_format",
-                                    "use 'text'")
+    """The chat job of a chat-completions request; ``tool_choice``, ``parallel_tool_calls``,
+    ``response_format`` and vLLM's ``structured_outputs`` become its constraint fields."""
+    output = cp.structured_outputs(req.structured_outputs)
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if output is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both",
+                           param="structured_outputs")
+        js = getattr(rf, "json_schema", None)
+        schema = js.get("schema") if isinstance(js, dict) else None
+        output = cp.output_format(rf.type, schema, "response_format")
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, P.NamedToolChoice) else None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = cp.sampling_params(ctx, **_sampling_fields(req), logprobs=logprobs,
                                 thinking_temperature=req.thinking_temperature)
     return cp.ChatJob(
         messages=[m.model_dump(exclude_unset=True) for m in req.messages],
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-        tool_choice="none" if req.tool_choice == "none" else "auto",
+        tool_choice=req.tool_choice if req.tool_choice in ("none", "required") else "auto",
+        tool_name=named,
+        output=output,
         params=params,
         reasoning_split=req.reasoning_split,
         one_call=req.parallel_tool_calls is False,
@@ -70,7 +77,7 @@ async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
     prepared = await cp.prepare(ctx, job)
     base = P.new_id("chatcmpl")
     sub = cp.submit(ctx, request, base, [prepared.ids], prepared.params, prepared.new_parser,
-                    job.skip_special_tokens, job.one_call)
+                    job.skip_special_tokens, job.one_call, prepared.new_constraint)
     model = ctx.settings.served_model_name
     if not req.stream:
         choices = await cp.collect(ctx, request, sub)

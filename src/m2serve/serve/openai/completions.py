@@ -51,8 +51,11 @@ async def completions(req: P.CompletionRequest, request: Request) -> Response:
     )
     for _, ids in prompts:
         cp.check_length(ctx, ids, "prompt", params.max_tokens)
+    spec = cp.spec_or_400(cp.ChatJob([], output=cp.structured_outputs(req.structured_outputs)))
+    new_constraint = await run_in_threadpool(cp.constraint_factory, ctx, spec, "off", None)
     base = P.new_id("cmpl")
-    sub = cp.submit(ctx, request, base, [ids for _, ids in prompts], params, None, req.skip_special_tokens)
+    sub = cp.submit(ctx, request, base, [ids for _, ids in prompts], params, None, req.skip_special_tokens,
+                    new_constraint=new_constraint)
     model = ctx.settings.served_model_name
     if not req.stream:
         choices = await cp.collect(ctx, request, sub)

@@ -12,9 +12,10 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
 - ``previous_response_id``: the stored conversation of that response (a bounded in-memory store of the
   last ``RESPONSE_STORE_SIZE`` = 1024 responses created with ``store`` true, the default); unknown or
   evicted -> 404 naming the field.
-- ``tools`` (function), ``tool_choice`` ``auto`` / ``none`` (``required`` and a named function need
-  constrained decoding: 400), ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``.
-  ``text.format`` json_schema / json_object need constrained decoding (400).
+- ``tools`` (function), ``tool_choice`` ``auto`` / ``none`` / ``required`` / a named function
+  (``{"type": "function", "name": ...}``), ``parallel_tool_calls``, ``max_output_tokens``,
+  ``temperature``, ``top_p``. ``text.format`` json_schema (``schema``) / json_object: the text after the
+  reasoning is JSON matching it (docs/constrained-decoding.md).
 - ``include: ["reasoning.encrypted_content"]`` returns the reasoning sealed under the server key
   (serve/sealing.py) in each reasoning item. ``reasoning``, ``truncation``, ``prompt_cache_key``,
   ``metadata``, ``user``, ``service_tier``, ``text.verbosity``, ``max_tool_calls`` and unknown fields are
@@ -225,13 +226,19 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob, list[dict[str, Any]]]:
     """The chat job of a Responses request, and the conversation to store (without instructions)."""
     choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise cp.refuse_constrained(
-            f"tool_choice {choice!r}", "tool_choice", "use tool_choice 'auto' or 'none'"
-        )
-    fmt = ((req.text or {}).get("format") or {}).get("type", "text")
-    if fmt != "text":
-        raise cp.refuse_constrained(f"text.format {fmt!r}", "text.format", "use type 'text'")
+    named = None
+    if isinstance(choice, dict):
+        named = choice.get("name") if choice.get("type") == "function" else None
+        if not isinstance(named, str) or not named:
+            raise APIError(400, "tool_choice: an object choice must be "
+                                '{"type": "function", "name": ...}', param="tool_choice")
+    elif choice not in (None, "auto", "none", "required"):
+        raise APIError(400, f"tool_choice {choice!r} is not one of auto, none, required or a function",
+                       param="tool_choice")
+    fmt = (req.text or {}).get("format") or {}
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
+    output = cp.output_format(fmt.get("type"), fmt.get("schema"), "text.format")
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = ctx.responses.get(req.previous_response_id)
@@ -259,7 +266,9 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
     job = cp.ChatJob(
         messages=system + history,
         tools=chat_tools(req.tools),
-        tool_choice="none" if choice == "none" else "auto",
+        tool_choice=choice if choice in ("none", "required") else "auto",  # type: ignore[arg-type]
+        tool_name=named,
+        output=output,
         params=params,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
@@ -401,7 +410,7 @@ class ResponseBuilder:
             "reasoning": {"effort": None, "summary": None},
             "store": r.store,
             "temperature": r.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
             "tool_choice": r.tool_choice or "auto",
             "tools": r.tools or [],
             "top_p": r.top_p,
@@ -500,6 +509,7 @@ async def create_response(req: ResponsesRequest, request: Request) -> Response:
         prepared.params,
         prepared.new_parser,
         one_call=job.one_call,
+        new_constraint=prepared.new_constraint,
     )
     builder = ResponseBuilder(req, ctx.settings.served_model_name, ctx.sealer)
 
