@@ -136,12 +136,15 @@ def test_preempted_constrained_request_matches_an_unpreempted_run(tiny_random_di
     eng.add_request("c", ids, SamplingParams(**greedy), constraint=c)
     toks: dict[str, list[int]] = {}
     preempted_at = None
+    computed = 0
     while eng.has_unfinished_requests():
         for o in eng.step():
             toks.setdefault(o.request_id, []).extend(o.new_token_ids)
         r = eng.requests.get("c")
-        if preempted_at is None and r is not None and r.num_preemptions:
+        # a preemption (recompute) sends the request back with num_computed_tokens = 0
+        if preempted_at is None and r is not None and r.num_computed_tokens < computed:
             preempted_at = (r.num_output_tokens, c.in_reasoning)
+        computed = r.num_computed_tokens if r is not None else computed
     assert preempted_at is not None and preempted_at[1] is False   # preempted after the reasoning: mid-JSON
     assert toks["c"] == want
     text = parse_output(compiler.tokenizer.decode(want), None, prompt_tail=PROMPT_TAIL).content
