@@ -60,7 +60,7 @@ class KVSpec:
 
 
 def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", weight_dequant: str = "auto") -> Any:
+                    device: torch.device | str = "cpu", weight_dequant: str = "load") -> Any:
     """Load this rank's share of the checkpoint at ``path``: only the slices of its shard plan
     are read from disk (``safe_open(...).get_slice``), so resident weights are about its share.
     ``weight_dequant`` as for model/load.py ``load_model`` (``"runtime"`` keeps quantised weights
