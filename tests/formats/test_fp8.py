@@ -57,7 +57,7 @@ def test_dequantize_rejects_wrong_scale_grid():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_loaded_weights_bit_exact_vs_transformers_fp8_load(tiny_random_fp8_dir, dtype):
     # issue 2 must-show: our dequantised weights equal transformers' FP8 load, bf16 and fp32 targets
-    ours = load_model(tiny_random_fp8_dir, dtype=dtype)
+    ours = load_model(tiny_random_fp8_dir, dtype=dtype, weight_dequant="load")
     ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_fp8_dir, dtype=dtype)
     I = ours.config.intermediate_size
     for n, (a, b) in enumerate(zip(ours.model.layers, ref.model.layers)):

@@ -26,7 +26,7 @@ def test_tensors_are_freed_one_by_one(tiny_random_fp8_dir, monkeypatch):
             del t
 
     monkeypatch.setattr(load_mod, "iter_weights", tracking)
-    model = load_model(tiny_random_fp8_dir, dtype=torch.bfloat16)
+    model = load_model(tiny_random_fp8_dir, dtype=torch.bfloat16, weight_dequant="load")
     assert len(refs) > 50 and max(alive_counts) <= 1
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
 

@@ -32,7 +32,7 @@ def dtype_bytes(field: str, name: str) -> int:
 
 
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
-WEIGHT_DEQUANT_MODES = ("load", "runtime")
+WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
 
 
 @dataclass(slots=True)
@@ -44,8 +44,10 @@ class EngineArgs:
     devices: "cpu", "cpu:N" (N CPU ranks), "gpu", "gpu:0,1,...".
     kv_cache_format: "bfloat16" | "float32" | "float8_e4m3fn".
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption).
-    weight_dequant: "load" (dequantise at load) or "runtime" (keep quantised weights as stored — FP8
-        linears, FP4 experts — and dequantise them when used; model/load.py).
+    weight_dequant: "auto" (default: "runtime" where the packed-weight kernels run the activations on
+        the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
+        "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them
+        when used; model/load.py ``resolve_weight_dequant``).
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -69,7 +71,7 @@ class EngineArgs:
     kv_cache_format: str = "bfloat16"
     enable_prefix_caching: bool = True
     num_kv_pages: int | None = None
-    weight_dequant: str = "load"
+    weight_dequant: str = "auto"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

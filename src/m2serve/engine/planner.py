@@ -26,11 +26,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
 from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
 from m2serve.formats.detect import Encoding, detect_encoding
+from m2serve.model.load import resolve_weight_dequant
 from m2serve.parallel.shard import rank_weight_bytes
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ _GPU_KV_SOURCE = "free x device_memory_utilization - static"
 class MemoryPlan:
     """The plan for one device of the deployment; every ``*_bytes`` figure is per device.
 
+    weight_dequant: the mode the ranks load with, ``"load"`` or ``"runtime"`` (``"auto"`` resolved for
+      the device kind and dtype by model/load.py ``resolve_weight_dequant``, as the loader does).
     weight_bytes: resident weights (what :func:`plan_memory` fits): quantised linears dequantised
       to the compute dtype with ``weight_dequant="load"``, held as stored with ``"runtime"``.
     checkpoint_bytes: the same tensors with quantised linears as stored in the checkpoint
@@ -153,11 +158,13 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
         raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
                          f"use one of {WEIGHT_DEQUANT_MODES}")
     S = check_page_and_length(args)
+    device_kind = "cpu" if args.devices.partition(":")[0] == "cpu" else "cuda"
+    weight_dequant = resolve_weight_dequant(args.weight_dequant, device_kind, getattr(torch, args.dtype))
 
     state = dep.state(0)
     stored = _weight_bytes(config, state, encoding, act, packed=True)
-    resident = stored if args.weight_dequant == "runtime" else _weight_bytes(config, state, encoding, act,
-                                                                           packed=False)
+    resident = stored if weight_dequant == "runtime" else _weight_bytes(config, state, encoding, act,
+                                                                      packed=False)
     if dep.ep_size > 1:
         moe_act, ep_buf = ep_activation_bytes(
             config, args.max_batch_input_tokens, num_devices=P, ep_size=dep.ep_size,
@@ -179,12 +186,12 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     static = resident + activations + scratch
     if static > free_bytes:
         hint = (" or weight_dequant=runtime (keep quantised weights packed)"
-                if encoding is not Encoding.DENSE and args.weight_dequant == "load" else "")
+                if encoding is not Encoding.DENSE and weight_dequant == "load" else "")
         raise RuntimeError(
             f"model does not fit: weights {resident / GiB:.2f} GiB + activations {activations / GiB:.2f} GiB "
             f"+ scratch {scratch / GiB:.2f} GiB > free {free_bytes / GiB:.2f} GiB on device 0 "
             f"({dep.mode.value}, {P} device(s), {encoding.value} weights, "
-            f"weight_dequant={args.weight_dequant}); use more devices (ep_size / tensor parallelism), "
+            f"weight_dequant={weight_dequant}); use more devices (ep_size / tensor parallelism), "
             f"a smaller max_batch_input_tokens{hint}")
     budget = math.floor(free_bytes * util - static)
     kv_per_token = kv_bytes_per_token(config, dep.tp_size, kv_elem)
@@ -205,7 +212,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     return MemoryPlan(
         mode=dep.mode, num_devices=P, tp_size=dep.tp_size, ep_size=dep.ep_size,
         data_parallel_degree=dep.data_parallel_degree, encoding=encoding.value, dtype=args.dtype,
-        weight_dequant=args.weight_dequant, weight_bytes=resident, checkpoint_bytes=stored,
+        weight_dequant=weight_dequant, weight_bytes=resident, checkpoint_bytes=stored,
         activation_bytes=activations, scratch_bytes=scratch, free_bytes=free_bytes, memory_source=source,
         device_memory_utilization=util, kv_cache_format=args.kv_cache_format, kv_budget_bytes=budget,
         kv_bytes_per_token=kv_per_token, page_size=S, num_pages=pages, max_length=max_length,
@@ -354,7 +361,6 @@ def measure_free_bytes(devices: str, num: int) -> tuple[int, str]:
     if kind == "cpu":
         avail = _available_ram()
         return avail // num, f"available RAM {avail / GiB:.2f} GiB / {num} CPU rank(s)"
-    import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError(f"devices={devices!r}: no CUDA device is visible; plan for hardware you do not "

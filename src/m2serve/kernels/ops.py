@@ -45,8 +45,9 @@ class WeightFormat(enum.IntEnum):
     MXFP4 = 4
 
 
-_FP4 = {FP4Scheme.NVFP4_MODELOPT: WeightFormat.NVFP4_MODELOPT, FP4Scheme.NVFP4_CT: WeightFormat.NVFP4_CT,
-        FP4Scheme.MXFP4: WeightFormat.MXFP4}
+#: The WeightFormat of each FP4 scheme (formats/fp4.py).
+FP4_FORMATS = {FP4Scheme.NVFP4_MODELOPT: WeightFormat.NVFP4_MODELOPT,
+               FP4Scheme.NVFP4_CT: WeightFormat.NVFP4_CT, FP4Scheme.MXFP4: WeightFormat.MXFP4}
 
 
 @dataclass(slots=True)
@@ -145,7 +146,7 @@ class PackedWeights:
             return cls(WeightFormat.FP8_BLOCK, torch.stack([w.q for w in weights]),
                        torch.stack([w.scale.float() for w in weights]), None, FP8_BLOCK, FP8_BLOCK)
         if isinstance(first, PackedFP4):
-            fmt = _FP4[first.scheme]
+            fmt = FP4_FORMATS[first.scheme]
             if fmt is WeightFormat.MXFP4:
                 for w in weights:
                     decode_e8m0(w.scale, f"{w.name}_scale")  # reject NaN codes at load, not mid-request
@@ -159,8 +160,14 @@ class PackedWeights:
         return cls(WeightFormat.BF16, torch.stack(list(weights)))
 
 
-def _kernels_apply(x: torch.Tensor, backend: KernelBackend) -> bool:
-    return backend.available and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+def kernels_apply(device: torch.device | str, dtype: torch.dtype,
+                  backend: KernelBackend | None = None) -> bool:
+    """Whether the C++ kernels run activations of ``dtype`` on ``device``: CPU, bf16 or fp32, and
+    ``backend`` (default :func:`kernel_backend`) available. Every packed format (WeightFormat) has
+    a kernel, so this is also where keeping quantised weights packed pays (``--weight-dequant auto``)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return (backend if backend is not None else kernel_backend()).available
 
 
 def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
@@ -175,7 +182,7 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
         raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
                          f"in_features {w.in_features}")
     backend = backend if backend is not None else kernel_backend()
-    if _kernels_apply(x, backend):
+    if kernels_apply(x.device, x.dtype, backend):
         scale = w.scale if w.scale is not None else w.q.new_empty(0)
         return torch.ops.m2serve_kernels.grouped_linear(
             x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,

@@ -185,8 +185,9 @@ class MiniMaxM2ForCausalLM(nn.Module):
         for layer, block in enumerate(self.model.layers):
             x = block(x, step, kv, layer)
         x = self.model.norm(x.index_select(0, step.logit_rows))  # [N, H]
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
-        return F.linear(x, head).float()  # [N, V] f32
+        if self.lm_head is None:
+            return F.linear(x, self.model.embed_tokens.weight).float()  # [N, V] f32 (tied head)
+        return self.lm_head(x).float()  # [N, V] f32
 
     def load_weight(self, name: str, tensor: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``name`` (this rank's slice) into its parameter; quantised linears may

@@ -16,9 +16,11 @@ left uninitialised) and the combine zeroes them with a ``where`` (their weight b
 ``bincount``: bincount sizes its output from max(ids), a host read on CUDA.
 
 ``grouped_rows`` is the seam for other weight formats: it takes (rows sorted by expert [R, H],
-offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held; for packed
-(runtime dequantisation) experts it dequantises the active experts (one host read of the
-offsets), then grouped_mm.
+offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held. Packed
+(runtime dequantisation) experts on CPU with the kernels built (m2serve/kernels) run
+``grouped_expert_ffn`` straight from the stored codes: two grouped calls, no host read. Elsewhere
+(CUDA, fp16, no kernels) it dequantises the active experts (one host read of the offsets), then
+grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
 :func:`expert_ffn` per expert hit, ``unique_consecutive`` + ``.tolist()``): the test reference,
@@ -36,6 +38,7 @@ from torch import nn
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
 from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels.ops import FP4_FORMATS, PackedWeights, WeightFormat, grouped_expert_ffn, kernels_apply
 
 FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes
 
@@ -110,7 +113,9 @@ class MiniMaxM2Experts(nn.Module):
     ``_s2`` f32 [E_loc] (NVFP4 only); FP8: float8_e4m3fn [E_loc, N, K], ``_s`` f32
     [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`grouped_rows` dequantises only the experts a step
     activates (:meth:`expert_weights`), with the same formula (and so the same values) as
-    dequantising at load.
+    dequantising at load. :meth:`pack_for_kernels` (called once after load) sets ``kernel_weights``
+    (w13, w2 as m2serve/kernels' PackedWeights) so that :meth:`grouped_rows` runs the C++ kernels on
+    the codes where they apply (same values up to the fp32 summation order).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -123,6 +128,7 @@ class MiniMaxM2Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
                                requires_grad=False)
         self.scheme: FP4Scheme | str | None = None  # set when the experts are held packed (FP8_SCHEME)
+        self.kernel_weights: tuple[PackedWeights, PackedWeights] | None = None  # pack_for_kernels
 
     def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
@@ -190,12 +196,15 @@ class MiniMaxM2Experts(nn.Module):
         (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
 
         Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
-        (runtime dequantisation): the offsets are read on the host once (the layer's one sync in
-        this format, until a grouped kernel reads the codes in place) and only the ACTIVE experts
-        are dequantised, stacked and run by grouped_mm with their offsets (dequantising all E_loc
-        would hold every expert dense at once). :func:`loop_swiglu` where grouped_mm does not run
-        (:func:`has_grouped_mm`).
+        (runtime dequantisation) where the kernels apply (``kernel_weights`` set, CPU, bf16/fp32
+        activations, kernels built): ``grouped_expert_ffn`` on the stored codes, no host read either
+        (rows past offsets[-1] come back 0). Other packed experts: the offsets are read on the host
+        once (the layer's one sync in that case) and only the ACTIVE experts are dequantised,
+        stacked and run by grouped_mm with their offsets (dequantising all E_loc would hold every
+        expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
+        if self.kernel_weights is not None and kernels_apply(x.device, x.dtype):
+            return grouped_expert_ffn(x, offsets, *self.kernel_weights)
         if self.scheme is None:
             w13, w2 = self.w13, self.w2
         else:
@@ -209,6 +218,31 @@ class MiniMaxM2Experts(nn.Module):
         if has_grouped_mm(x.dtype, x.device):
             return grouped_swiglu(x, offsets, w13, w2)
         return loop_swiglu(x, offsets, w13, w2)
+
+    def pack_for_kernels(self) -> None:
+        """Once all experts are loaded: ``kernel_weights`` = (w13 [E_loc, 2·I_loc, H] with w1 rows then
+        w3 rows, w2 [E_loc, H, I_loc]) as :class:`PackedWeights` over the stored codes. w13 is one
+        concatenated copy and the ``w1_*`` / ``w3_*`` buffers become views of it, so nothing is held
+        twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense experts, and FP8 experts
+        whose I_loc is not a whole number of 128-row scale blocks (a w1 block would straddle w3), keep
+        ``kernel_weights`` None (the dequantising path)."""
+        I = self.intermediate_size
+        if self.scheme is None or (self.scheme == FP8_SCHEME and I % FP8_BLOCK):
+            return
+        w1, w3, w2 = (self._stacked(which) for which in ("w1", "w3", "w2"))
+        w13 = PackedWeights.concat_rows([w1, w3])
+        split = w1.scale.shape[1]  # scale rows of w1: I / 128 (FP8) or I (FP4)
+        self.w1_q, self.w3_q = w13.q[:, :I], w13.q[:, I:]
+        self.w1_s, self.w3_s = w13.scale[:, :split], w13.scale[:, split:]
+        self.kernel_weights = (w13, w2)
+
+    def _stacked(self, which: str) -> PackedWeights:
+        """The buffers of ``which`` (w1 / w3 / w2) for all local experts as kernel PackedWeights (no copy)."""
+        q, s = getattr(self, f"{which}_q"), getattr(self, f"{which}_s")
+        if self.scheme == FP8_SCHEME:
+            return PackedWeights(WeightFormat.FP8_BLOCK, q, s, None, FP8_BLOCK, FP8_BLOCK)
+        s2 = None if self.scheme is FP4Scheme.MXFP4 else getattr(self, f"{which}_s2")
+        return PackedWeights(FP4_FORMATS[self.scheme], q, s, s2, 1, self.scheme.group)
 
     def rows_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`rows` as the previous loop: one :func:`expert_ffn` per ACTIVE expert

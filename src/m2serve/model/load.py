@@ -6,15 +6,43 @@ from pathlib import Path
 
 import torch
 
+from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelState
 from m2serve.formats.loader import ShardPlan, iter_weights, open_checkpoint, read_kv_scales
+from m2serve.kernels.build import kernel_backend
+from m2serve.kernels.ops import kernels_apply
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
+
+
+def resolve_weight_dequant(weight_dequant: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """``"load"`` or ``"runtime"`` for an EngineArgs.weight_dequant value on ``device`` with ``dtype``
+    activations: ``"auto"`` keeps quantised weights packed (``"runtime"``) where the packed-weight
+    kernels run them (m2serve/kernels ``kernels_apply``: CPU, bf16/fp32, kernels built — every
+    packed format has one), else dequantises at load. Raises ValueError naming the field and the
+    accepted values for another value."""
+    if weight_dequant not in WEIGHT_DEQUANT_MODES:
+        raise ValueError(f"weight_dequant={weight_dequant!r} is not supported; "
+                         f"use one of {WEIGHT_DEQUANT_MODES}")
+    if weight_dequant != "auto":
+        return weight_dequant
+    return "runtime" if kernels_apply(device, dtype) else "load"
+
+
+def weights_banner(args: EngineArgs) -> str:
+    """The start banner's weights part: how quantised weights are held (``weight_dequant`` as given,
+    and resolved) and the linear backend in use — on CPU the kernels' backend with its reason (the
+    fallback reason when it is ``pytorch``), e.g. ``weights runtime (weight_dequant auto) | CPU linear
+    backend: cpu-avx512 (widest ISA this CPU supports)``."""
+    cpu = args.devices.partition(":")[0] == "cpu"
+    mode = resolve_weight_dequant(args.weight_dequant, "cpu" if cpu else "cuda", getattr(torch, args.dtype))
+    backend = kernel_backend().banner() if cpu else "GPU linear backend: torch (dequantise + aten)"
+    return f"weights {mode} (weight_dequant {args.weight_dequant}) | {backend}"
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
-               progress: bool | None = None, weight_dequant: str = "load") -> MiniMaxM2ForCausalLM:
+               progress: bool | None = None, weight_dequant: str = "auto") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -26,11 +54,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     ``weight_dequant`` (EngineArgs.weight_dequant): ``"load"`` dequantises every quantised weight
     now; ``"runtime"`` keeps quantised weights as stored — every FP8 block linear, and the FP4
     (NVFP4 / MXFP4) expert weights — and dequantises them when used: a linear per forward, an
-    expert only when a step activates it (same values, less memory; other weights as with ``"load"``).
-    Raises ValueError for another value.
+    expert only when a step activates it (same values, less memory; other weights as with ``"load"``);
+    on CPU with the kernels built they compute straight from the codes (experts through
+    ``pack_for_kernels``, done here once). ``"auto"`` (default) picks one of the two for ``device``
+    and ``dtype`` (:func:`resolve_weight_dequant`). Raises ValueError for another value.
     """
-    if weight_dequant not in ("load", "runtime"):
-        raise ValueError(f"weight_dequant={weight_dequant!r} is not supported; use 'load' or 'runtime'")
+    weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     cfg = MiniMaxM2Config.from_pretrained(path)
     plan = open_checkpoint(path, cfg)
     parallel = parallel or ParallelState()
@@ -45,4 +74,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         model.kv_scales = read_kv_scales(plan)
     finally:
         plan.reader.close()
+    for layer in model.model.layers:
+        layer.block_sparse_moe.experts.pack_for_kernels()
     return model.eval()

@@ -26,7 +26,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, EngineArgs
+from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, WEIGHT_DEQUANT_MODES, EngineArgs
 
 log = logging.getLogger("m2serve")
 
@@ -112,7 +112,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
-    a("--weight-dequant", choices=["load", "runtime"])
+    a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -295,11 +295,13 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
-    KV pages, max context, and for ``serve`` the URL."""
+    KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
+    and for ``serve`` the URL."""
     import torch
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
+    from m2serve.model.load import weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -312,7 +314,7 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
         f"({llm.threads.rule}) | KV {stats.kv_pages_total} pages x {stats.kv_page_size} tokens "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length}{url}"
+        f"max context {llm.max_length} | {weights_banner(llm.args)}{url}"
     )
 
 

@@ -34,6 +34,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
+from m2serve.model.load import weights_banner
 from m2serve.serve.output import OutputDelta, OutputProcessor, RequestTable
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.constraint import GrammarCompiler
@@ -204,6 +205,7 @@ class LLM:
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.requests = RequestTable(engine if engine is not None else LLMEngine.from_args(self.args))
+        log.info("%s", weights_banner(self.args))
         self.max_length = self.engine.max_length
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._ids = itertools.count()
