@@ -159,3 +159,11 @@ def test_one_chat_template_file():
                              text=True, check=True).stdout.split()
     assert tracked == ["src/m2serve/checkpoints/tiny-chat/chat_template.jinja"]
     assert CHAT_TEMPLATE.resolve() == (TINY_CHAT / "chat_template.jinja").resolve()
+
+
+def test_prompt_length_rule_has_one_home():
+    # prompt + 1 <= max_length is decided by engine/request.py prompt_length_error, which the engine
+    # and the chat pipeline both call; nobody compares a prompt length with max_length themselves
+    assert _hits(r"len\(ids\)\s*(>=|>)\s*(self\.max_length|ctx\.caps\.max_length)", code_only=True) == []
+    assert sorted(_hits(r"prompt_length_error\(", code_only=False)) == [
+        "src/m2serve/engine/core.py", "src/m2serve/engine/request.py", "src/m2serve/serve/chat_pipeline.py"]

@@ -104,17 +104,22 @@ def test_too_long_prompt_rejected_with_both_numbers(toy_model, toy_config):
     assert eng.max_length == 32
     with pytest.raises(ValueError, match=r"33 tokens.*max context of 32"):
         eng.add_request("x", [1] * 33)
+    # the one prompt-length rule (engine/request.py, also what every API checks): prompt + 1 <= max context
+    with pytest.raises(ValueError, match=r"32 tokens.*max context of 32"):
+        eng.add_request("full", [1] * 32)
+    eng.add_request("fits", [1] * 31, SamplingParams(max_tokens=1))
+    eng.abort_request("fits")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.add_request("y", [64])
     with pytest.raises(ValueError, match="empty"):
         eng.add_request("z", [])
     with pytest.raises(ValueError, match="n=2"):
         eng.add_request("n", [1], SamplingParams(n=2))
-    eng.add_request("w", [1] * 32, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
+    eng.add_request("w", [1] * 31, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("w", [1])
     out = run_all(eng)
-    assert len(out["w"]) == 1                     # the context is full after one token
+    assert len(out["w"]) == 1                     # the context (31 + 1 = 32) is full after one token
     with pytest.raises(ValueError, match="max_length=40 does not fit"):
         make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=8, max_length=40)
 

@@ -24,7 +24,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
-from m2serve.engine.request import Request, RequestOutput
+from m2serve.engine.request import Request, RequestOutput, prompt_length_error
 from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
 from m2serve.engine.sampling import (
     PenaltyState,
@@ -179,9 +179,9 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the "
                              f"vocabulary [0, {V})")
-        if len(ids) > self.max_length:
-            raise ValueError(f"request {request_id!r}: prompt has {len(ids)} tokens, more than the max "
-                             f"context of {self.max_length} tokens; shorten the prompt or raise max_length")
+        too_long = prompt_length_error(len(ids), self.max_length)
+        if too_long:
+            raise ValueError(f"request {request_id!r}: {too_long}")
         with self.lock:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")

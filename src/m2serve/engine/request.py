@@ -15,6 +15,17 @@ from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams, SamplingState, TokenLogprobs
 
 
+def prompt_length_error(num_prompt_tokens: int, max_length: int) -> str | None:
+    """The one prompt-length rule (engine and every API): a prompt must leave at least one token of
+    the context to generate, i.e. ``num_prompt_tokens + 1 <= max_length`` (both in tokens). Returns
+    the reason naming both numbers, or None when the prompt fits."""
+    if num_prompt_tokens + 1 <= max_length:
+        return None
+    return (f"the prompt has {num_prompt_tokens} tokens but the max context of {max_length} tokens "
+            f"must leave at least one to generate (prompt + 1 <= {max_length}); shorten the prompt "
+            f"or raise max_length")
+
+
 class RequestStatus(enum.Enum):
     """Where a request is: waiting (queued or preempted), running, or finished."""
 

@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from m2serve.engine.constraint import TokenConstraint
+from m2serve.engine.request import prompt_length_error
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.async_engine import EngineDeadError, QueueFullError, StepFailedError
 from m2serve.serve.context import AccessRecord, ServeContext, access_record
@@ -383,11 +384,11 @@ def check_length(
             param=max_tokens_param,
             code="context_length_exceeded",
         )
-    if len(ids) >= ctx.caps.max_length:
+    too_long = prompt_length_error(len(ids), ctx.caps.max_length)
+    if too_long:
         raise APIError(
             400,
-            f"the prompt has {len(ids)} tokens but the model's max context is "
-            f"{ctx.caps.max_length} tokens (at least one must be left to generate); shorten it",
+            too_long,
             param=param,
             code="context_length_exceeded",
         )
