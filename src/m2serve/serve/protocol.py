@@ -10,6 +10,7 @@ docs/serving.md §10.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -176,6 +177,13 @@ class DetokenizeRequest(OpenAIModel):
 
 
 # --------------------------------------------------------------------------- responses
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One Server-Sent Events frame: ``data: <json>`` (non-ASCII kept), preceded by ``event: <event>``
+    when given (Anthropic and Responses streams name each event; OpenAI chat streams do not)."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -48,7 +48,7 @@ from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.anthropic.protocol import CountTokensRequest, MessagesRequest
 from m2serve.serve.context import ServeContext
 from m2serve.serve.errors import APIError, anthropic_error_body
-from m2serve.serve.protocol import new_id
+from m2serve.serve.protocol import new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -303,10 +303,6 @@ def _arguments(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 # --------------------------------------------------------------------------- routes
 
 
@@ -333,16 +329,16 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
 
 async def _stream(ctx: ServeContext, sub: cp.Submission, builder: MessageBuilder) -> AsyncIterator[str]:
     for ev in builder.start(sub.usage()):
-        yield _sse(*ev)
+        yield sse(ev[1], ev[0])
     try:
         async for d in cp.stream(ctx, sub):
             events = builder.feed(d)
             if d.delta.finished:
                 events += builder.finish(ctx, d, sub.usage())
             for ev in events:
-                yield _sse(*ev)
+                yield sse(ev[1], ev[0])
     except APIError as e:
-        yield _sse("error", anthropic_error_body(e))
+        yield sse(anthropic_error_body(e), "error")
 
 
 @router.post("/v1/messages/count_tokens")

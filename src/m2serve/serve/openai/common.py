@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from m2serve.engine.sampling import TokenLogprobs
 from m2serve.serve import protocol as P
 from m2serve.serve.chat_pipeline import TokenUsage
 from m2serve.serve.context import ServeContext
 from m2serve.serve.errors import APIError, openai_error_body
+from m2serve.serve.protocol import sse
 from m2serve.text.parser import ToolCallDelta
 
 
@@ -46,11 +44,6 @@ def tool_delta(tc: ToolCallDelta) -> P.ToolCallDelta:
         return P.ToolCallDelta(index=tc.index, id=tc.id, type="function",
                                function=P.FunctionCallDelta(name=tc.name, arguments=tc.arguments))
     return P.ToolCallDelta(index=tc.index, function=P.FunctionCallDelta(arguments=tc.arguments))
-
-
-def sse(obj: Any) -> str:
-    """One Server-Sent Events data line."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def sse_error(e: APIError) -> str:

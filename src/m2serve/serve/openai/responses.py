@@ -36,7 +36,6 @@ and event with that SDK.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -51,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, openai_error_body
-from m2serve.serve.protocol import new_id
+from m2serve.serve.protocol import new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -537,21 +536,17 @@ async def _stream(
     ctx: ServeContext, sub: cp.Submission, builder: ResponseBuilder, finish: Any
 ) -> AsyncIterator[str]:
     for ev in builder.start():
-        yield _sse(ev)
+        yield sse(ev, ev["type"])
     try:
         async for d in cp.stream(ctx, sub):
             events = builder.feed(d)
             if d.delta.finished:
                 events += finish(d)
             for ev in events:
-                yield _sse(ev)
+                yield sse(ev, ev["type"])
     except APIError as e:
         for ev in builder.fail(e):
-            yield _sse(ev)
-
-
-def _sse(ev: dict) -> str:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+            yield sse(ev, ev["type"])
 
 
 def _stored(ctx: ServeContext, response_id: str) -> StoredResponse:
