@@ -86,7 +86,8 @@ class _Run:
 
 
 class LLM:
-    """Offline text-level inference (and the server's per-request text pipeline).
+    """Offline text-level inference, and the model's text pieces the chat pipeline reads (tokenizer,
+    chat template, parser settings, grammar compiler, output processors; chat_pipeline.TextContext).
 
     model: local checkpoint directory, hub id, or None for the embedded default (resolve.py);
     chat_template: a template file overriding the checkpoint's; tool_parser: ``minimax_m2`` or
