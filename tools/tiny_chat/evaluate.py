@@ -100,26 +100,28 @@ def held_out(per_kind: int) -> list[data.Example]:
 
 def generate_m2serve(model: Path, examples: list[data.Example], max_tokens: int = MAX_TOKENS,
                      **engine_args: Any) -> list[Generation]:
-    """Greedy through m2serve's LLM: template, engine (all requests batched) and streaming parser."""
+    """Greedy through m2serve's LLM and chat pipeline (template, engine with all requests batched,
+    streaming parser); each example has its own tools, so its chat job is prepared here."""
     from m2serve.engine.sampling import SamplingParams
-    from m2serve.serve.llm import LLM, ChoiceAccumulator
+    from m2serve.serve import chat_pipeline as cp
+    from m2serve.serve.llm import LLM
 
     llm = LLM(str(model), **engine_args)
+    ctx = cp.TextContext.of(llm)
     base = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     accs = {}
     for i, ex in enumerate(examples):
-        rid = f"eval-{i}"
-        prompt = llm.render_chat(ex.prompt_messages, ex.tools)
-        params = llm.chat_params(base, prompt)
-        parser = llm.new_parser(prompt, ex.tools, llm.reasoning_mode(None), rid)
-        llm.add_request(rid, llm.encode(prompt), params, llm.new_processor(rid, params, parser))
-        accs[rid] = ChoiceAccumulator(0)
+        job = cp.ChatJob(list(ex.prompt_messages), ex.tools or None, params=base)
+        prepared = cp.prepare_blocking(ctx, job)
+        [r] = cp.engine_requests(ctx, f"eval-{i}", [prepared.ids], prepared.params, prepared.new_parser)
+        llm.add_request(r.request_id, r.prompt_token_ids, r.params, r.processor)
+        accs[r.request_id] = cp.ChoiceAccumulator(0)
     while llm.has_unfinished_requests():
         for d in llm.step():
             accs[d.request_id].add(d)
     out = []
-    for i in range(len(examples)):
-        r = accs[f"eval-{i}"].result()
+    for acc in accs.values():  # in example order
+        r = acc.result()
         ids = list(r.token_ids)
         if ids and ids[-1] in llm.config.eos_token_ids:
             ids.pop()

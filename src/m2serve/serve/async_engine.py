@@ -20,12 +20,15 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams
-from m2serve.serve.llm import LLM
 from m2serve.serve.metrics import ServerMetrics
 from m2serve.serve.output import OutputDelta, OutputProcessor, RequestRecord
+
+if TYPE_CHECKING:  # llm.py imports the chat pipeline, which imports this module
+    from m2serve.serve.llm import LLM
 
 log = logging.getLogger(__name__)
 

@@ -1,27 +1,33 @@
 """The one API-neutral path from a request to the engine and back (STYLE.md §2).
 
-Every API module (serve/openai/*, serve/anthropic/*) converts its wire request into a
-:class:`ChatJob` (or, for /v1/completions, prompt token ids and :class:`SamplingParams`), and the
-pipeline's typed results (:class:`ChoiceDelta` while streaming, :class:`Choice` when collected) into
-its own wire events. This module is the only code that renders the chat template, tokenises, builds
-sampling parameters and parsers, and talks to the :class:`AsyncEngine`:
+Every API module (serve/openai/*, serve/anthropic/*) and the offline ``LLM`` (serve/llm.py) convert
+their request into a :class:`ChatJob` (or, for /v1/completions and ``LLM.generate``, prompt token ids
+and :class:`SamplingParams`), and the pipeline's typed results (:class:`ChoiceDelta` while streaming,
+:class:`Choice` when collected) into their own output. This module is the only code that renders the
+chat template, builds chat sampling parameters, parsers and engine requests (the n fan-out), and talks
+to the :class:`AsyncEngine`:
 
     job = ChatJob(messages, tools, params=sampling_params(ctx, temperature=0.0, max_tokens=64))
     prepared = await prepare(ctx, job)                   # render, tokenise, length check, parser
     sub = submit(ctx, request, "chatcmpl-..", [prepared.ids], prepared.params, prepared.new_parser)
     async for d in stream(ctx, sub): ...d.pieces()...    # or: choices = await collect(ctx, request, sub)
 
+The preparation (:func:`prepare_blocking`, :func:`engine_requests`) and the output assembly
+(:func:`choice_delta`, :class:`ChoiceCollector`) are plain functions of a :class:`TextContext` (the
+``LLM`` and the model's :class:`ModelCapabilities`; the server's ``ServeContext`` has the same two
+fields): the server wraps them around the async engine, the offline ``LLM`` around its own engine
+steps, so both follow the same rules.
+
 Constrained decoding is attached here once for every API (docs/constrained-decoding.md): the API
 modules only translate their fields into ``ChatJob.tool_choice`` / ``tool_name`` / ``output`` /
 ``reasoning_budget``; :func:`constraint_spec` picks the grammar, :func:`prepare` compiles it (a grammar
-that does not compile is a 400 naming the request field) and :func:`submit` gives every choice its own
-matcher.
+that does not compile is a 400 naming the request field) and every choice gets its own matcher.
 
-Rules written once here: the n fan-out (engine requests from llm.fan_out, shared with the offline
-``LLM``; choice index = prompt index x n + choice), the one-call rule
-(``parallel_tool_calls: false`` / ``disable_parallel_tool_use``: only the first call of a choice is
-returned), the split of one engine delta into stream pieces (reasoning, content, tool calls, then any
-logprobs left over) and the token accounting (usage and the access log).
+Rules written once here: the n fan-out (:func:`engine_requests`: engine request ``{base}-{p}-{c}``;
+choice index = prompt index x n + choice), the one-call rule (``parallel_tool_calls: false`` /
+``disable_parallel_tool_use``: only the first call of a choice is returned, :func:`choice_delta`), the
+split of one engine delta into stream pieces (reasoning, content, tool calls, then any logprobs left
+over) and the token accounting (usage and the access log).
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import json
 import logging
 import re
 import sys
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from starlette.concurrency import run_in_threadpool
@@ -42,10 +48,9 @@ from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.request import prompt_length_error
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.serve.async_engine import EngineDeadError, QueueFullError, StepFailedError
-from m2serve.serve.context import AccessRecord, ServeContext, access_record
+from m2serve.serve.context import AccessRecord, ModelCapabilities, ServeContext, access_record
 from m2serve.serve.errors import APIError
-from m2serve.serve.llm import ChoiceAccumulator, CompletionOutput, fan_out
-from m2serve.serve.output import OutputDelta
+from m2serve.serve.output import OutputDelta, OutputProcessor
 from m2serve.text.constraint import (
     ConstraintSpec,
     choice_spec,
@@ -56,12 +61,28 @@ from m2serve.text.constraint import (
     regex_spec,
     tool_calls_spec,
 )
-from m2serve.text.parser import StreamingParser, ToolCallDelta
-from m2serve.text.template import TemplateError
+from m2serve.text.parser import StreamingParser, ToolCallDelta, starts_in_reasoning
+from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, TemplateError
 
 log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True, slots=True)
+class TextContext:
+    """What preparing a job and assembling its output read: ``llm`` (a :class:`~m2serve.serve.llm.LLM`:
+    tokenizer, chat template, parser settings, grammar compiler, output processors) and ``caps``.
+    The server's ``ServeContext`` carries the same two fields; the offline ``LLM`` builds one with
+    :meth:`of`."""
+
+    llm: Any
+    caps: ModelCapabilities
+
+    @staticmethod
+    def of(llm: Any) -> TextContext:
+        """The context of ``llm`` with its capabilities as they are now."""
+        return TextContext(llm, ModelCapabilities.of(llm))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +221,86 @@ class ChoiceDelta:
 
 
 @dataclass(slots=True)
+class ToolCallResult:
+    """One returned tool call: id ``call_<24 hex>``, function name, arguments as a JSON string."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a finished request.
+
+    text: raw generated text (stop string excluded); reasoning / content / tool_calls: the
+    parser's result (chat; without a parser content == text); token_ids: generated ids;
+    logprobs: one TokenLogprobs per generated token when requested.
+    """
+
+    index: int
+    text: str = ""
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallResult] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    num_reasoning_tokens: int = 0
+
+
+class ChoiceAccumulator:
+    """Collects the :class:`OutputDelta` stream of one choice into a :class:`CompletionOutput`."""
+
+    def __init__(self, index: int) -> None:
+        self.out = CompletionOutput(index=index)
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._calls: dict[int, list[Any]] = {}
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    def add(self, d: OutputDelta) -> None:
+        """Append one delta (in stream order)."""
+        self._text.append(d.text)
+        self._reasoning.append(d.reasoning)
+        self._content.append(d.content)
+        for tc in d.tool_calls:
+            slot = self._calls.setdefault(tc.index, [None, None, []])
+            if tc.id is not None:
+                slot[0] = tc.id
+            if tc.name is not None:
+                slot[1] = tc.name
+            slot[2].append(tc.arguments)
+        self.out.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if self.out.logprobs is None:
+                self.out.logprobs = []
+            self.out.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = list(d.prompt_logprobs)
+        self.num_prompt_tokens = d.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = d.num_cached_tokens or self.num_cached_tokens
+        self.out.num_reasoning_tokens = d.num_reasoning_tokens
+        if d.finished:
+            self.out.finish_reason = d.finish_reason
+
+    def result(self) -> CompletionOutput:
+        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7)."""
+        o = self.out
+        o.text = "".join(self._text)
+        o.reasoning = "".join(self._reasoning) or None
+        o.content = "".join(self._content) or None
+        o.tool_calls = [
+            ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
+            for _, s in sorted(self._calls.items())
+        ]
+        return o
+
+
+@dataclass(slots=True)
 class Choice:
     """One finished choice: the accumulated output (tool calls after the one-call rule), its slot,
     the prompt's logprobs when requested, and the stop string that ended it (None: another reason)."""
@@ -210,6 +311,8 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_sequence: str | None = None
 
+
+AnyContext = TextContext | ServeContext  # what the preparation and assembly functions read: llm, caps
 
 # --------------------------------------------------------------------------- preparing
 
@@ -252,6 +355,21 @@ def structured_outputs(value: Any) -> OutputFormat | None:
     return OutputFormat(key, v, f"structured_outputs.{key}")  # type: ignore[arg-type]
 
 
+def chat_output(response_format: dict[str, Any] | None, structured: Any) -> OutputFormat | None:
+    """The structured-output format of an OpenAI chat request: ``response_format`` (``{"type": "text" |
+    "json_object" | "json_schema", "json_schema": {"schema": {...}}}``) or vLLM's ``structured_outputs``
+    (:func:`structured_outputs`), at most one of them; 400 naming the field otherwise."""
+    output = structured_outputs(structured)
+    if response_format is not None and response_format.get("type") != "text":
+        if output is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both",
+                           param="structured_outputs")
+        js = response_format.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        output = output_format(response_format.get("type"), schema, "response_format")
+    return output
+
+
 def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
     """The grammar a job's output must follow (docs/constrained-decoding.md), or None. A structured
     output format wins over ``tool_choice`` auto / none; with ``required`` or a named tool it is a 400.
@@ -274,7 +392,7 @@ def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
     return None
 
 
-def constraint_factory(ctx: ServeContext, spec: ConstraintSpec | None, reasoning: str,
+def constraint_factory(ctx: AnyContext, spec: ConstraintSpec | None, reasoning: str,
                        budget: int | None) -> Callable[[], TokenConstraint] | None:
     """Compile ``spec`` (cached per spec) for outputs starting at ``reasoning`` (``inside`` /
     ``may_open`` / ``off``); returns a per-choice constraint factory, or None without a spec. A grammar
@@ -306,21 +424,39 @@ def spec_or_400(job: ChatJob) -> ConstraintSpec | None:
         raise APIError(400, str(e), param=_error_field(str(e), field_name)) from e
 
 
+def render_template(
+    llm: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text of a conversation under ``llm``'s chat template (docs/parsers.md §2); OpenAI's
+    ``developer`` role is rendered as ``system`` (the system role of newer models). Raises the text
+    layer's TemplateError for an invalid history and for ``kwargs`` naming a reserved variable."""
+    clash = sorted(set(kwargs or {}) & set(RESERVED_TEMPLATE_VARIABLES))  # before they clash with render's
+    if clash:
+        raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)} "
+                            "(reserved template variables)")
+    msgs = [dict(m) for m in messages]
+    for m in msgs:
+        if m.get("role") == "developer":
+            m["role"] = "system"
+    return llm.template.render(msgs, tools=list(tools) if tools else None,
+                               add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+
+
 def render_prompt(
-    ctx: ServeContext,
+    ctx: AnyContext,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     messages_param: str = "messages",
 ) -> str:
-    """The chat template's rendering (docs/parsers.md §2); template errors are 400s."""
-    msgs = [dict(m) for m in messages]
-    for m in msgs:  # OpenAI's "developer" role is the system role of newer models
-        if m.get("role") == "developer":
-            m["role"] = "system"
+    """:func:`render_template` with template errors as 400s."""
     try:
-        return ctx.llm.render_chat(msgs, tools, kwargs, add_generation_prompt)
+        return render_template(ctx.llm, messages, tools, kwargs, add_generation_prompt)
     except TemplateError as e:  # raise_exception, bad history: the request's fault
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else messages_param
         raise APIError(400, f"chat template error: {e}", param=param) from e
@@ -334,7 +470,7 @@ def render_prompt(
 
 
 def encode(
-    ctx: ServeContext,
+    ctx: AnyContext,
     text: str,
     param: str,
     check_length: bool = False,
@@ -368,7 +504,7 @@ def encode(
 
 
 def check_length(
-    ctx: ServeContext, ids: list[int], param: str, max_tokens: int | None = None,
+    ctx: AnyContext, ids: list[int], param: str, max_tokens: int | None = None,
     max_tokens_param: str = "max_tokens",
 ) -> None:
     """400 unless the prompt leaves at least one token of the context to generate, and, when the
@@ -396,7 +532,7 @@ def check_length(
         raise APIError(400, "the prompt is empty", param="prompt")
 
 
-def check_token_ids(ctx: ServeContext, ids: list[int], param: str, what: str = "token id") -> None:
+def check_token_ids(ctx: AnyContext, ids: list[int], param: str, what: str = "token id") -> None:
     """400 for an id outside the vocabulary."""
     bad = [t for t in ids if not 0 <= t < ctx.caps.vocab_size]
     if bad:
@@ -405,7 +541,7 @@ def check_token_ids(ctx: ServeContext, ids: list[int], param: str, what: str = "
 
 
 def sampling_params(
-    ctx: ServeContext, renames: dict[str, str] | None = None, **fields: Any
+    ctx: AnyContext, renames: dict[str, str] | None = None, **fields: Any
 ) -> SamplingParams:
     """:class:`SamplingParams` from request fields (None = the checkpoint's default). An invalid value
     is a 400 naming the field, under the API's own name (``renames``: SamplingParams name -> wire name,
@@ -420,29 +556,107 @@ def sampling_params(
     return p
 
 
-async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
-    """Render and tokenise ``job`` off the event loop, check its length, add the reasoning-state
-    sampling fields; the parser factory honours tool_choice ``none`` (tools rendered, calls not parsed)."""
+def reasoning_mode(llm: Any, reasoning_split: bool | None) -> str | None:
+    """Parser mode of a chat job: ``split`` / ``passthrough`` from the job's ``reasoning_split``, else
+    from ``llm.reasoning_parser``; None = no reasoning parsing (``--reasoning-parser none``)."""
+    if reasoning_split is not None:
+        return "split" if reasoning_split else "passthrough"
+    return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(llm.reasoning_parser)
+
+
+def chat_params(llm: Any, params: SamplingParams, prompt: str) -> SamplingParams:
+    """``params`` with the reasoning-state fields the sampler needs for thinking_temperature (the
+    request's, else ``llm.thinking_temperature``; docs/serving.md §10)."""
+    thinking = params.thinking_temperature
+    if thinking is None:
+        thinking = llm.thinking_temperature
+    return replace(
+        params,
+        thinking_temperature=thinking,
+        start_in_reasoning=starts_in_reasoning(prompt),
+        reasoning_end_token_ids=llm.reasoning_end_ids,
+    )
+
+
+def new_parser(
+    llm: Any, prompt: str, tools: list[dict[str, Any]] | None, mode: str | None, request_id: str = ""
+) -> StreamingParser | None:
+    """A streaming parser for one chat choice, or None when nothing is to be parsed.
+
+    mode None (``--reasoning-parser none``): reasoning is not parsed; if tools are on, the parser runs
+    in passthrough mode from the CONTENT state, so only tool blocks are extracted. Tools are not parsed
+    under ``--tool-parser none``."""
+    use_tools = bool(tools) and llm.tool_parser != "none"
+    if mode is None and not use_tools:
+        return None
+    return StreamingParser(
+        tools=list(tools) if use_tools else None,
+        mode=mode or "passthrough",
+        prompt_tail=prompt[-64:] if mode is not None else "",
+        request_id=request_id,
+    )
+
+
+def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
+    """Prepare ``job`` on the calling thread: pick and compile its constraint, render, tokenise, check
+    its length, add the reasoning-state sampling fields; the parser factory honours tool_choice
+    ``none`` (tools rendered, calls not parsed). Raises APIError (400 naming the field)."""
     llm = ctx.llm
     spec = spec_or_400(job)
-
-    def work() -> tuple[str, list[int], Callable[[], TokenConstraint] | None]:
-        text = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
-                             messages_param=job.messages_param)
-        ids = encode(ctx, text, job.messages_param, check_length=True, tools=job.tools)
-        reasoning = "inside" if llm.chat_params(job.params, text).start_in_reasoning else "may_open"
-        return text, ids, constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
-
-    prompt, ids, new_constraint = await run_in_threadpool(work)
+    prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
+                           messages_param=job.messages_param)
+    ids = encode(ctx, prompt, job.messages_param, check_length=True, tools=job.tools)
+    params = chat_params(llm, job.params, prompt)
+    reasoning = "inside" if params.start_in_reasoning else "may_open"
+    new_constraint = constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
     check_length(ctx, ids, job.messages_param, job.params.max_tokens, job.max_tokens_param)
-    params = llm.chat_params(job.params, prompt)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
-    mode = llm.reasoning_mode(job.reasoning_split)
-    return PreparedChat(job, prompt, ids, params, lambda rid: llm.new_parser(prompt, tools, mode, rid),
+    mode = reasoning_mode(llm, job.reasoning_split)
+    return PreparedChat(job, prompt, ids, params, lambda rid: new_parser(llm, prompt, tools, mode, rid),
                         new_constraint)
 
 
+async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
+    """:func:`prepare_blocking` off the event loop (rendering, tokenising and compiling take time)."""
+    return await run_in_threadpool(prepare_blocking, ctx, job)
+
+
 # --------------------------------------------------------------------------- engine
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One engine request of a job (n = 1): its id, prompt ids, sampling params, output processor and
+    constraint (None: unconstrained), and the (prompt index, choice index) slot of its choice."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    processor: OutputProcessor
+    constraint: TokenConstraint | None
+    slot: tuple[int, int]
+
+
+def engine_requests(
+    ctx: AnyContext,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    new_parser: Callable[[str], StreamingParser | None] | None = None,
+    skip_special_tokens: bool = True,
+    new_constraint: Callable[[], TokenConstraint] | None = None,
+) -> Iterator[EngineRequest]:
+    """The n fan-out, for the server and the offline ``LLM`` alike: for each prompt p and choice
+    c < ``params.n``, engine request ``{base_id}-{p}-{c}`` with ``params.child(c)`` (n = 1, seed + c),
+    choice index ``p * n + c``, its own parser from ``new_parser`` and constraint from
+    ``new_constraint``. Built lazily, one request at a time."""
+    for p, ids in enumerate(prompts):
+        for c in range(params.n):
+            rid, child = f"{base_id}-{p}-{c}", params.child(c)
+            parser = new_parser(rid) if new_parser is not None else None
+            proc = ctx.llm.new_processor(rid, child, parser, skip_special_tokens)
+            constraint = new_constraint() if new_constraint is not None else None
+            yield EngineRequest(rid, ids, child, proc, constraint, (p, p * params.n + c))
 
 
 def submit(
@@ -456,10 +670,9 @@ def submit(
     one_call: bool = False,
     new_constraint: Callable[[], TokenConstraint] | None = None,
 ) -> Submission:
-    """Queue ``params.n`` choices of each prompt (the n fan-out: request ``{base}-{p}-{c}``, choice
-    index ``p * n + c``) into one shared delta queue; each choice gets its own constraint from
-    ``new_constraint``. 503 + Retry-After when the queue is full or the engine is down (nothing stays
-    queued)."""
+    """Queue the engine requests of :func:`engine_requests` (``params.n`` choices of each prompt) into
+    one shared delta queue. 503 + Retry-After when the queue is full or the engine is down (nothing
+    stays queued)."""
     engine, q = ctx.engine, asyncio.Queue()
     rids: list[str] = []
     slots: dict[str, tuple[int, int]] = {}
@@ -468,14 +681,11 @@ def submit(
         raise APIError(503, "the server is shutting down; retry on another replica or after the restart",
                        "server_error", code="server_shutdown", headers=retry)
     try:
-        for p, ids in enumerate(prompts):
-            for c, (rid, child) in enumerate(fan_out(f"{base_id}-{p}", params)):
-                parser = new_parser(rid) if new_parser is not None else None
-                proc = ctx.llm.new_processor(rid, child, parser, skip_special_tokens)
-                constraint = new_constraint() if new_constraint is not None else None
-                engine.submit(rid, ids, child, proc, q, constraint=constraint)
-                rids.append(rid)
-                slots[rid] = (p, p * params.n + c)
+        for r in engine_requests(ctx, base_id, prompts, params, new_parser, skip_special_tokens,
+                                 new_constraint):
+            engine.submit(r.request_id, r.prompt_token_ids, r.params, r.processor, q, constraint=r.constraint)
+            rids.append(r.request_id)
+            slots[r.request_id] = r.slot
     except QueueFullError as e:
         for rid in rids:
             engine.abort(rid)
@@ -525,11 +735,8 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
     sends it in its API's stream shape); leaving the loop early aborts what is still running."""
     try:
         async for d in ctx.engine.stream(sub.request_ids, sub.queue):
-            p, index = sub.slots[d.request_id]
             sub._count(d.request_id, d)
-            if sub.one_call:
-                d.tool_calls = [tc for tc in d.tool_calls if tc.index == 0]
-            yield ChoiceDelta(index, p, d)
+            yield choice_delta(sub.slots, sub.one_call, d)
     except (ValueError, EngineDeadError, ServerClosing) as e:
         err = engine_error(e)
         sub.record.error = err.message
@@ -562,26 +769,54 @@ async def consume(
             task.cancel()
 
 
+def choice_delta(slots: dict[str, tuple[int, int]], one_call: bool, d: OutputDelta) -> ChoiceDelta:
+    """An engine delta as its choice's delta (``slots``: request id -> (prompt index, choice index));
+    with ``one_call`` only the choice's first tool call is kept (the one-call rule)."""
+    p, index = slots[d.request_id]
+    if one_call:
+        d.tool_calls = [tc for tc in d.tool_calls if tc.index == 0]
+    return ChoiceDelta(index, p, d)
+
+
+class ChoiceCollector:
+    """Assembles the finished :class:`Choice` of each engine request of ``slots`` (request id ->
+    (prompt index, choice index)) from its :class:`ChoiceDelta` stream: the server's :func:`collect`
+    and the offline ``LLM`` alike."""
+
+    def __init__(self, slots: dict[str, tuple[int, int]]) -> None:
+        self.slots = slots
+        self.accs = {rid: ChoiceAccumulator(index) for rid, (_, index) in slots.items()}
+        self.stopped: set[str] = set()
+
+    def add(self, d: ChoiceDelta) -> None:
+        """Append one delta (in stream order)."""
+        self.accs[d.delta.request_id].add(d.delta)
+        if d.delta.stop_hit:
+            self.stopped.add(d.delta.request_id)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (the most of any choice)."""
+        return max((a.num_cached_tokens for a in self.accs.values()), default=0)
+
+    def choices(self, ctx: AnyContext, stops: tuple[str, ...]) -> list[Choice]:
+        """Every choice, in choice order; ``stop_sequence``: which of ``stops`` ended it."""
+        out = []
+        for rid, acc in self.accs.items():
+            o = acc.result()
+            stop = matched_stop(ctx, o.text, o.token_ids, stops) if rid in self.stopped else None
+            out.append(Choice(o.index, self.slots[rid][0], o, acc.prompt_logprobs, stop))
+        return sorted(out, key=lambda c: c.index)
+
+
 async def collect(ctx: ServeContext, request: Request, sub: Submission) -> list[Choice]:
     """Every choice of ``sub`` once finished, in choice order."""
-    accs = {rid: ChoiceAccumulator(sub.slots[rid][1]) for rid in sub.request_ids}
-    stopped: set[str] = set()
-
-    def add(d: ChoiceDelta) -> None:
-        accs[d.delta.request_id].add(d.delta)
-        if d.delta.stop_hit:
-            stopped.add(d.delta.request_id)
-
-    await consume(ctx, request, sub, add)
-    choices = []
-    for rid, acc in accs.items():
-        out = acc.result()
-        stop = matched_stop(ctx, out.text, out.token_ids, sub.stops) if rid in stopped else None
-        choices.append(Choice(out.index, sub.slots[rid][0], out, acc.prompt_logprobs, stop))
-    return sorted(choices, key=lambda c: c.index)
+    collector = ChoiceCollector(sub.slots)
+    await consume(ctx, request, sub, collector.add)
+    return collector.choices(ctx, sub.stops)
 
 
-def matched_stop(ctx: ServeContext, text: str, token_ids: list[int], stops: tuple[str, ...]) -> str | None:
+def matched_stop(ctx: AnyContext, text: str, token_ids: list[int], stops: tuple[str, ...]) -> str | None:
     """Which of ``stops`` ended a choice whose emitted text is ``text``: the one the decoded tokens
     continue with after ``text`` (the detokeniser cut the text where the stop string began)."""
     full = ctx.llm.decode(token_ids, skip_special_tokens=False)

@@ -2,11 +2,13 @@
 
 ``LLM`` is where the engine (token ids) and the text layer (tokenizer, chat template, parser) meet
 (docs/architecture.md: only in serve/). It is a thin facade over the pieces the HTTP server uses too:
-the text helpers (render, tokenise, chat sampling params, parser and output processor per request,
-called by serve/chat_pipeline.py), the :class:`~m2serve.serve.output.RequestTable` (one record per
-engine request, the one path into the engine; the server's AsyncEngine steps the same table from its
-engine thread), and :class:`ChoiceAccumulator` / :func:`fan_out` (the n fan-out and the collection of
-a choice, shared with the pipeline). The offline loops below only add requests, step and collect.
+serve/chat_pipeline.py (the one home of rendering, the prompt-length rule, chat sampling params,
+parsers, constraints, the n fan-out and the assembly of finished choices: ``LLM.chat`` builds the
+same :class:`~m2serve.serve.chat_pipeline.ChatJob` as the server's chat APIs and runs it through
+``prepare_blocking`` / ``engine_requests`` / ``ChoiceCollector``) and the
+:class:`~m2serve.serve.output.RequestTable` (one record per engine request, the one path into the
+engine; the server's AsyncEngine steps the same table from its engine thread). The offline loops
+below only add those requests, step the engine and collect.
 
 ``add_request`` / ``abort_request`` may be called from any thread; one thread calls ``step``.
 
@@ -25,7 +27,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,48 +37,23 @@ from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
 from m2serve.model.load import weights_banner
+from m2serve.serve import chat_pipeline as cp
+from m2serve.serve.chat_pipeline import CompletionOutput, ToolCallResult
+from m2serve.serve.errors import APIError
 from m2serve.serve.output import OutputDelta, OutputProcessor, RequestTable
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.constraint import GrammarCompiler
 from m2serve.text.detokenizer import IncrementalDetokenizer
-from m2serve.text.parser import StreamingParser, starts_in_reasoning
-from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, ChatTemplate, TemplateError
+from m2serve.text.template import ChatTemplate
 from m2serve.text.tokenizer import Tokenizer
 from m2serve.text.tool_format import check_tool_format
+
+__all__ = ["LLM", "CompletionOutput", "RequestResult", "ToolCallResult", "throughput_summary"]
 
 log = logging.getLogger(__name__)
 
 TOOL_PARSERS = ("minimax_m2", "none")
 REASONING_PARSERS = ("minimax_m2", "minimax_m2_append_think", "none")
-
-
-@dataclass(slots=True)
-class ToolCallResult:
-    """One returned tool call: id ``call_<24 hex>``, function name, arguments as a JSON string."""
-
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One choice of a finished request.
-
-    text: raw generated text (stop string excluded); reasoning / content / tool_calls: the
-    parser's result (chat; without a parser content == text); token_ids: generated ids;
-    logprobs: one TokenLogprobs per generated token when requested.
-    """
-
-    index: int
-    text: str = ""
-    reasoning: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallResult] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    num_reasoning_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -91,65 +68,26 @@ class RequestResult:
     num_cached_tokens: int = 0
 
 
-def fan_out(base_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """The n fan-out of one prompt, for the server and the offline API alike: engine request
-    ``{base_id}-{c}`` with ``params.child(c)`` (n = 1, seed + c) for each choice c < n."""
-    return [(f"{base_id}-{c}", params.child(c)) for c in range(params.n)]
+@dataclass(slots=True)
+class _Run:
+    """One offline request while it runs: its result, its engine requests (the pipeline's fan-out),
+    the one-call rule and stop strings, their choice collector and how many are still running."""
 
+    result: RequestResult
+    requests: list[cp.EngineRequest]
+    one_call: bool = False
+    stops: tuple[str, ...] = ()
+    collector: cp.ChoiceCollector = field(init=False)
+    pending: int = field(init=False)
 
-class ChoiceAccumulator:
-    """Collects the :class:`OutputDelta` stream of one choice into a :class:`CompletionOutput`."""
-
-    def __init__(self, index: int) -> None:
-        self.out = CompletionOutput(index=index)
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self._calls: dict[int, list[Any]] = {}
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-
-    def add(self, d: OutputDelta) -> None:
-        """Append one delta (in stream order)."""
-        self._text.append(d.text)
-        self._reasoning.append(d.reasoning)
-        self._content.append(d.content)
-        for tc in d.tool_calls:
-            slot = self._calls.setdefault(tc.index, [None, None, []])
-            if tc.id is not None:
-                slot[0] = tc.id
-            if tc.name is not None:
-                slot[1] = tc.name
-            slot[2].append(tc.arguments)
-        self.out.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            if self.out.logprobs is None:
-                self.out.logprobs = []
-            self.out.logprobs.extend(d.logprobs)
-        if d.prompt_logprobs is not None:
-            self.prompt_logprobs = list(d.prompt_logprobs)
-        self.num_prompt_tokens = d.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = d.num_cached_tokens or self.num_cached_tokens
-        self.out.num_reasoning_tokens = d.num_reasoning_tokens
-        if d.finished:
-            self.out.finish_reason = d.finish_reason
-
-    def result(self) -> CompletionOutput:
-        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7)."""
-        o = self.out
-        o.text = "".join(self._text)
-        o.reasoning = "".join(self._reasoning) or None
-        o.content = "".join(self._content) or None
-        o.tool_calls = [
-            ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
-            for _, s in sorted(self._calls.items())
-        ]
-        return o
+    def __post_init__(self) -> None:
+        self.collector = cp.ChoiceCollector({r.request_id: r.slot for r in self.requests})
+        self.pending = len(self.requests)
 
 
 class LLM:
-    """Offline text-level inference (and the server's per-request text pipeline).
+    """Offline text-level inference, and the model's text pieces the chat pipeline reads (tokenizer,
+    chat template, parser settings, grammar compiler, output processors; chat_pipeline.TextContext).
 
     model: local checkpoint directory, hub id, or None for the embedded default (resolve.py);
     chat_template: a template file overriding the checkpoint's; tool_parser: ``minimax_m2`` or
@@ -242,59 +180,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """Render a conversation with the checkpoint's template (docs/parsers.md §2).
+        """Render a conversation with the checkpoint's template (docs/parsers.md §2), as the chat
+        pipeline does (chat_pipeline.render_template).
 
         Raises the text layer's TemplateError (the server answers 400) for invalid messages and
         for chat_template_kwargs that would replace render's own arguments.
         """
-        kwargs = dict(chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
-        if clash:
-            raise TemplateError(
-                f"chat_template_kwargs may not set {', '.join(clash)} (reserved template variables)"
-            )
-        return self.template.render(
-            list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
-
-    def reasoning_mode(self, reasoning_split: bool | None) -> str | None:
-        """Parser mode for a chat request: ``split`` / ``passthrough``, or None for no reasoning parsing."""
-        if reasoning_split is not None:
-            return "split" if reasoning_split else "passthrough"
-        return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(self.reasoning_parser)
-
-    def chat_params(self, params: SamplingParams, prompt: str) -> SamplingParams:
-        """Add the reasoning-state fields the sampler needs for thinking_temperature (docs/serving.md §10)."""
-        thinking = params.thinking_temperature
-        if thinking is None:
-            thinking = self.thinking_temperature
-        return replace(
-            params,
-            thinking_temperature=thinking,
-            start_in_reasoning=starts_in_reasoning(prompt),
-            reasoning_end_token_ids=self.reasoning_end_ids,
-        )
-
-    def new_parser(
-        self, prompt: str, tools: Sequence[dict[str, Any]] | None, mode: str | None, request_id: str = ""
-    ) -> StreamingParser | None:
-        """A streaming parser for one chat choice, or None when nothing is to be parsed.
-
-        mode None (``--reasoning-parser none``): reasoning is not parsed; if tools are on, the
-        parser runs in passthrough mode from the CONTENT state, so only tool blocks are extracted.
-        """
-        use_tools = bool(tools) and self.tool_parser != "none"
-        if mode is None and not use_tools:
-            return None
-        return StreamingParser(
-            tools=list(tools) if use_tools else None,
-            mode=mode or "passthrough",
-            prompt_tail=prompt[-64:] if mode is not None else "",
-            request_id=request_id,
-        )
+        return cp.render_template(self, messages, tools, chat_template_kwargs, add_generation_prompt)
 
     def new_processor(
         self, request_id: str, params: SamplingParams, parser: Any = None, skip_special_tokens: bool = True
@@ -367,11 +259,15 @@ class LLM:
         """
         items = _prompt_list(prompts)
         plist = _params_list(sampling_params, len(items))
-        requests = []
+        ctx = cp.TextContext.of(self)
+        runs = []
         for prompt, params in zip(items, plist):
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            requests.append((prompt if isinstance(prompt, str) else None, ids, params, None, None))
-        return self._run(requests, use_tqdm)
+            rid = f"req-{next(self._ids)}"
+            text = prompt if isinstance(prompt, str) else None
+            requests = list(cp.engine_requests(ctx, rid, [ids], params))
+            runs.append(_Run(RequestResult(rid, text, ids, []), requests, stops=params.stop))
+        return self._run(ctx, runs, use_tqdm)
 
     def chat(
         self,
@@ -381,22 +277,66 @@ class LLM:
         reasoning_split: bool | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
+        *,
+        tool_choice: str | dict[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        response_format: dict[str, Any] | None = None,
+        structured_outputs: dict[str, Any] | None = None,
+        reasoning_budget: int | None = None,
     ) -> RequestResult | list[RequestResult]:
         """Chat completion for one conversation (returns one result) or a list of them (a list).
 
-        The template renders ``messages`` and ``tools``; the parser splits reasoning, content and
-        tool calls (docs/parsers.md §3).
+        Each conversation becomes the same chat job as a ``/v1/chat/completions`` request
+        (chat_pipeline.ChatJob) and goes through the same preparation (template, tokenise, length
+        rule, sampling params, parser, constraint) and choice assembly, so a greedy request gives the
+        same tokens here and on the server. The parser splits reasoning, content and tool calls
+        (docs/parsers.md §3); ``sampling_params.n`` choices per conversation (outputs by index).
+
+        messages: OpenAI-style dicts (``role``, ``content``, ``reasoning_content``, ``tool_calls``,
+        ``tool_call_id``), or a list of such conversations; tools: OpenAI function tools
+        (``{"type": "function", "function": {"name", "description", "parameters"}}``); reasoning_split:
+        True split reasoning, False passthrough (``<think>`` + text in content), None the LLM's
+        reasoning_parser; tool_choice: ``auto``, ``none`` (tools rendered, a call can never be
+        generated), ``required`` (one or more calls of the declared tools) or
+        ``{"type": "function", "function": {"name": ...}}`` (calls of that tool);
+        parallel_tool_calls False: at most one call per choice; response_format: OpenAI's
+        ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``;
+        structured_outputs: vLLM's ``{"json" | "regex" | "choice" | "grammar": ...}`` (one of the two);
+        reasoning_budget: the most reasoning tokens before ``</think>`` is forced
+        (docs/constrained-decoding.md).
+
+        Raises ValueError naming the field and the fix for what the server answers with a 400: a
+        template error, a prompt longer than the context (engine/request.py prompt_length_error),
+        ``max_tokens`` beyond the room left, a format that does not compile, a bad tool_choice.
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
-        base = sampling_params or SamplingParams()
-        mode = self.reasoning_mode(reasoning_split)
-        requests = []
+        choice, tool_name = _tool_choice(tool_choice)
+        ctx = cp.TextContext.of(self)
+        runs = []
         for conv in convs:
-            prompt = self.render_chat(conv, tools, chat_template_kwargs)  # type: ignore[arg-type]
-            params = self.chat_params(base, prompt)
-            requests.append((prompt, self.encode(prompt), params, tools, mode))
-        results = self._run(requests, use_tqdm, chat=True)
+            job = cp.ChatJob(
+                messages=list(conv),  # type: ignore[arg-type]
+                tools=list(tools) if tools else None,
+                tool_choice=choice,
+                tool_name=tool_name,
+                params=sampling_params or SamplingParams(),
+                reasoning_split=reasoning_split,
+                one_call=not parallel_tool_calls,
+                chat_template_kwargs=chat_template_kwargs,
+                reasoning_budget=reasoning_budget,
+            )
+            try:
+                job.output = cp.chat_output(response_format, structured_outputs)
+                prepared = cp.prepare_blocking(ctx, job)
+            except APIError as e:
+                raise _value_error(e) from e
+            rid = f"req-{next(self._ids)}"
+            requests = list(cp.engine_requests(ctx, rid, [prepared.ids], prepared.params, prepared.new_parser,
+                                               job.skip_special_tokens, prepared.new_constraint))
+            runs.append(_Run(RequestResult(rid, prepared.prompt, prepared.ids, []), requests,
+                             one_call=job.one_call, stops=prepared.params.stop))
+        results = self._run(ctx, runs, use_tqdm)
         return results[0] if single else results
 
     def stream(
@@ -428,49 +368,56 @@ class LLM:
             for rid in open_ids:
                 self.abort_request(rid)
 
-    def _run(self, requests: list[tuple], use_tqdm: bool, chat: bool = False) -> list[RequestResult]:
-        """Add every request (n fanned out), step until all finish, return results in order."""
-        accs: dict[str, ChoiceAccumulator] = {}
-        results: list[RequestResult] = []
+    def _run(self, ctx: cp.TextContext, runs: list[_Run], use_tqdm: bool) -> list[RequestResult]:
+        """Add every run's engine requests, step until all finish, return the results in order."""
+        owner: dict[str, _Run] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(requests), desc="requests", unit="req")
-        pending: dict[int, int] = {}
-        owner: dict[str, int] = {}
+            bar = tqdm(total=len(runs), desc="requests", unit="req")
         try:
-            for i, (prompt, ids, params, tools, mode) in enumerate(requests):
-                rid = f"req-{next(self._ids)}"
-                results.append(RequestResult(rid, prompt, list(ids), []))
-                pending[i] = params.n
-                for c, (sub, child) in enumerate(fan_out(rid, params)):
-                    parser = self.new_parser(prompt, tools, mode, sub) if chat else None
-                    self.add_request(sub, ids, child, self.new_processor(sub, child, parser))
-                    accs[sub] = ChoiceAccumulator(c)
-                    owner[sub] = i
+            for run in runs:
+                for r in run.requests:
+                    self.add_request(r.request_id, r.prompt_token_ids, r.params, r.processor, r.constraint)
+                    owner[r.request_id] = run
             while self.has_unfinished_requests():
                 for d in self.step():
-                    accs[d.request_id].add(d)
+                    run = owner[d.request_id]
+                    run.collector.add(cp.choice_delta(run.collector.slots, run.one_call, d))
                     if d.finished:
-                        i = owner[d.request_id]
-                        pending[i] -= 1
-                        if pending[i] == 0 and bar is not None:
+                        run.pending -= 1
+                        if run.pending == 0 and bar is not None:
                             bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
-            for sub in accs:
-                self.abort_request(sub)
-        for sub, acc in accs.items():
-            r = results[owner[sub]]
-            r.outputs.append(acc.result())
-            if acc.prompt_logprobs is not None:
-                r.prompt_logprobs = acc.prompt_logprobs
-            r.num_cached_tokens = max(r.num_cached_tokens, acc.num_cached_tokens)
-        for r in results:
-            r.outputs.sort(key=lambda o: o.index)
-        return results
+            for rid in owner:
+                self.abort_request(rid)
+        for run in runs:
+            choices = run.collector.choices(ctx, run.stops)
+            run.result.outputs = [c.output for c in choices]
+            run.result.prompt_logprobs = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+            run.result.num_cached_tokens = run.collector.num_cached_tokens
+        return [run.result for run in runs]
+
+
+def _tool_choice(value: str | dict[str, Any]) -> tuple[Any, str | None]:
+    """``LLM.chat``'s tool_choice as the chat job's (tool_choice, tool_name)."""
+    if value in ("auto", "none", "required"):
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        return "auto", fn["name"]
+    raise ValueError(f"tool_choice={value!r}: use auto, none, required or "
+                     '{"type": "function", "function": {"name": TOOL}}')
+
+
+def _value_error(e: APIError) -> ValueError:
+    """A 400 of the chat pipeline as the offline API's ValueError (naming the field)."""
+    if e.param and not e.message.startswith(e.param):
+        return ValueError(f"{e.param}: {e.message}")
+    return ValueError(e.message)
 
 
 def _prompt_list(prompts: Any) -> list[str | list[int]]:

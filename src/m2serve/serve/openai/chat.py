@@ -20,15 +20,8 @@ router = APIRouter()
 def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
     """The chat job of a chat-completions request; ``tool_choice``, ``parallel_tool_calls``,
     ``response_format`` and vLLM's ``structured_outputs`` become its constraint fields."""
-    output = cp.structured_outputs(req.structured_outputs)
     rf = req.response_format
-    if rf is not None and rf.type != "text":
-        if output is not None:
-            raise APIError(400, "give response_format or structured_outputs, not both",
-                           param="structured_outputs")
-        js = getattr(rf, "json_schema", None)
-        schema = js.get("schema") if isinstance(js, dict) else None
-        output = cp.output_format(rf.type, schema, "response_format")
+    output = cp.chat_output(rf.model_dump() if rf is not None else None, req.structured_outputs)
     named = req.tool_choice.function.name if isinstance(req.tool_choice, P.NamedToolChoice) else None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = cp.sampling_params(ctx, **_sampling_fields(req), logprobs=logprobs,

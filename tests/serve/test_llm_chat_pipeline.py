@@ -1,0 +1,157 @@
+"""The offline ``LLM.chat`` is a facade over the server's chat pipeline (docs/architecture.md, serve/).
+
+Embedded tiny-chat, fp32, greedy. Assertions are on structure (a get_weather call whose city is Paris,
+JSON that the ``jsonschema`` package validates), so retraining the model cannot break them; the
+comparisons with the server go through its real HTTP app (FastAPI TestClient): the same greedy request
+gives the same tokens, and an over-long prompt the same error, since both run the same pipeline
+functions. The length limit is checked against engine/request.py's rule, written out by hand here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+import tokenize
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from m2serve.engine.sampling import SamplingParams
+from m2serve.serve import chat_pipeline as cp
+from m2serve.serve import llm as llm_module
+from m2serve.serve.api import ServerSettings, build_app
+from m2serve.serve.async_engine import AsyncEngine
+from m2serve.serve.llm import LLM
+
+MAX_LENGTH = 1024
+QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 32},
+        "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+        "warm": {"type": "boolean"},
+        "celsius": {"type": "integer", "minimum": -30, "maximum": 45},
+    },
+    "required": ["city", "sky", "warm", "celsius"],
+    "additionalProperties": False,
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, dtype="float32", num_kv_pages=256, kv_cache_page_size=16, max_batch_input_tokens=2048,
+               max_length=MAX_LENGTH)
+
+
+def _calls(output) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in output.tool_calls]
+
+
+def test_chat_with_tools_returns_a_parsed_get_weather_call(llm):
+    o = llm.chat(QUESTION, GREEDY, tools=[WEATHER]).outputs[0]
+    assert o.finish_reason == "tool_calls"
+    assert _calls(o) == [("get_weather", {"city": "Paris"})]
+    assert o.tool_calls[0].id.startswith("call_") and o.reasoning
+    # tool_choice none: the tool is rendered but a call can never be generated
+    none = llm.chat(QUESTION, GREEDY, tools=[WEATHER], tool_choice="none").outputs[0]
+    assert none.tool_calls == [] and "<minimax:tool_call>" not in none.text
+
+
+def test_chat_named_tool_choice_n_choices_one_call_each(llm):
+    # tiny-chat calls get_weather for this question; a named choice of another tool forces that one
+    get_time = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    params = SamplingParams(temperature=0.0, max_tokens=256, n=2)
+    r = llm.chat(QUESTION, params, tools=[WEATHER, get_time], tool_choice=named, parallel_tool_calls=False)
+    assert [o.index for o in r.outputs] == [0, 1]
+    for o in r.outputs:  # each choice its own matcher: one get_time call with valid arguments
+        [(name, args)] = _calls(o)
+        assert name == "get_time" and o.finish_reason == "tool_calls"
+        jsonschema.validate(args, get_time["function"]["parameters"])
+    with pytest.raises(ValueError, match="tool_choice="):
+        llm.chat(QUESTION, GREEDY, tools=[WEATHER], tool_choice="any")
+
+
+def test_chat_json_schema_response_format_validates(llm):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    o = llm.chat(QUESTION, GREEDY, response_format=fmt).outputs[0]
+    assert o.finish_reason == "stop"
+    jsonschema.validate(json.loads(o.content), SCHEMA)
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "(unclosed"}}}}}
+    with pytest.raises(ValueError, match="response_format"):  # does not compile: the server's 400, named
+        llm.chat(QUESTION, GREEDY, response_format=bad)
+    assert not llm.has_unfinished_requests()
+
+
+def test_chat_goes_through_the_pipeline(llm, monkeypatch):
+    # LLM.chat builds the ChatJob and prepares it with the pipeline's prepare_blocking, whose
+    # render_template is the one renderer: a marked rendering shows up in the offline result
+    jobs, real_render = [], cp.render_template
+    real_prepare = cp.prepare_blocking
+
+    def prepare_spy(ctx, job):
+        jobs.append(job)
+        return real_prepare(ctx, job)
+
+    monkeypatch.setattr(cp, "prepare_blocking", prepare_spy)
+    monkeypatch.setattr(cp, "render_template", lambda *a, **k: real_render(*a, **k) + "Sure.")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    r = llm.chat(QUESTION, params, tools=[WEATHER], reasoning_split=False, reasoning_budget=8)
+    [job] = jobs
+    assert (job.messages, job.tools, job.params, job.reasoning_split, job.reasoning_budget) == (
+        QUESTION, [WEATHER], params, False, 8)
+    assert r.prompt.endswith("<think>\nSure.") and r.prompt_token_ids == llm.encode(r.prompt)
+    # and llm.py's code (docstrings and comments aside) renders, parses and checks lengths nowhere itself
+    tokens = tokenize.generate_tokens(io.StringIO(inspect.getsource(llm_module)).readline)
+    code = " ".join(t.string for t in tokens if t.type not in (tokenize.STRING, tokenize.COMMENT))
+    for name in ("render (", "StreamingParser", "starts_in_reasoning", "prompt_length_error"):
+        assert name not in code, name
+    assert "cp . render_template (" in code and "cp . prepare_blocking (" in code
+
+
+def _long_conversation(llm) -> tuple[list[dict], int]:
+    """A conversation whose rendered prompt has more than MAX_LENGTH - 1 tokens."""
+    content = "Paris " * MAX_LENGTH
+    messages = [{"role": "user", "content": content}]
+    n = len(llm.encode(llm.render_chat(messages)))
+    assert MAX_LENGTH <= n and len(llm.render_chat(messages)) <= MAX_LENGTH * llm.tokenizer.max_token_chars
+    return messages, n
+
+
+def test_same_greedy_tokens_and_length_error_as_the_server(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=256, logprobs=0)
+    offline = llm.chat(QUESTION, params, tools=[WEATHER]).outputs[0]
+    messages, n = _long_conversation(llm)
+    with pytest.raises(ValueError) as offline_err:
+        llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=1))
+    app = build_app(AsyncEngine(llm), ServerSettings(served_model_name="tiny-chat"))
+    with TestClient(app) as client:
+        body = {"messages": QUESTION, "tools": [WEATHER], "temperature": 0, "max_tokens": 256,
+                "logprobs": True}
+        resp = client.post("/v1/chat/completions", json=body)
+        too_long = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    [choice] = resp.json()["choices"]
+    served = [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+    assert served == [(llm.token_text(lp.token_id), lp.logprob) for lp in offline.logprobs]
+    assert len(served) == len(offline.token_ids) == resp.json()["usage"]["completion_tokens"]
+    msg = choice["message"]
+    assert (msg["reasoning_content"], msg["content"], choice["finish_reason"]) == (
+        offline.reasoning, offline.content, offline.finish_reason)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        (c.name, c.arguments) for c in offline.tool_calls]
+    # the same prompt-length rule (prompt + 1 <= max_length) and message on both paths
+    assert too_long.status_code == 400
+    err = too_long.json()["error"]
+    assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    assert f"the prompt has {n} tokens but the max context of {MAX_LENGTH} tokens" in err["message"]
+    assert str(offline_err.value) == f"messages: {err['message']}"
