@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.metadata
 import importlib.util
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -62,6 +62,8 @@ PAIRS = (("bf16:load:kernels", "BF16"), ("fp8:runtime:kernels", "Q8_0"),
          ("mxfp4:runtime:kernels", "MXFP4_MOE"))
 QUANT_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "MXFP4_MOE": "LLAMA_FTYPE_MOSTLY_MXFP4_MOE"}
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install llama-cpp-python==0.3.36'
+NO_AMX = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 "
+          "-mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\"")
 # the parts of the sdist's vendor/llama.cpp the converter runs from
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
@@ -70,7 +72,9 @@ def llama_cpp_version() -> str | None:
     """The installed llama-cpp-python version, None when it is not installed."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    return importlib.metadata.version("llama-cpp-python")
+    import llama_cpp
+
+    return llama_cpp.__version__
 
 
 # ---- GGUFs -------------------------------------------------------------------------------------
@@ -186,8 +190,14 @@ def run_llama_row(path: Path, *, threads: int, decode: int, prefill: int) -> dic
     """One llama.cpp row measured in its own subprocess (``llama_worker``): its JSON record."""
     cmd = [sys.executable, __file__, "--llama-worker", "--path", str(path), "--threads", str(threads),
            "--decode", str(decode), "--prefill", str(prefill)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode == -signal.SIGILL:
+        raise RuntimeError(f"llama.cpp died of an illegal instruction on {path.name}: a build with AMX "
+                           f"kernels on a machine that does not enable AMX tiles (seen in VMs); rebuild "
+                           f"llama-cpp-python with {NO_AMX}")
+    if done.returncode != 0:
+        raise RuntimeError(f"the llama.cpp row on {path.name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- driver -------------------------------------------------------------------------------------
