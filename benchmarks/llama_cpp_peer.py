@@ -204,11 +204,11 @@ def run_llama_row(path: Path, *, threads: int, decode: int, prefill: int) -> dic
 
 def print_table(bw: float, rows: list[tuple[str, str, dict]]) -> None:
     """One line per (engine, format) row, then the m2serve / llama.cpp ratios of each pair."""
-    print(f"{'engine':10}{'format':24}{'load s':>7}{'weights GiB':>12}{'peak RSS':>9}{'MB/token':>9}"
+    print(f"{'engine':10}{'format':28}{'load s':>7}{'weights GiB':>12}{'peak RSS':>9}{'MB/token':>9}"
           f"{'decode tok/s':>13}{'GB/s':>6}{'x stream':>9}{'prefill tok/s':>14}")
     for engine, fmt, r in rows:
         gbs = r["decode_tok_s"] * r["bytes_per_token"] / 1e9
-        print(f"{engine:10}{fmt:24}{r['load_s']:7.1f}{r['weights_gib']:12.2f}{r['peak_rss_gib']:9.2f}"
+        print(f"{engine:10}{fmt:28}{r['load_s']:7.1f}{r['weights_gib']:12.2f}{r['peak_rss_gib']:9.2f}"
               f"{r['bytes_per_token'] / 1e6:9.1f}{r['decode_tok_s']:13.2f}{gbs:6.1f}{gbs / bw:9.2f}"
               f"{r['prefill_tok_s']:14.1f}")
     print("m2serve / llama.cpp:")
