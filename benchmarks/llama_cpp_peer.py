@@ -34,8 +34,12 @@ source in ~15 minutes on 2 cores:
     python benchmarks/llama_cpp_peer.py [--threads 1 2] [--decode 8] [--prefill 512] [--cache DIR]
         [--llama-src DIR]
 
+On a CPU with AMX in a VM that does not enable AMX tiles, such a ``-DGGML_NATIVE=ON`` build dies
+with SIGILL in llama.cpp's AMX Q8_0 kernel (``tinygemm_kernel_amx``; seen on this machine); the
+script then says so and names the flags that leave AMX out (``NO_AMX``). A llama.cpp built apart
+(``cmake`` of the sdist's vendor/llama.cpp) is used through ``LLAMA_CPP_LIB_PATH=<dir of libllama.so>``.
 Without llama-cpp-python it prints why and exits 0. The checkpoints (3 encodings) and GGUFs take
-~7 GB; they are built in a temp dir and removed at the end unless ``--cache DIR`` keeps them (the
+~9 GB; they are built in a temp dir and removed at the end unless ``--cache DIR`` keeps them (the
 checkpoint layout is formats.py's, so ``formats.py --cache DIR`` reuses them too).
 """
 
