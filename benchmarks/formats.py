@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
@@ -134,12 +135,16 @@ def build_fp4(src: Path, out: Path, encoding: str) -> Path:
     return out
 
 
-def build_all(root: Path) -> dict[str, Path]:
+def build_all(root: Path, encodings: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")) -> dict[str, Path]:
+    """The bench config in ``encodings`` under ``root`` (built once, reused when there); bf16 always."""
     from m2serve.checkpoints.tiny_random import build_tiny_random
 
-    paths = {v: build_tiny_random(root / v, variant=v, **BENCH_DIMS) for v in ("bf16", "fp8")}
+    paths = {"bf16": build_tiny_random(root / "bf16", variant="bf16", **BENCH_DIMS)}
+    if "fp8" in encodings:
+        paths["fp8"] = build_tiny_random(root / "fp8", variant="fp8", **BENCH_DIMS)
     for enc in ("nvfp4", "mxfp4"):
-        paths[enc] = build_fp4(paths["bf16"], root / enc, enc)
+        if enc in encodings:
+            paths[enc] = build_fp4(paths["bf16"], root / enc, enc)
     return paths
 
 
@@ -161,17 +166,25 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def bytes_per_decode_token(model) -> int:
-    """Weight bytes one batch-1 decode step reads: everything but the embedding table, experts at
-    top-k / E of their (held) bytes."""
-    cfg = model.config
+def decode_bytes(tensors: Iterable[tuple[str, int]], top_k: int, num_experts: int) -> int:
+    """Weight bytes one batch-1 decode step reads, from (tensor name, bytes as held) pairs: every
+    tensor but the embedding table (``embed_tokens``; GGUF ``token_embd``: one row is gathered),
+    expert tensors (``.experts.``; GGUF ``*_exps``, not the router ``ffn_gate_inp``) at
+    ``top_k / num_experts`` of their bytes."""
     total = 0.0
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if "embed_tokens" in name:
+    for name, nbytes in tensors:
+        if "embed_tokens" in name or name.startswith("token_embd"):
             continue
-        share = cfg.num_experts_per_tok / cfg.num_local_experts if ".experts." in name else 1.0
-        total += t.numel() * t.element_size() * share
+        total += nbytes * (top_k / num_experts if ".experts." in name or "_exps" in name else 1.0)
     return int(total)
+
+
+def bytes_per_decode_token(model) -> int:
+    """``decode_bytes`` of the model's parameters and buffers as held (packed or dense)."""
+    cfg = model.config
+    tensors = [(name, t.numel() * t.element_size())
+               for name, t in (*model.named_parameters(), *model.named_buffers())]
+    return decode_bytes(tensors, cfg.num_experts_per_tok, cfg.num_local_experts)
 
 
 def stream_gbs(threads: int, reps: int = 5) -> float:
@@ -189,6 +202,12 @@ def stream_gbs(threads: int, reps: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def prompts(vocab_size: int, prefill: int) -> tuple[list[int], list[int]]:
+    """The decode prompt (``PROMPT`` token ids) and the ``prefill``-token prompt every row uses."""
+    return ([(7919 * i + 13) % vocab_size for i in range(PROMPT)],
+            [(104729 * i + 7) % vocab_size for i in range(prefill)])
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -204,8 +223,7 @@ def worker(args: argparse.Namespace) -> None:
     V, P = model.config.vocab_size, args.prefill
     pages = 3 * (P + PROMPT + args.decode) // 16 + 8
     cache = SimpleKVCache.create(model.config, num_pages=pages, page_size=16, dtype=dtype)
-    prompt = [(7919 * i + 13) % V for i in range(PROMPT)]
-    long_prompt = [(104729 * i + 7) % V for i in range(P)]
+    prompt, long_prompt = prompts(V, P)
     with torch.inference_mode():
         tok = model(cache.batch([(0, prompt)]), cache.storage).argmax(-1).tolist()
         tok = model(cache.batch([(0, tok)]), cache.storage).argmax(-1).tolist()
@@ -221,6 +239,16 @@ def worker(args: argparse.Namespace) -> None:
                       "peak_rss_gib": peak_rss_gib(), "decode_tok_s": args.decode / decode_s,
                       "prefill_tok_s": P / prefill_s, "bytes_per_token": bytes_per_decode_token(model),
                       "backend": kernel_backend().name}))
+
+
+def run_row(path: Path, mode: str, backend: str, *, dtype: str, threads: int, decode: int,
+            prefill: int) -> dict:
+    """One row measured in its own subprocess (``worker``): its JSON record."""
+    env = {**os.environ, "M2SERVE_CPU_ISA": "none" if backend == "aten" else ""}
+    cmd = [sys.executable, __file__, "--worker", "--path", str(path), "--mode", mode, "--dtype", dtype,
+           "--threads", str(threads), "--decode", str(decode), "--prefill", str(prefill)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -251,12 +279,9 @@ def main() -> None:
             rows = []
             for row in args.rows:
                 enc, mode, backend = row.split(":")
-                env = {**os.environ, "M2SERVE_CPU_ISA": "none" if backend == "aten" else ""}
-                cmd = [sys.executable, __file__, "--worker", "--path", str(paths[enc]), "--mode", mode,
-                       "--dtype", args.dtype, "--threads", str(threads), "--decode", str(args.decode),
-                       "--prefill", str(args.prefill)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-                rows.append((enc, mode, backend, json.loads(out.strip().splitlines()[-1])))
+                rows.append((enc, mode, backend, run_row(paths[enc], mode, backend, dtype=args.dtype,
+                                                         threads=threads, decode=args.decode,
+                                                         prefill=args.prefill)))
             base = next((r for e, m, b, r in rows if (e, m, b) == ("bf16", "load", "aten")), rows[0][3])
             print(f"{'encoding':9}{'dequant':9}{'backend':13}{'load s':>7}{'weights GiB':>12}{'peak RSS':>9}"
                   f"{'MB/token':>9}{'decode tok/s':>13}{'bound':>7}{'x bound':>8}{'GB/s':>6}"
