@@ -169,6 +169,24 @@ def test_tool_choice_none_blocks_the_tag_under_any_tokenisation(compiler):
     assert constraint.error is None
 
 
+@pytest.mark.parametrize("value", ["Paris", "New York", "a<b", "</para"])
+def test_forced_call_accepts_the_calls_text_as_the_tokenizer_spells_it(compiler, value):
+    """The call the template would write, encoded by the checkpoint's own tokenizer (tiny-chat spells
+    ``</parameter>`` as ``</`` ``parameter`` ``>``), is accepted token by token and then allows end of
+    turn: a raw-string value must end at its ``</parameter>`` whatever the tokenisation."""
+    tok = compiler.tokenizer
+    weather = _tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}}, ["city"])
+    constraint = compiler.constraint(tool_calls_spec([weather]), "off")
+    text = (f'<invoke name="get_weather">\n<parameter name="city">{value}</parameter>\n'
+            '<parameter name="days">3</parameter>\n</invoke>\n')
+    ids = tok.encode("\n") + [tok.tool_call_id] + tok.encode("\n" + text) + [tok.tool_call_end_id]
+    for token in ids:
+        assert token in _allowed(compiler, constraint), (tok.decode([token]), tok.decode(ids))
+        constraint.accept_token(token)
+    assert constraint.error is None
+    assert tok.eos_token_id in _allowed(compiler, constraint)
+
+
 def test_compiled_grammars_are_cached_per_spec(compiler):
     spec = json_spec({"type": "object", "properties": {"k": {"type": "integer"}}})
     compiler.compile(spec, "inside")

@@ -267,11 +267,15 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
                 raise ValueError(f"{where}: allowed types {sorted(types)} mix string with other types; "
                                  "the raw value would be re-typed by the parser (§3.4). Use one type, "
                                  "or string + null")
-            rules.append(f"p_{tag}_{j}: {head} V_{tag}_{j} {close}")
+            # lazy (suffix): the value ends at the first </parameter>. A greedy lexeme would extend
+            # over "</parameter" (a valid value prefix) and then refuse the ">", so a tokenizer that
+            # spells the tag with ordinary tokens ("</", "parameter", ">") could never close the value.
+            rules.append(f"p_{tag}_{j}: {head} v_{tag}_{j}")
+            rules.append(f"v_{tag}_{j}[suffix={close}]: V_{tag}_{j}")
             rules.append(f"V_{tag}_{j}: {_raw_string_terminal(schema, where)}")
         else:
             rules.append(f"p_{tag}_{j}: {head} {_json_schema(schema, params)} {close}")
-        own = [r for r in rules if r.startswith((f"p_{tag}_{j}:", f"V_{tag}_{j}:"))]
+        own = [r for r in rules if r.startswith((f"p_{tag}_{j}:", f"v_{tag}_{j}[", f"V_{tag}_{j}:"))]
         parts.append((where, f"start: p_{tag}_{j}\n" + "\n".join(own) + "\n"))
         seq.append(f"p_{tag}_{j}" + ("" if key in required else "?"))
     open_tag, close_tag = _lark_str(f'<invoke name="{name}">\n'), _lark_str("</invoke>\n")
