@@ -104,6 +104,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -443,6 +444,24 @@ def save_ckpt(path: Path, model, opt, step: int, args_dict: dict) -> None:
     os.replace(tmp, path)
 
 
+def init_state(path: Path, dims: Dims) -> dict[str, torch.Tensor]:
+    """Weights to start from: a run's ``ckpt.pt`` (its ``model`` state dict) or an exported checkpoint
+    directory (export.train_state: FP8 dequantised, bf16 widened; the committed tiny-chat).
+
+    Raises ValueError if the directory's dims differ from the model's (``--tie-embeddings`` must match)."""
+    if not path.is_dir():
+        return torch.load(path, weights_only=False)["model"]
+    if __package__ in (None, ""):
+        import export
+    else:
+        from . import export
+    state, found = export.train_state(path)
+    if found != asdict(dims):
+        raise ValueError(f"--init-from {path}: dims {found} differ from the model's {asdict(dims)}; "
+                         "pass the matching --tie-embeddings")
+    return state
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="run dir: tokenizer/, ckpt.pt, train.log")
@@ -478,7 +497,8 @@ def main(argv=None) -> None:
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
     ap.add_argument("--init-from", type=Path, default=None,
-                    help="phase 2: start from the weights of another run's ckpt.pt (fresh optimiser)")
+                    help="phase 2: start from the weights of another run's ckpt.pt, or of an exported "
+                         "checkpoint directory (export.train_state; fresh optimiser)")
     ap.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
                     help="target tokens: assistant turns (issue 6), or every token (an LM pretraining phase)")
     ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
@@ -500,7 +520,12 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tok_dir = args.out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        tok_mod.save(tok_dir)
+        if args.init_from is not None and args.init_from.is_dir():  # the checkpoint's own tokenizer
+            tok_dir.mkdir(parents=True)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(args.init_from / name, tok_dir / name)
+        else:  # trained on data.py's corpus: a change to data.py changes it
+            tok_mod.save(tok_dir)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
@@ -527,7 +552,7 @@ def main(argv=None) -> None:
         step = st["step"]
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif args.init_from is not None:
-        model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        model.load_state_dict(init_state(args.init_from, model.d))
         print(f"initialised from {args.init_from}", flush=True)
     args_dict = {k: str(v) for k, v in vars(args).items()}
 
