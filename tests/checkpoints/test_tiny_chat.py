@@ -164,6 +164,24 @@ def test_natural_results_answer_with_every_value_and_carry_it_in_the_tool_messag
     assert shapes == {"json", "python", "text"}
 
 
+def test_bare_call_turns_take_no_loss_and_leave_other_corpora_unchanged():
+    # tools/tiny_chat/data.py make_example bare_calls: a call turn sent back without reasoning (as API
+    # clients do) is context, not a target (train.py encode_example), so the model keeps reasoning
+    # before a call; at 0 the corpus is the one the documented earlier runs drew
+    from tools.tiny_chat import train
+
+    tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
+    tpl = data.load_template()
+    assert data.make_examples("train", 40, 3) == data.make_examples("train", 40, 3, bare_calls=0.0)
+    bare = [ex for ex in data.make_examples("train", 60, 3, bare_calls=1.0)
+            if ex.kind in ("tool_result", "natural_result")]
+    assert bare and all("reasoning_content" not in ex.messages[1] for ex in bare)
+    for ex in bare[:5]:
+        ids, mask = train.encode_example(tok, tpl, ex)
+        target = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert "<minimax:tool_call>" not in target and ex.messages[-1]["content"] in target
+
+
 @pytest.fixture(scope="module")
 def m2serve_outputs():
     return ev.generate_m2serve(CKPT, _subset(), dtype="float32", kv_cache_format="float32")

@@ -769,9 +769,13 @@ def one_digit_sum(rng: random.Random) -> tuple[int, str, int, int]:
 TWO_CALL_RATE = 0.25  # share of tool_call / tool_result requests asking for two calls (the eval split's)
 
 
-def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE) -> Example:
+def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE,
+                 bare_calls: float = 0.0) -> Example:
     """One example of ``kind`` drawn with the sampler ``s`` (its rng, split and arithmetic style); a
-    tool request asks for two calls with probability ``two_call_rate``."""
+    tool request asks for two calls with probability ``two_call_rate``. With probability ``bare_calls``
+    the call turn of a ``tool_result`` / ``natural_result`` example has no ``reasoning_content``, as API
+    clients send the history back (the OpenAI Agents SDK's chat completions model does); train.py
+    takes no loss on such a turn (encode_example), so the model still learns to reason before a call."""
     r = s.rng
     if kind == "repeat":
         makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
@@ -818,6 +822,8 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
             _assistant_calls(calls, [c.think for c in sampled], idx, s.verdict)]
     if kind == "tool_call":
         return Example(kind, tools, msgs, calls=calls)
+    if bare_calls and r.random() < bare_calls:  # no draw at 0: the earlier corpora stay the same
+        del msgs[1]["reasoning_content"]
     if kind == "natural_result":
         results = [s.natural_result(t.name == "get_weather") for t in picks]
         for i, (v, _) in enumerate(results):
@@ -840,10 +846,10 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
                   two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                  verdict: bool = True, suffix: float = 0.0) -> list[Example]:
+                  verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
     entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict`` and ``suffix`` as in
-    Sampler; deterministic.
+    Sampler, ``bare_calls`` as in make_example; deterministic.
 
     Five weights (the documented runs before natural_result) give natural_result weight 0, which
     draws the same corpus as before that kind existed.
@@ -858,7 +864,7 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
     rng = random.Random(f"{split}:{seed}")
     s = Sampler(rng, split, wide, arith, verdict, suffix)
     kinds = rng.choices(KINDS, weights=weights, k=n)
-    return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
+    return [make_example(s, k, i, two_call_rate, bare_calls) for i, k in enumerate(kinds)]
 
 
 def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:

@@ -35,6 +35,11 @@ with two threads on an otherwise idle 2-core machine)::
     python tools/tiny_chat/train.py $D --out RUN7 --init-from RUN6/ckpt.pt --examples 8000 --data-seed 9 \
         --kind-weights 0.32,0.38,0.14,0.06,0.10 --suffix-words 0.3 --verdict-rows 2 --lr 2e-4 --steps 200
     python tools/tiny_chat/export.py RUN7 src/m2serve/checkpoints/tiny-chat
+    python tools/tiny_chat/train.py --out RUN8 --init-from src/m2serve/checkpoints/tiny-chat \
+        --examples 4000 --max-tokens 2400 --threads 1 --two-call-rate 0.5 --wide-words 0.5 \
+        --drill-vocab-frac 0.5 --decay-frac 0.5 --drill-rows 4 --verdict-rows 2 --suffix-words 0.3 \
+        --data-seed 10 --kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --lr 3e-4 --steps 200
+    python tools/tiny_chat/export.py RUN8 src/m2serve/checkpoints/tiny-chat
 
 (the schedule was changed by hand while watching the run: copying did not emerge from the chats
 alone, so copy drills were added; once the drill accuracy jumped (the induction-head phase change,
@@ -58,6 +63,15 @@ had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``
 "is " -> digit habit; RUN3 had a 12-nat margin there, RUN4 a near-tie). RUN5 (a lower LR) and RUN6 (no
 arithmetic drills, more tool results) did not restore it; RUN7's made-up words ending in template words
 (``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
+
+RUN8 (the natural_result kind) starts from the committed export itself (``--init-from`` a checkpoint
+directory: export.train_state dequantises it, and re-exporting those weights is bit-identical, so the
+fine-tune starts from exactly the shipped model; the run dir gets the checkpoint's tokenizer, because
+tokenizer.py trains on data.py's corpus, which this kind changed). Until then the model answered only
+from ``{"result": "..."}``: an object gave "The weather in Paris is Paris.", a plain string an empty
+answer (0/200 held-out natural results). RUN8 mixes 30% natural results (objects of several fields,
+nested objects and lists, top-level lists, plain strings; JSON, compact JSON and Python ``str(dict)``,
+data.natural_result) into the usual mix at a low LR, one thread, ~16 s a step on the shared machine.
 
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
 operands (99% on training operands, 0% on held-out ones: the model memorises a number's digits rather
@@ -274,13 +288,15 @@ class TinyM2(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
-    """Token ids of the whole chat and a mask of the target tokens (assistant turns after the last user)."""
+    """Token ids of the whole chat and a mask of the target tokens (assistant turns after the last user,
+    except a call turn without reasoning_content: data.make_example ``bare_calls``)."""
     full = data.render(tpl, ex.messages, ex.tools, add_generation_prompt=False)
     enc = tok.encode(full, add_special_tokens=False)
     last_user = max(i for i, m in enumerate(ex.messages) if m["role"] == "user")
     spans = []
     for j, m in enumerate(ex.messages):
-        if m["role"] != "assistant" or j < last_user:
+        bare_call = bool(m.get("tool_calls")) and "reasoning_content" not in m
+        if m["role"] != "assistant" or j < last_user or bare_call:
             continue
         start = len(data.render(tpl, ex.messages[:j], ex.tools, add_generation_prompt=True))
         end_text = data.render(tpl, ex.messages[: j + 1], ex.tools, add_generation_prompt=False)
@@ -298,10 +314,11 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
 
 def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
                  two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                 verdict: bool = True, suffix: float = 0.0) -> list[tuple[list[int], list[bool]]]:
+                 verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0
+                 ) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
     return [encode_example(tok, tpl, ex) for ex in data.make_examples(
-        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix)]
+        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix, bare_calls)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -481,6 +498,9 @@ def main(argv=None) -> None:
     ap.add_argument("--suffix-words", type=float, default=0.0,
                     help="probability that a made-up word in the corpus ends in a template word "
                          "(data.TEMPLATE_WORDS: 'Lomoris')")
+    ap.add_argument("--bare-calls", type=float, default=0.0,
+                    help="probability that a tool-result example's call turn has no reasoning_content, as "
+                         "API clients send it back (no loss on that turn; data.make_example)")
     ap.add_argument("--drill-vocab-frac", type=float, default=0.0,
                     help="share of drill rows made of random letter tokens (vocab_drill_ids)")
     ap.add_argument("--arith", choices=("one_digit", "two_digit"), default="one_digit",
@@ -531,7 +551,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     data_seed = args.seed if args.data_seed is None else args.data_seed
     corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
-                          args.wide_words, args.arith, args.verdict, args.suffix_words)
+                          args.wide_words, args.arith, args.verdict, args.suffix_words, args.bare_calls)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
