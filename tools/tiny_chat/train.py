@@ -35,11 +35,6 @@ with two threads on an otherwise idle 2-core machine)::
     python tools/tiny_chat/train.py $D --out RUN7 --init-from RUN6/ckpt.pt --examples 8000 --data-seed 9 \
         --kind-weights 0.32,0.38,0.14,0.06,0.10 --suffix-words 0.3 --verdict-rows 2 --lr 2e-4 --steps 200
     python tools/tiny_chat/export.py RUN7 src/m2serve/checkpoints/tiny-chat
-    python tools/tiny_chat/train.py --out RUN8 --init-from src/m2serve/checkpoints/tiny-chat \
-        --examples 4000 --max-tokens 2400 --threads 1 --two-call-rate 0.5 --wide-words 0.5 \
-        --drill-vocab-frac 0.5 --decay-frac 0.5 --drill-rows 4 --verdict-rows 2 --suffix-words 0.3 \
-        --data-seed 10 --kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --lr 3e-4 --steps 200
-    python tools/tiny_chat/export.py RUN8 src/m2serve/checkpoints/tiny-chat
 
 (the schedule was changed by hand while watching the run: copying did not emerge from the chats
 alone, so copy drills were added; once the drill accuracy jumped (the induction-head phase change,
@@ -64,14 +59,29 @@ had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``
 arithmetic drills, more tool results) did not restore it; RUN7's made-up words ending in template words
 (``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
 
-RUN8 (the natural_result kind) starts from the committed export itself (``--init-from`` a checkpoint
-directory: export.train_state dequantises it, and re-exporting those weights is bit-identical, so the
-fine-tune starts from exactly the shipped model; the run dir gets the checkpoint's tokenizer, because
-tokenizer.py trains on data.py's corpus, which this kind changed). Until then the model answered only
-from ``{"result": "..."}``: an object gave "The weather in Paris is Paris.", a plain string an empty
-answer (0/200 held-out natural results). RUN8 mixes 30% natural results (objects of several fields,
-nested objects and lists, top-level lists, plain strings; JSON, compact JSON and Python ``str(dict)``,
-data.natural_result) into the usual mix at a low LR, one thread, ~16 s a step on the shared machine.
+RUN8 (the natural_result kind; tried, NOT committed) started from the committed export itself
+(``--init-from`` a checkpoint directory: export.train_state dequantises it, and re-exporting those
+weights is bit-identical; the run dir gets the checkpoint's tokenizer, because tokenizer.py trains on
+data.py's corpus, which this kind changed). The committed model answers only from ``{"result": "..."}``:
+an object gives "The weather in Paris is Paris.", a plain string an empty answer (0/20 held-out natural
+results). One thread on the shared machine, ~11-16 s a step::
+
+    R="--out RUN8 --init-from src/m2serve/checkpoints/tiny-chat --examples 4000 --max-tokens 2400
+       --threads 1 --two-call-rate 0.5 --wide-words 0.5 --drill-vocab-frac 0.5 --decay-frac 0.5
+       --drill-rows 4 --verdict-rows 2 --suffix-words 0.3 --data-seed 10
+       --kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --lr 3e-4"
+    python tools/tiny_chat/train.py $R --steps 300 --stop-at 94
+    python tools/tiny_chat/train.py $R --steps 300 --bare-calls 0.3
+
+(the second line adds call turns without reasoning, as the Agents SDK sends history back). After 300
+steps the training loss of natural results was ~0.15 (97% of their target tokens right, fp32 and FP8
+alike), but whole answers were wrong: held-out natural results 1/20 (the format is learned, "Here is the
+result of get_directions: ...", the values are not: keyed copying out of a JSON object is a new skill
+for this 4-layer model, and ~1,200 natural examples were too few), tool calls 19/20, tool results
+19/20, no-tool 20/20, reasoning closed 80/80, and the Paris demo turned into "The weather in Paris the
+cloudy, 18 C." (the value still there). Next: many more steps (thousands, at the issue's "about an
+hour" on an idle machine rather than 37 minutes on a shared one), key-value copy drills (``key: value``
+rows with the loss on the value, like --drill-rows), and a check of the Paris margin (RUN4..RUN7).
 
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
 operands (99% on training operands, 0% on held-out ones: the model memorises a number's digits rather
