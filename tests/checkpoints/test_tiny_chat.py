@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tools.tiny_chat import data  # noqa: E402
+from tools.tiny_chat import data, export  # noqa: E402
 from tools.tiny_chat import evaluate as ev  # noqa: E402
 
 CKPT = REPO / "src/m2serve/checkpoints/tiny-chat"
@@ -129,6 +129,57 @@ def test_held_out_values_never_occur_in_training():
     assert len(eval_whole) > 500 and len(eval_leaves) > 500
     assert not eval_whole & train_whole
     assert not eval_leaves & train_leaves
+
+
+def test_export_inverts_to_the_training_weights_bit_for_bit():
+    # tools/tiny_chat/export.py train_state: fine-tuning starts from the committed FP8 checkpoint; its
+    # dequantised weights re-export (quantize_fp8_block, bf16 casts) to the same bytes, so the loader is
+    # the exact inverse of hub_tensors on this checkpoint (checkpoints.md §6/§8)
+    from safetensors.torch import load_file
+
+    state, dims = export.train_state(CKPT)
+    assert all(t.dtype == torch.float32 for t in state.values())
+    again = export.hub_tensors(state, dims["num_hidden_layers"])
+    stored = load_file(str(CKPT / "model.safetensors"))
+    assert again.keys() == stored.keys()
+    for name, t in stored.items():
+        assert again[name].dtype == t.dtype and torch.equal(again[name].view(torch.uint8),
+                                                            t.view(torch.uint8)), name
+
+
+def test_natural_results_answer_with_every_value_and_carry_it_in_the_tool_message():
+    # tools/tiny_chat/data.py natural_result: each value the answer must contain is a leaf of the tool
+    # message (JSON, compact JSON, Python str() or the plain string), and the answer contains it
+    examples = data.eval_subset("natural_result", 200)
+    shapes = set()
+    for ex in examples:
+        tool_text = " ".join(m["content"] for m in ex.messages if m["role"] == "tool")
+        answer = ex.messages[-1]["content"]
+        assert ex.result_values and all(v in tool_text and v in answer for v in ex.result_values), ex.messages
+        for m in ex.messages:
+            if m["role"] == "tool":
+                c = m["content"]
+                structured = c[:1] in "{["
+                shapes.add("json" if structured and '"' in c[:3] else "python" if structured else "text")
+    assert shapes == {"json", "python", "text"}
+
+
+def test_bare_call_turns_take_no_loss_and_leave_other_corpora_unchanged():
+    # tools/tiny_chat/data.py make_example bare_calls: a call turn sent back without reasoning (as API
+    # clients do) is context, not a target (train.py encode_example), so the model keeps reasoning
+    # before a call; at 0 the corpus is the one the documented earlier runs drew
+    from tools.tiny_chat import train
+
+    tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
+    tpl = data.load_template()
+    assert data.make_examples("train", 40, 3) == data.make_examples("train", 40, 3, bare_calls=0.0)
+    bare = [ex for ex in data.make_examples("train", 60, 3, bare_calls=1.0)
+            if ex.kind in ("tool_result", "natural_result")]
+    assert bare and all("reasoning_content" not in ex.messages[1] for ex in bare)
+    for ex in bare[:5]:
+        ids, mask = train.encode_example(tok, tpl, ex)
+        target = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert "<minimax:tool_call>" not in target and ex.messages[-1]["content"] in target
 
 
 @pytest.fixture(scope="module")

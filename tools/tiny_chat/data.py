@@ -9,8 +9,12 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
   assistant reasons briefly (``<think>``…``</think>``) and makes one or two calls whose values are
   copied or derived (an hour and minute from "7:45", a boolean from "urgent") from the request. The
   reasoning names the needed tool and whether it is offered (verdict_reasoning).
-- ``tool_result``: the same, followed by the tool response(s) and a short final answer that contains
-  each tool's result value verbatim.
+- ``tool_result``: the same, followed by the tool response(s) ``{"result": "..."}`` and a short final
+  answer that contains each tool's result value verbatim.
+- ``natural_result``: the same with tool responses in the shapes real tools return (natural_result):
+  a JSON object of several fields, an object with a nested object or list, a top-level list, or a
+  plain string; serialised as ``json.dumps`` does, compactly, or as Python's ``str(dict)`` (what the
+  OpenAI Agents SDK sends for a function tool returning a dict). The answer carries every value.
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
   that is not offered); the assistant answers directly without a call.
 - ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic (one-digit operands).
@@ -44,9 +48,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"
 
-KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat")
-# Kind mix of the training corpus.
-KIND_WEIGHTS = (0.36, 0.28, 0.12, 0.08, 0.16)
+KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat", "natural_result")
+# Kind mix of the training corpus (five weights, as the runs before natural_result gave, leave it out).
+KIND_WEIGHTS = (0.30, 0.22, 0.12, 0.06, 0.10, 0.20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +289,117 @@ class Sampler:
             "minutes": lambda: f"{r.randint(3, 240)} minutes",
         }
         return self.pick(makers[kind])
+
+    def field(self, key: str) -> str | int | float:
+        """A value for the result field ``key`` (NATURAL_FIELDS), of this split."""
+        r = self.rng
+        makers = {
+            "city": self.city, "country": lambda: self.word(cap=True), "name": self.person,
+            "condition": lambda: r.choice(WEATHER) if r.random() < 0.5 else self.word(),
+            "temperature_c": lambda: r.randint(-9, 39), "temperature": lambda: r.randint(-9, 99),
+            "humidity": lambda: r.randint(5, 100), "wind_kph": lambda: r.randint(0, 80),
+            "time": self.clock, "date": self.date, "status": lambda: r.choice(
+                ("confirmed", "pending", "delayed", "on time", "shipped", "sent")) if r.random() < 0.5
+            else self.word(),
+            "id": lambda: self.code(r.randint(1, 3), r.randint(2, 5)), "price": self.amount,
+            "total": self.amount, "currency": lambda: r.choice(CURRENCIES) + self.code(0, 2),
+            "count": lambda: r.randint(0, 500), "minutes": lambda: r.randint(1, 240),
+            "phone": lambda: f"555-{r.randint(1000, 9999)}", "email": self.email, "title": self.title,
+            "message": lambda: " ".join(self.word() for _ in range(r.randint(2, 4))),
+            "gate": lambda: f"{r.choice('ABCDE')}{r.randint(1, 40)}", "text": self.phrase,
+            "item": lambda: r.choice(FOODS_TODO) if r.random() < 0.5 else self.word(),
+            "code": lambda: self.code(r.randint(2, 4), r.randint(0, 3)),
+        }
+        return self.pick(makers[key])
+
+    def natural_result(self, weather: bool) -> tuple[object, list[str]]:
+        """A tool's result in a natural shape -> (value, its leaf values as the answer writes them).
+
+        Shapes: an object of 2–4 fields (weather-like fields when ``weather``), an object with one
+        nested object or list, a top-level list of 2–3 values or of small objects, a plain string.
+        Every leaf value belongs to this split; no booleans (they are shared by both splits)."""
+        r = self.rng
+        keys = list(WEATHER_FIELDS if weather and r.random() < 0.7 else NATURAL_FIELDS)
+
+        def obj(n: int) -> dict:
+            ks = r.sample(keys, n)
+            if weather and "city" in keys and r.random() < 0.5:  # the Agents SDK example's order
+                ks = ["city"] + [k for k in ks if k != "city"][: n - 1]
+            return {k: self.field(k) for k in ks}
+
+        shape = r.random()
+        if shape < 0.4:
+            value = obj(r.randint(2, 4))
+        elif shape < 0.6:
+            value = obj(r.randint(1, 2))
+            key = r.choice([k for k in ("details", "info", "data", "items", "results", "location", "extra")
+                            if k not in value])
+            if r.random() < 0.5:
+                value[key] = {k: self.field(k) for k in r.sample(NATURAL_FIELDS, 2)}
+            else:
+                k = r.choice(("item", "name", "city", "code", "time"))
+                value[key] = list(dict.fromkeys(self.field(k) for _ in range(r.randint(2, 3))))
+        elif shape < 0.8:
+            if r.random() < 0.6:
+                k = r.choice(("item", "name", "city", "code", "time", "message"))
+                value = list(dict.fromkeys(self.field(k) for _ in range(r.randint(2, 3))))
+            else:
+                ks = r.sample(NATURAL_FIELDS, 2)
+                value = [{k: self.field(k) for k in ks} for _ in range(2)]
+        else:
+            value = self.result_value(r.choice(("weather", "time", "money", "id", "status", "phone", "text",
+                                                 "minutes")))
+        return value, [natural_text(v) for v in leaf_values(value)]
+
+
+WEATHER_FIELDS = ("city", "temperature_c", "condition", "humidity", "wind_kph", "temperature")
+NATURAL_FIELDS = ("city", "country", "name", "condition", "temperature_c", "humidity", "time", "date",
+                  "status", "id", "price", "total", "currency", "count", "minutes", "phone", "email",
+                  "title", "message", "gate", "text", "item", "code")
+
+
+def leaf_values(value) -> list:
+    """The scalar leaves of a result, in order (dict values, list items, recursively)."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in leaf_values(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in leaf_values(v)]
+    return [value]
+
+
+def natural_text(value) -> str:
+    """How a result's value is written in the answer: a string as is, a number as JSON writes it."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def natural_answer(name: str, value) -> str:
+    """The answer to a natural result: ``Here is the result of NAME: city Paris, temperature_c 18,
+    condition sunny.`` (an object's fields as ``key value``, nested ones inline, a list's items
+    comma-separated), or for a plain string ``NAME returned: TEXT.``."""
+
+    def text(v) -> str:
+        if isinstance(v, dict):
+            return ", ".join(f"{k} {text(x)}" for k, x in v.items())
+        if isinstance(v, list):
+            return ", ".join(text(x) for x in v)
+        return natural_text(v)
+
+    if isinstance(value, str):
+        return f"{name} returned: {value}."
+    return f"Here is the result of {name}: {text(value)}."
+
+
+def serialise_result(rng: random.Random, value) -> str:
+    """A tool message's content: a string as is; otherwise ``json.dumps`` (default or compact
+    separators) or Python's ``str`` (the OpenAI Agents SDK's serialisation of a returned dict)."""
+    if isinstance(value, str):
+        return value
+    r = rng.random()
+    if r < 0.45:
+        return json.dumps(value, ensure_ascii=False)
+    if r < 0.65:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,9 +769,13 @@ def one_digit_sum(rng: random.Random) -> tuple[int, str, int, int]:
 TWO_CALL_RATE = 0.25  # share of tool_call / tool_result requests asking for two calls (the eval split's)
 
 
-def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE) -> Example:
+def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CALL_RATE,
+                 bare_calls: float = 0.0) -> Example:
     """One example of ``kind`` drawn with the sampler ``s`` (its rng, split and arithmetic style); a
-    tool request asks for two calls with probability ``two_call_rate``."""
+    tool request asks for two calls with probability ``two_call_rate``. With probability ``bare_calls``
+    the call turn of a ``tool_result`` / ``natural_result`` example has no ``reasoning_content``, as API
+    clients send the history back (the OpenAI Agents SDK's chat completions model does); train.py
+    takes no loss on such a turn (encode_example), so the model still learns to reason before a call."""
     r = s.rng
     if kind == "repeat":
         makers = (lambda: " ".join(s.word() for _ in range(r.randint(1, 5))),
@@ -703,6 +822,19 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
             _assistant_calls(calls, [c.think for c in sampled], idx, s.verdict)]
     if kind == "tool_call":
         return Example(kind, tools, msgs, calls=calls)
+    if bare_calls and r.random() < bare_calls:  # no draw at 0: the earlier corpora stay the same
+        del msgs[1]["reasoning_content"]
+    if kind == "natural_result":
+        results = [s.natural_result(t.name == "get_weather") for t in picks]
+        for i, (v, _) in enumerate(results):
+            msgs.append({"role": "tool", "tool_call_id": f"call_{idx}_{i}",
+                         "content": serialise_result(r, v)})
+        answer = " ".join(natural_answer(t.name, v) for t, (v, _) in zip(picks, results))
+        think = "The tool returned " + " and ".join(
+            "a text" if isinstance(v, str) else "a list" if isinstance(v, list) else "an object"
+            for v, _ in results) + "."
+        msgs.append({"role": "assistant", "content": answer, "reasoning_content": think})
+        return Example(kind, tools, msgs, result_values=[x for _, leaves in results for x in leaves])
     values = [s.result_value(c.result_kind) for c in sampled]
     for i, v in enumerate(values):
         msgs.append({"role": "tool", "tool_call_id": f"call_{idx}_{i}", "content": json.dumps({"result": v})})
@@ -714,20 +846,25 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
                   two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                  verdict: bool = True, suffix: float = 0.0) -> list[Example]:
+                  verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0) -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
     entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict`` and ``suffix`` as in
-    Sampler; deterministic.
+    Sampler, ``bare_calls`` as in make_example; deterministic.
 
-    Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry."""
+    Five weights (the documented runs before natural_result) give natural_result weight 0, which
+    draws the same corpus as before that kind existed.
+
+    Raises ValueError for an unknown split, or ``weights`` not one per KINDS entry (or one fewer)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if len(weights) == len(KINDS) - 1:
+        weights = (*weights, 0.0)
     if len(weights) != len(KINDS):
         raise ValueError(f"weights: need one per kind {KINDS}, got {len(weights)}")
     rng = random.Random(f"{split}:{seed}")
     s = Sampler(rng, split, wide, arith, verdict, suffix)
     kinds = rng.choices(KINDS, weights=weights, k=n)
-    return [make_example(s, k, i, two_call_rate) for i, k in enumerate(kinds)]
+    return [make_example(s, k, i, two_call_rate, bare_calls) for i, k in enumerate(kinds)]
 
 
 def eval_subset(kind: str, n: int, seed: int = 1234) -> list[Example]:

@@ -4,7 +4,9 @@ Used by benchmarks/tiny_chat_eval.py (prints the rates) and tests/checkpoints/te
 (asserts floors). Rates, greedy (temperature 0):
 - tool_call: tool-fitting requests whose output has well-formed calls with the right names and
   exactly the right argument values, typed by the schema;
-- tool_result: answers after a tool response that contain every result value;
+- tool_result: answers after a tool response ``{"result": ...}`` that contain every result value;
+- natural_result: answers after tool responses in natural shapes (objects of several fields, nested
+  objects and lists, top-level lists, plain strings; data.natural_result) that contain every value;
 - no_tool: requests with tools where none fits that make no call — not even one the parser rejects
   (a call to a tool that was not offered stays in the text; it still counts as a call here);
 - reasoning_closed: outputs whose ``</think>`` comes before any content or call;
@@ -82,7 +84,7 @@ def score(ex: data.Example, g: Generation) -> bool:
     if ex.kind == "tool_call":
         return (len(g.calls) == len(ex.calls) and "<minimax:tool_call>" not in (g.content or "")
                 and all(n == en and same_json(a, ea) for (n, a), (en, ea) in zip(g.calls, ex.calls)))
-    if ex.kind == "tool_result":
+    if ex.kind in ("tool_result", "natural_result"):
         return not made_call(g) and g.content is not None and all(v in g.content for v in ex.result_values)
     if ex.kind == "no_tool":
         return not made_call(g)
@@ -93,9 +95,14 @@ def score(ex: data.Example, g: Generation) -> bool:
     return not made_call(g)
 
 
-def held_out(per_kind: int) -> list[data.Example]:
-    """The fixed eval examples: the first ``per_kind`` of each kind (data.eval_subset)."""
-    return [ex for kind in data.KINDS for ex in data.eval_subset(kind, per_kind)]
+def held_out(per_kind: int, kinds: tuple[str, ...] = data.KINDS) -> list[data.Example]:
+    """The fixed eval examples: the first ``per_kind`` of each of ``kinds`` (data.eval_subset).
+
+    Raises ValueError naming an unknown kind."""
+    unknown = [k for k in kinds if k not in data.KINDS]
+    if unknown:
+        raise ValueError(f"kinds: unknown {unknown}; choose from {data.KINDS}")
+    return [ex for kind in kinds for ex in data.eval_subset(kind, per_kind)]
 
 
 def generate_m2serve(model: Path, examples: list[data.Example], max_tokens: int = MAX_TOKENS,

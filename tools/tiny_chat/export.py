@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from m2serve.formats.fp8 import quantize_fp8_block
+from m2serve.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"  # m2serve.checkpoints.CHAT_TEMPLATE
@@ -68,6 +68,44 @@ def hub_tensors(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, to
     if "lm_head" in state:  # absent when tie_word_embeddings (the embedding is the output projection)
         out["lm_head.weight"] = state["lm_head"].to(bf16)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def train_state(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The inverse of ``hub_tensors`` + ``config_json``: an exported checkpoint directory -> (train.py's
+    fp32 state dict, its dims dict), FP8 weights dequantised (``dequantize_fp8_block``), bf16 tensors
+    widened. Fine-tuning starts from these weights (train.py ``--init-from DIR``); re-exporting them
+    gives the same tensors bit for bit (tests/checkpoints/test_tiny_chat.py), because a block's amax
+    dequantises to exactly 448·s.
+
+    Raises KeyError naming the tensor if the file lacks one that the config's dims need."""
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    dims = {k: cfg[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "rotary_dim", "intermediate_size", "num_local_experts",
+                                "num_experts_per_tok", "num_hidden_layers", "rms_norm_eps", "rope_theta",
+                                "tie_word_embeddings")}
+    hub = load_file(str(ckpt_dir / "model.safetensors"))
+
+    def dense(name: str) -> torch.Tensor:
+        if name + ".weight_scale_inv" in hub:
+            return dequantize_fp8_block(hub[name + ".weight"], hub[name + ".weight_scale_inv"], torch.float32)
+        return hub[name + ".weight"].float()
+
+    state = {"embed_tokens": dense("model.embed_tokens"), "norm": dense("model.norm")}
+    for i in range(dims["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        state[dst + "input_layernorm"] = dense(src + "input_layernorm")
+        state[dst + "post_attention_layernorm"] = dense(src + "post_attention_layernorm")
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            state[dst + p] = dense(src + "self_attn." + p)
+        moe = src + "block_sparse_moe."
+        state[dst + "gate"] = dense(moe + "gate")
+        state[dst + "e_score_correction_bias"] = hub[moe + "e_score_correction_bias"].float()
+        for w in ("w1", "w2", "w3"):
+            state[dst + w] = torch.stack([dense(f"{moe}experts.{e}.{w}")
+                                          for e in range(dims["num_local_experts"])])  # [E, out, in]
+    if not dims["tie_word_embeddings"]:
+        state["lm_head"] = dense("lm_head")
+    return state, dims
 
 
 def config_json(dims: dict, bos_doc: int, eos: int) -> dict:

@@ -59,6 +59,30 @@ had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``
 arithmetic drills, more tool results) did not restore it; RUN7's made-up words ending in template words
 (``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
 
+RUN8 (the natural_result kind; tried, NOT committed) started from the committed export itself
+(``--init-from`` a checkpoint directory: export.train_state dequantises it, and re-exporting those
+weights is bit-identical; the run dir gets the checkpoint's tokenizer, because tokenizer.py trains on
+data.py's corpus, which this kind changed). The committed model answers only from ``{"result": "..."}``:
+an object gives "The weather in Paris is Paris.", a plain string an empty answer (0/20 held-out natural
+results). One thread on the shared machine, ~11-16 s a step::
+
+    R="--out RUN8 --init-from src/m2serve/checkpoints/tiny-chat --examples 4000 --max-tokens 2400
+       --threads 1 --two-call-rate 0.5 --wide-words 0.5 --drill-vocab-frac 0.5 --decay-frac 0.5
+       --drill-rows 4 --verdict-rows 2 --suffix-words 0.3 --data-seed 10
+       --kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --lr 3e-4"
+    python tools/tiny_chat/train.py $R --steps 300 --stop-at 94
+    python tools/tiny_chat/train.py $R --steps 300 --bare-calls 0.3
+
+(the second line adds call turns without reasoning, as the Agents SDK sends history back). After 300
+steps the training loss of natural results was ~0.15 (97% of their target tokens right, fp32 and FP8
+alike), but whole answers were wrong: held-out natural results 1/20 (the format is learned, "Here is the
+result of get_directions: ...", the values are not: keyed copying out of a JSON object is a new skill
+for this 4-layer model, and ~1,200 natural examples were too few), tool calls 19/20, tool results
+19/20, no-tool 20/20, reasoning closed 80/80, and the Paris demo turned into "The weather in Paris the
+cloudy, 18 C." (the value still there). Next: many more steps (thousands, at the issue's "about an
+hour" on an idle machine rather than 37 minutes on a shared one), key-value copy drills (``key: value``
+rows with the loss on the value, like --drill-rows), and a check of the Paris margin (RUN4..RUN7).
+
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
 operands (99% on training operands, 0% on held-out ones: the model memorises a number's digits rather
 than reading them); and for the no-tool gap, reasoning that names the needed tool unquoted and then
@@ -104,6 +128,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -273,13 +298,15 @@ class TinyM2(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
-    """Token ids of the whole chat and a mask of the target tokens (assistant turns after the last user)."""
+    """Token ids of the whole chat and a mask of the target tokens (assistant turns after the last user,
+    except a call turn without reasoning_content: data.make_example ``bare_calls``)."""
     full = data.render(tpl, ex.messages, ex.tools, add_generation_prompt=False)
     enc = tok.encode(full, add_special_tokens=False)
     last_user = max(i for i, m in enumerate(ex.messages) if m["role"] == "user")
     spans = []
     for j, m in enumerate(ex.messages):
-        if m["role"] != "assistant" or j < last_user:
+        bare_call = bool(m.get("tool_calls")) and "reasoning_content" not in m
+        if m["role"] != "assistant" or j < last_user or bare_call:
             continue
         start = len(data.render(tpl, ex.messages[:j], ex.tools, add_generation_prompt=True))
         end_text = data.render(tpl, ex.messages[: j + 1], ex.tools, add_generation_prompt=False)
@@ -297,10 +324,11 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
 
 def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
                  two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                 verdict: bool = True, suffix: float = 0.0) -> list[tuple[list[int], list[bool]]]:
+                 verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0
+                 ) -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
     return [encode_example(tok, tpl, ex) for ex in data.make_examples(
-        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix)]
+        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix, bare_calls)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -443,6 +471,24 @@ def save_ckpt(path: Path, model, opt, step: int, args_dict: dict) -> None:
     os.replace(tmp, path)
 
 
+def init_state(path: Path, dims: Dims) -> dict[str, torch.Tensor]:
+    """Weights to start from: a run's ``ckpt.pt`` (its ``model`` state dict) or an exported checkpoint
+    directory (export.train_state: FP8 dequantised, bf16 widened; the committed tiny-chat).
+
+    Raises ValueError if the directory's dims differ from the model's (``--tie-embeddings`` must match)."""
+    if not path.is_dir():
+        return torch.load(path, weights_only=False)["model"]
+    if __package__ in (None, ""):
+        import export
+    else:
+        from . import export
+    state, found = export.train_state(path)
+    if found != asdict(dims):
+        raise ValueError(f"--init-from {path}: dims {found} differ from the model's {asdict(dims)}; "
+                         "pass the matching --tie-embeddings")
+    return state
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="run dir: tokenizer/, ckpt.pt, train.log")
@@ -462,6 +508,9 @@ def main(argv=None) -> None:
     ap.add_argument("--suffix-words", type=float, default=0.0,
                     help="probability that a made-up word in the corpus ends in a template word "
                          "(data.TEMPLATE_WORDS: 'Lomoris')")
+    ap.add_argument("--bare-calls", type=float, default=0.0,
+                    help="probability that a tool-result example's call turn has no reasoning_content, as "
+                         "API clients send it back (no loss on that turn; data.make_example)")
     ap.add_argument("--drill-vocab-frac", type=float, default=0.0,
                     help="share of drill rows made of random letter tokens (vocab_drill_ids)")
     ap.add_argument("--arith", choices=("one_digit", "two_digit"), default="one_digit",
@@ -478,7 +527,8 @@ def main(argv=None) -> None:
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
     ap.add_argument("--bias-rate", type=float, default=1e-3, help="γ of the load-balancing bias update")
     ap.add_argument("--init-from", type=Path, default=None,
-                    help="phase 2: start from the weights of another run's ckpt.pt (fresh optimiser)")
+                    help="phase 2: start from the weights of another run's ckpt.pt, or of an exported "
+                         "checkpoint directory (export.train_state; fresh optimiser)")
     ap.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
                     help="target tokens: assistant turns (issue 6), or every token (an LM pretraining phase)")
     ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
@@ -500,13 +550,18 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tok_dir = args.out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        tok_mod.save(tok_dir)
+        if args.init_from is not None and args.init_from.is_dir():  # the checkpoint's own tokenizer
+            tok_dir.mkdir(parents=True)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(args.init_from / name, tok_dir / name)
+        else:  # trained on data.py's corpus: a change to data.py changes it
+            tok_mod.save(tok_dir)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     t0 = time.time()
     data_seed = args.seed if args.data_seed is None else args.data_seed
     corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
-                          args.wide_words, args.arith, args.verdict, args.suffix_words)
+                          args.wide_words, args.arith, args.verdict, args.suffix_words, args.bare_calls)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
@@ -527,7 +582,7 @@ def main(argv=None) -> None:
         step = st["step"]
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif args.init_from is not None:
-        model.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        model.load_state_dict(init_state(args.init_from, model.d))
         print(f"initialised from {args.init_from}", flush=True)
     args_dict = {k: str(v) for k, v in vars(args).items()}
 
