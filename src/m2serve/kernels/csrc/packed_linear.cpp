@@ -527,6 +527,35 @@ M2_AVX512VBMI void gemv_fp8_band(const Weight& w, int64_t e, int64_t n0, int64_t
     }
   }
 }
+
+// Rows [n0, n1) of expert e decoded to bf16 in column order (dst row stride K) through the tables
+// (exact: no flushing here), for the many-row path's tile; tabs as in gemv_fp8_band.
+M2_AVX512VBMI void fp8_rows_to_bf16(const Weight& w, int64_t e, int64_t n0, int64_t n1, uint16_t* dst, uint8_t* tabs) {
+  const int64_t K = w.K, bk = w.block_k;
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t n = n0, band = -1; n < n1; ++n, dst += K) {
+    if (n / w.block_n != band) {
+      band = n / w.block_n;
+      const float* srow = fp8_scale_row(w, e, n);
+      for (int64_t b = 0; b < K / bk; ++b) fp8_block_table(srow[b], tabs + 256 * b);
+    }
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    const uint8_t* t = tabs;
+    for (int64_t k0 = 0; k0 < K; k0 += bk, t += 256) {
+      const __m512i lo0 = _mm512_loadu_si512(t), lo1 = _mm512_loadu_si512(t + 64);
+      const __m512i hi0 = _mm512_loadu_si512(t + 128), hi1 = _mm512_loadu_si512(t + 192);
+      for (int64_t k = k0; k < k0 + bk; k += 64) {
+        const __m512i c = _mm512_loadu_si512(p + k);
+        const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);
+        const __m512i wa = _mm512_unpacklo_epi8(lo, hi), wb = _mm512_unpackhi_epi8(lo, hi);  // FP8 order
+        _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi64(wa, first, wb));
+        _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi64(wa, second, wb));
+      }
+    }
+  }
+}
 #endif
 
 bool cpu_has_avx512vbmi() {
@@ -704,7 +733,14 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     } else {
       tile = at::empty({nt, K}, x.options());
       char* base = static_cast<char*>(tile.data_ptr());
-      at::parallel_for(tk.n0, tk.n1, 16, [&](int64_t a, int64_t b) {
+      at::parallel_for(tk.n0, tk.n1, fp8_table ? block_n : 16, [&](int64_t a, int64_t b) {
+        if (fp8_table) {
+#if M2_X86
+          std::vector<uint8_t> tabs(256 * (K / block_k));
+          fp8_rows_to_bf16(w, tk.e, a, b, reinterpret_cast<uint16_t*>(base) + (a - tk.n0) * K, tabs.data());
+#endif
+          return;
+        }
         std::vector<float> buf(K), scratch(K / 16 + 1);
         for (int64_t n = a; n < b; ++n) {
           decode(w, tk.e, n, buf.data(), scratch.data());
