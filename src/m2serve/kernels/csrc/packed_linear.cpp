@@ -370,7 +370,10 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
         _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
   } while (0)
     if (w.fmt == BF16) {
-      for (int64_t k = 0; k < K; k += 32) M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+      for (int64_t k = 0; k < K; k += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
+        M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+      }
     } else if (w.fmt == FP8_BLOCK) {
       const float* srow = fp8_scale_row(w, e, n);
       for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
@@ -478,6 +481,7 @@ M2_AVX512VBMI void gemv_fp8_table(const Weight& w, int64_t e, int64_t n, const u
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m512i c = _mm512_loadu_si512(p[j] + k);
+        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T0);  // next rows
         const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index bits 6-0: the magnitude
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);  // ^ (c & 0x80)
         const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
