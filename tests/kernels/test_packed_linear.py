@@ -299,3 +299,16 @@ def test_fp8_every_row_count_band_remainder_and_negative_scales(isa):
     x = torch.randn(GEMV_ROWS, k, generator=g).to(torch.bfloat16)
     for m in range(1, GEMV_ROWS + 1):
         _check_products(linear(x[:m], w, backend), x[:m], want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_weights_one_two_three_rows_and_an_odd_last_row(isa):
+    # the AVX-512 path takes two weight rows at a time for one or two activation rows; N = 131 leaves one
+    g = torch.Generator().manual_seed(9)
+    w = make_weight(WeightFormat.BF16, 131, 256, seed=9)
+    backend = build.select_backend(isa)
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    for m in (1, 2, 3):
+        torch.testing.assert_close(linear(eye[:m], w, backend), w.q[0][:, :m].T, rtol=0, atol=0)
+        x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+        _check_products(linear(x, w, backend), x, w.q[0])

@@ -403,9 +403,48 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
 }
 #undef M2_DOT32
 
+// bf16 weights, R (1 or 2) activation rows, weight rows n and n + 1, K a multiple of 64: four or
+// more independent vdpbf16ps chains (one row alone would wait on the instruction's latency).
+template <int R>
+M2_AVX512BF16 void gemv_bf16w_pair(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
+  const int64_t K = w.K;
+  const uint8_t* p[2] = {w.q + e * w.q_e + n * w.q_n, w.q + e * w.q_e + (n + 1) * w.q_n};
+  __m512 acc[2][R][2];
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 64) {
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k + 64), _MM_HINT_T0);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k + 64);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
+        acc[j][r][1] = _mm512_dpbf16_ps(acc[j][r][1], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) y[r * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1]));
+}
+
 // Up to 8 rows per pass over the weights (more rows: more passes, each decoding again).
 M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
                                   int64_t rows, float* y, int64_t N, float* gs16) {
+  if (w.fmt == BF16 && rows <= 2 && w.K % 64 == 0) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      if (rows == 1) gemv_bf16w_pair<1>(w, e, n, xb, y, N);
+      else gemv_bf16w_pair<2>(w, e, n, xb, y, N);
+    }
+    if (n == n1) return;
+    n0 = n;  // an odd last row: below
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const uint16_t* xr = xb + r0 * w.K;
     float* yr = y + r0 * N;
