@@ -16,7 +16,9 @@
 // row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV); larger row
 // counts decode a tile of rows to the activation dtype and hand it to at::mm. Threads split over
 // (expert, output tile). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
-// the vector functions carry GCC target attributes, so the file builds without -march flags.
+// the vector functions carry GCC target attributes, so the file builds without -march flags. With
+// bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
+// (the fused GEMV), and for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
