@@ -279,3 +279,36 @@ def test_two_threads_under_inference_mode():
         torch.set_num_threads(threads)
     _check_products(y, x, w.dequantize(0, torch.bfloat16))
     _check_products(y_small, x[:3], w.dequantize(0, torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_every_row_count_band_remainder_and_negative_scales(isa):
+    # bf16 activations, 1..16 rows (the AVX-512 path takes one or two weight rows at a time and up to
+    # 8 activation rows per pass), N = 131: a last scale band of 3 rows; every code, negative scales
+    # (fp32(q) * s flips the sign), a scale that is an fp32 subnormal and one at the top of the range
+    g = torch.Generator().manual_seed(8)
+    n, k = 131, 256
+    q = _e4m3_codes(n, k, g).view(torch.float8_e4m3fn)
+    scale = torch.tensor([[-0.75, 2.0**-3], [1.5 * 2.0**-130, -3.0 * 2.0**100]])
+    w = PackedWeights.stack([PackedFP8(q, scale)])
+    backend = build.select_backend(isa)
+    want = w.dequantize(0, torch.bfloat16)
+    got = linear(torch.eye(k, dtype=torch.bfloat16)[:GEMV_ROWS], w, backend)
+    want_t = torch.where((want[:, :GEMV_ROWS].T.abs() < 2**-126) & (got == 0), 0, want[:, :GEMV_ROWS].T)
+    torch.testing.assert_close(got, want_t, rtol=0, atol=0)
+    x = torch.randn(GEMV_ROWS, k, generator=g).to(torch.bfloat16)
+    for m in range(1, GEMV_ROWS + 1):
+        _check_products(linear(x[:m], w, backend), x[:m], want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_weights_one_two_three_rows_and_an_odd_last_row(isa):
+    # the AVX-512 path takes two weight rows at a time for one or two activation rows; N = 131 leaves one
+    g = torch.Generator().manual_seed(9)
+    w = make_weight(WeightFormat.BF16, 131, 256, seed=9)
+    backend = build.select_backend(isa)
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    for m in (1, 2, 3):
+        torch.testing.assert_close(linear(eye[:m], w, backend), w.q[0][:, :m].T, rtol=0, atol=0)
+        x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+        _check_products(linear(x, w, backend), x, w.q[0])

@@ -16,7 +16,9 @@
 // row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV); larger row
 // counts decode a tile of rows to the activation dtype and hand it to at::mm. Threads split over
 // (expert, output tile). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
-// the vector functions carry GCC target attributes, so the file builds without -march flags.
+// the vector functions carry GCC target attributes, so the file builds without -march flags. With
+// bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
+// (the fused GEMV), and for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -33,6 +36,7 @@
 #define M2_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define M2_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define M2_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+#define M2_AVX512VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma")))
 #else
 #define M2_X86 0
 #endif
@@ -368,7 +372,10 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
         _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
   } while (0)
     if (w.fmt == BF16) {
-      for (int64_t k = 0; k < K; k += 32) M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+      for (int64_t k = 0; k < K; k += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
+        M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
+      }
     } else if (w.fmt == FP8_BLOCK) {
       const float* srow = fp8_scale_row(w, e, n);
       for (int64_t k0 = 0, b = 0; k0 < K; k0 += w.block_k, ++b) {
@@ -398,9 +405,48 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
 }
 #undef M2_DOT32
 
+// bf16 weights, R (1 or 2) activation rows, weight rows n and n + 1, K a multiple of 64: four or
+// more independent vdpbf16ps chains (one row alone would wait on the instruction's latency).
+template <int R>
+M2_AVX512BF16 void gemv_bf16w_pair(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
+  const int64_t K = w.K;
+  const uint8_t* p[2] = {w.q + e * w.q_e + n * w.q_n, w.q + e * w.q_e + (n + 1) * w.q_n};
+  __m512 acc[2][R][2];
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 64) {
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k + 64), _MM_HINT_T0);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k + 64);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
+        acc[j][r][1] = _mm512_dpbf16_ps(acc[j][r][1], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) y[r * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1]));
+}
+
 // Up to 8 rows per pass over the weights (more rows: more passes, each decoding again).
 M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
                                   int64_t rows, float* y, int64_t N, float* gs16) {
+  if (w.fmt == BF16 && rows <= 2 && w.K % 64 == 0) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+      if (rows == 1) gemv_bf16w_pair<1>(w, e, n, xb, y, N);
+      else gemv_bf16w_pair<2>(w, e, n, xb, y, N);
+    }
+    if (n == n1) return;
+    n0 = n;  // an odd last row: below
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const uint16_t* xr = xb + r0 * w.K;
     float* yr = y + r0 * N;
@@ -416,7 +462,155 @@ M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_
     }
   }
 }
+
+// ---------------------------------------------------------------- FP8 block through bf16 tables
+// Within one block every weight is fp32(e4m3 code) * s, and the code's sign bit only flips the sign
+// of that product (sign(q) xor sign(s), zeros and NaN included), so the block's bf16 weights are a
+// 128-entry table of the spec formula, T[m] = bf16(fp32(e4m3 m) * s) for the magnitudes m = 0..127,
+// evaluated once per block with the same fp32 product and RNE rounding (fp32 subnormals, infinities
+// and NaN included). A table is 256 bytes (low bytes of T, then high bytes) held in four registers;
+// vpermi2b (AVX-512 VBMI) looks up 64 codes per instruction and two byte unpacks give 64 bf16
+// weights in a lane-interleaved order (FP8 order, below) in which the activations are laid out once
+// per call, so that vdpbf16ps pairs them. vdpbf16ps flushes bf16-subnormal weights (|W| < 2^-126)
+// to zero, as in the fused path above.
+
+// E4M3 magnitudes 0..127 as exact fp32 (127: NaN).
+const float* e4m3_magnitudes() {
+  static const std::array<float, 128> table = [] {
+    std::array<float, 128> t{};
+    for (int m = 0; m < 128; ++m) t[m] = e4m3_to_f(uint8_t(m));
+    return t;
+  }();
+  return table.data();
+}
+
+// FP8 order: within each 64 columns, position i < 32 holds column 16 (i / 8) + i % 8 and position
+// 32 + i holds column 16 (i / 8) + 8 + i % 8 (what unpacklo/unpackhi_epi8 of 64 lookups produce).
+inline int64_t fp8_order_column(int64_t i) { return (i & ~int64_t(63)) + 16 * ((i & 31) / 8) + 8 * ((i & 63) / 32) + i % 8; }
+
+// tab [256] bytes: the low bytes of the block's T[0..127], then the high bytes.
+M2_AVX512 void fp8_block_table(float s, uint8_t* tab) {
+  const float* mag = e4m3_magnitudes();
+  const __m512 vs = _mm512_set1_ps(s);
+  for (int i = 0; i < 8; ++i) {
+    __m512i u = _mm512_castps_si512(round_bf16_avx512(_mm512_mul_ps(_mm512_loadu_ps(mag + 16 * i), vs)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tab + 16 * i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tab + 128 + 16 * i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 24)));
+  }
+}
+
+// Weight rows n .. n+NR-1 of expert e (one scale band, whose tables are tabs [K/block_k][256]) against
+// R activation rows xp [R, K] bf16 in FP8 order -> y[r * N + n + j] f32. Two accumulators per (row,
+// weight row) and NR weight rows at a time keep several independent vdpbf16ps chains in flight.
+template <int R, int NR>
+M2_AVX512VBMI void gemv_fp8_table(const Weight& w, int64_t e, int64_t n, const uint16_t* xp, float* y, int64_t N,
+                                  const uint8_t* tabs) {
+  const int64_t K = w.K, bk = w.block_k;
+  const uint8_t* p[NR];
+  __m512 acc[NR][R][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    p[j] = w.q + e * w.q_e + (n + j) * w.q_n;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+  }
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  for (int64_t k0 = 0; k0 < K; k0 += bk, tabs += 256) {
+    const __m512i lo0 = _mm512_loadu_si512(tabs), lo1 = _mm512_loadu_si512(tabs + 64);
+    const __m512i hi0 = _mm512_loadu_si512(tabs + 128), hi1 = _mm512_loadu_si512(tabs + 192);
+    for (int64_t k = k0; k < k0 + bk; k += 64) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) {
+        const __m512i c = _mm512_loadu_si512(p[j] + k);
+        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T0);  // next rows
+        const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index bits 6-0: the magnitude
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);  // ^ (c & 0x80)
+        const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], wa, (__m512bh)_mm512_loadu_si512(xp + r * K + k));
+          acc[j][r][1] = _mm512_dpbf16_ps(acc[j][r][1], wb, (__m512bh)_mm512_loadu_si512(xp + r * K + k + 32));
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1]));
+}
+
+// Rows [n0, n1) (one scale band) of expert e against `rows` activation rows xp (FP8 order): the
+// band's tables once, then up to 8 activation rows per pass over the weights; one or two activation
+// rows take two weight rows at a time.
+M2_AVX512VBMI void gemv_fp8_band(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xp,
+                                 int64_t rows, float* y, int64_t N, uint8_t* tabs) {
+  const float* srow = fp8_scale_row(w, e, n0);
+  for (int64_t b = 0; b < w.K / w.block_k; ++b) fp8_block_table(srow[b], tabs + 256 * b);
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const uint16_t* xr = xp + r0 * w.K;
+    float* yr = y + r0 * N;
+    const int64_t m = std::min<int64_t>(8, rows - r0);
+    int64_t n = n0;
+    if (m <= 2) {
+      for (; n + 2 <= n1; n += 2) {
+        if (m == 1) gemv_fp8_table<1, 2>(w, e, n, xr, yr, N, tabs);
+        else gemv_fp8_table<2, 2>(w, e, n, xr, yr, N, tabs);
+      }
+    }
+    for (; n < n1; ++n) {
+      switch (m) {
+        case 1: gemv_fp8_table<1, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 2: gemv_fp8_table<2, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 3: gemv_fp8_table<3, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 4: gemv_fp8_table<4, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 5: gemv_fp8_table<5, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 6: gemv_fp8_table<6, 1>(w, e, n, xr, yr, N, tabs); break;
+        case 7: gemv_fp8_table<7, 1>(w, e, n, xr, yr, N, tabs); break;
+        default: gemv_fp8_table<8, 1>(w, e, n, xr, yr, N, tabs); break;
+      }
+    }
+  }
+}
+
+// Rows [n0, n1) of expert e decoded to bf16 in column order (dst row stride K) through the tables
+// (exact: no flushing here), for the many-row path's tile; tabs as in gemv_fp8_band.
+M2_AVX512VBMI void fp8_rows_to_bf16(const Weight& w, int64_t e, int64_t n0, int64_t n1, uint16_t* dst, uint8_t* tabs) {
+  const int64_t K = w.K, bk = w.block_k;
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t n = n0, band = -1; n < n1; ++n, dst += K) {
+    if (n / w.block_n != band) {
+      band = n / w.block_n;
+      const float* srow = fp8_scale_row(w, e, n);
+      for (int64_t b = 0; b < K / bk; ++b) fp8_block_table(srow[b], tabs + 256 * b);
+    }
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    const uint8_t* t = tabs;
+    for (int64_t k0 = 0; k0 < K; k0 += bk, t += 256) {
+      const __m512i lo0 = _mm512_loadu_si512(t), lo1 = _mm512_loadu_si512(t + 64);
+      const __m512i hi0 = _mm512_loadu_si512(t + 128), hi1 = _mm512_loadu_si512(t + 192);
+      for (int64_t k = k0; k < k0 + bk; k += 64) {
+        const __m512i c = _mm512_loadu_si512(p + k);
+        const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);
+        const __m512i wa = _mm512_unpacklo_epi8(lo, hi), wb = _mm512_unpackhi_epi8(lo, hi);  // FP8 order
+        _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi64(wa, first, wb));
+        _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi64(wa, second, wb));
+      }
+    }
+  }
+}
 #endif
+
+bool cpu_has_avx512vbmi() {
+#if M2_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
 
 bool isa_supported(int64_t isa) {
   if (isa == SCALAR) return true;
@@ -514,6 +708,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
   const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
                      (fmt != FP8_BLOCK || block_k % 32 == 0);
+  // FP8 block on that path: per-block bf16 tables (needs VBMI), 64-column steps; a task is one scale
+  // band of block_n weight rows, so that each table serves a whole block
+  const bool fp8_table = fused && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
+  const int64_t gemv_tile = fp8_table ? block_n : tile_n;
   struct Task { int64_t e, r0, r1, n0, n1; };
   std::vector<Task> tasks, gemm;  // GEMV tiles (threads split over them); experts with many rows
   for (int64_t e = 0; e < E; ++e) {
@@ -523,17 +721,38 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
       for (int64_t n0 = 0; n0 < N; n0 += mm_tile_n) gemm.push_back({e, r0, r1, n0, std::min(N, n0 + mm_tile_n)});
       continue;
     }
-    for (int64_t n0 = 0; n0 < N; n0 += tile_n) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + tile_n)});
+    for (int64_t n0 = 0; n0 < N; n0 += gemv_tile) tasks.push_back({e, r0, r1, n0, std::min(N, n0 + gemv_tile)});
   }
   at::Tensor y32 = at::empty({R, N}, x.options().dtype(at::kFloat));
   if (ends.empty() || ends.back() < R) y32.narrow(0, E ? ends.back() : 0, R - (E ? ends.back() : 0)).zero_();
   at::Tensor xf = (fused || tasks.empty() || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
+  // activations of the GEMV rows in FP8 order (fp8_order_column), once per call
+  std::vector<uint16_t> x_fp8;
+#if M2_X86
+  if (fp8_table && !tasks.empty()) {
+    x_fp8.resize(R * K);
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
+      if (r1 - r0 > gemv_rows) continue;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < K; ++i) x_fp8[r * K + i] = xs[r * K + fp8_order_column(i)];
+    }
+  }
+#endif
   float* yp = y32.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(K), scratch(K / 16 + 1);
+    std::vector<uint8_t> tabs(fp8_table ? 256 * (K / block_k) : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
       const int64_t rows = tk.r1 - tk.r0;
+      if (fp8_table) {
+#if M2_X86
+        gemv_fp8_band(w, tk.e, tk.n0, tk.n1, x_fp8.data() + tk.r0 * K, rows, yp + tk.r0 * N, N, tabs.data());
+#endif
+        continue;
+      }
       if (fused) {
 #if M2_X86
         const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr()) + tk.r0 * K;
@@ -559,7 +778,14 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     } else {
       tile = at::empty({nt, K}, x.options());
       char* base = static_cast<char*>(tile.data_ptr());
-      at::parallel_for(tk.n0, tk.n1, 16, [&](int64_t a, int64_t b) {
+      at::parallel_for(tk.n0, tk.n1, fp8_table ? block_n : 16, [&](int64_t a, int64_t b) {
+        if (fp8_table) {
+#if M2_X86
+          std::vector<uint8_t> tabs(256 * (K / block_k));
+          fp8_rows_to_bf16(w, tk.e, a, b, reinterpret_cast<uint16_t*>(base) + (a - tk.n0) * K, tabs.data());
+#endif
+          return;
+        }
         std::vector<float> buf(K), scratch(K / 16 + 1);
         for (int64_t n = a; n < b; ++n) {
           decode(w, tk.e, n, buf.data(), scratch.data());
