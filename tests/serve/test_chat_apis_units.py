@@ -246,7 +246,7 @@ def test_responses_request_to_chat_job():
         reasoning={"effort": "low"},
         truncation="auto",
         prompt_cache_key="k",
-        max_tool_calls=3,  # ignored
+        max_tool_calls=3,
     )
     job, history = responses_job(CTX, req)
     assert job.messages[0] == {"role": "system", "content": "Be brief."} and history == job.messages[1:]
@@ -270,6 +270,7 @@ def test_responses_request_to_chat_job():
     ]
     assert job.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
     assert job.one_call and (job.params.max_tokens, job.params.temperature) == (40, 0.2)
+    assert job.max_tool_calls == 3
     assert responses_job(CTX, ResponsesRequest(input="Hi"))[1] == [{"role": "user", "content": "Hi"}]
 
 
