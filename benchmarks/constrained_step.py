@@ -10,8 +10,11 @@ two phases in the same process, in alternating order for --rounds rounds:
 
 Every request has a --context-token prompt; a request that finishes is replaced at once, so the timed
 steps always decode 32 rows (a step that admits a replacement runs its prefill and is not timed).
-Printed per config: mean decode step ms of each phase (best round), the overhead ratio, and the share
-of the constrained step spent in ``fill_bitmask`` + ``accept_token``.
+Printed per config: mean decode step ms of each phase (best round), the overhead ratio, the share
+of the constrained step spent in ``fill_bitmask`` + ``accept_token`` (grammar ms per step), the time
+of the sampler's ``apply_allowed_bitmask`` on a [32, V] batch (apply ms, timed alone), and the
+constraint work (grammar + apply) as a share of the unconstrained step: on a shared, loaded box the
+step-time ratio is noisy, while the work the constraint adds is measured directly.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/constrained_step.py [--configs tiny,bench]
         [--steps 48] [--context 64] [--rounds 2]
@@ -33,7 +36,7 @@ from test_constraint_sampling import SCHEMAS, TOOLS  # noqa: E402
 from m2serve.checkpoints.tiny_random import build_tiny_random  # noqa: E402
 from m2serve.config.engine_args import EngineArgs  # noqa: E402
 from m2serve.engine.core import LLMEngine  # noqa: E402
-from m2serve.engine.sampling import SamplingParams  # noqa: E402
+from m2serve.engine.sampling import SamplingParams, apply_allowed_bitmask  # noqa: E402
 from m2serve.text.constraint import GrammarCompiler, json_spec, no_tool_call_spec, tool_calls_spec  # noqa: E402
 
 BENCH_DIMS = dict(hidden_size=3072, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
@@ -106,6 +109,21 @@ def phase(eng: LLMEngine, compiler: GrammarCompiler | None, prompt: list[int], s
     return spent / timed, mask / timed
 
 
+def apply_ms(vocab_size: int, repeats: int = 20) -> float:
+    """Best-of-3 mean ms of ``apply_allowed_bitmask`` on float32 [BATCH, V] logits, random words."""
+    gen = torch.Generator().manual_seed(0)
+    words = -(-vocab_size // 32)
+    allowed = torch.randint(-2**31, 2**31 - 1, (BATCH, words), dtype=torch.int32, generator=gen)
+    logits = torch.randn(BATCH, vocab_size, generator=gen)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            apply_allowed_bitmask(logits, allowed)
+        best = min(best, (time.perf_counter() - t) / repeats)
+    return best * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="tiny,bench")
@@ -114,7 +132,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"{'config':8} {'unconstrained ms':>17} {'constrained ms':>15} {'overhead':>9} {'mask share':>11}")
+    print(f"{'config':8} {'unconstrained ms':>17} {'constrained ms':>15} {'overhead':>9} {'mask share':>11} "
+          f"{'grammar ms':>11} {'apply ms':>9} {'work/step':>10}")
     with tempfile.TemporaryDirectory(prefix="m2serve-bench-") as tmp:
         for name in args.configs.split(","):
             path = build_tiny_random(Path(tmp) / name, **(BENCH_DIMS if name == "bench" else {}))
@@ -135,7 +154,9 @@ def main() -> None:
                         if kind == "constrained":
                             share = mask / step
             a, b = best["free"], best["constrained"]
-            print(f"{name:8} {a * 1e3:17.1f} {b * 1e3:15.1f} {b / a - 1:+8.1%} {share:10.1%}")
+            grammar, apply = share * b * 1e3, apply_ms(compiler.vocab_size)
+            print(f"{name:8} {a * 1e3:17.1f} {b * 1e3:15.1f} {b / a - 1:+8.1%} {share:10.1%} "
+                  f"{grammar:11.1f} {apply:9.1f} {(grammar + apply) / (a * 1e3):9.1%}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from m2serve.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     SamplingState,
+    apply_allowed_bitmask,
     compute_logprobs,
     counter_uniforms,
 )
@@ -340,6 +341,27 @@ def test_allowed_bitmask_after_penalties_and_before_temperature():
     assert sample(torch.tensor([logits]), [state(temperature=0)], all_bits).token_ids == [39]
     with pytest.raises(ValueError, match=r"int32 \[1, 2\]"):
         sample(torch.tensor([logits]), [state()], torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_apply_allowed_bitmask_matches_a_bit_by_bit_reference():
+    """Random words (sign bits included), V not a multiple of 32, and +inf / -inf / NaN logits: a
+    token keeps its logit iff bit t % 32 of word t // 32 is set (read with Python ints), else it is
+    -inf, whatever its logit (NaN and +inf included); an allowed NaN reads +inf."""
+    gen = torch.Generator().manual_seed(0)
+    B, V = 5, 77
+    allowed = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, 3), dtype=torch.int32, generator=gen)
+    allowed[0] = -1
+    x = torch.randn(B, V, generator=gen)
+    x[:, :4] = torch.tensor([math.inf, -math.inf, math.nan, 5.0])
+    got = apply_allowed_bitmask(x, allowed)
+    assert not (allowed[1:, 0] & 0b1111 == 0b1111).all()  # some of the special logits are forbidden
+    for b in range(B):
+        words = [w % 2 ** 32 for w in allowed[b].tolist()]
+        for t in range(V):
+            keep = (words[t // 32] >> (t % 32)) & 1
+            value = x[b, t].item()
+            want = (math.inf if math.isnan(value) else value) if keep else -math.inf
+            assert got[b, t].item() == want, (b, t)
 
 
 # --- pure, and one host sync ----------------------------------------------------------------------

@@ -13,12 +13,13 @@ from anthropic.lib.streaming._messages import accumulate_event
 from m2serve.engine.sampling import TokenLogprobs
 from m2serve.serve.anthropic.messages import MessageBuilder, messages_job
 from m2serve.serve.anthropic.protocol import MessagesRequest
-from m2serve.serve.chat_pipeline import ChoiceDelta, TokenUsage
+from m2serve.serve.chat_pipeline import ChoiceDelta, TokenUsage, constraint_spec
 from m2serve.serve.context import ModelCapabilities, ResponseStore
 from m2serve.serve.errors import APIError
 from m2serve.serve.openai.responses import ResponseBuilder, ResponsesRequest, responses_job
 from m2serve.serve.output import OutputDelta
 from m2serve.serve.sealing import Sealer
+from m2serve.text.constraint import tool_calls_spec
 from m2serve.text.parser import ToolCallDelta
 
 SEALER = Sealer("unit-key")
@@ -246,7 +247,7 @@ def test_responses_request_to_chat_job():
         reasoning={"effort": "low"},
         truncation="auto",
         prompt_cache_key="k",
-        max_tool_calls=3,  # ignored
+        max_tool_calls=3,
     )
     job, history = responses_job(CTX, req)
     assert job.messages[0] == {"role": "system", "content": "Be brief."} and history == job.messages[1:]
@@ -270,6 +271,7 @@ def test_responses_request_to_chat_job():
     ]
     assert job.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
     assert job.one_call and (job.params.max_tokens, job.params.temperature) == (40, 0.2)
+    assert job.max_tool_calls == 3
     assert responses_job(CTX, ResponsesRequest(input="Hi"))[1] == [{"role": "user", "content": "Hi"}]
 
 
@@ -296,6 +298,19 @@ def test_responses_request_errors_name_the_field(body, status, param):
     with pytest.raises(APIError) as e:
         responses_job(CTX, ResponsesRequest(**body))
     assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_responses_max_tool_calls_caps_a_forced_turn():
+    """``max_tool_calls`` reaches the grammar of a required turn (1 to K invokes); without it the
+    default cap (one per declared tool, here 1) applies."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    job, _ = responses_job(CTX, ResponsesRequest(input="x", tools=tools, tool_choice="required",
+                                                 max_tool_calls=3))
+    assert job.max_tool_calls == 3
+    assert "invoke{1,3}" in constraint_spec(job).body
+    assert constraint_spec(job).key == tool_calls_spec(job.tools, max_calls=3).key
+    job, _ = responses_job(CTX, ResponsesRequest(input="x", tools=tools, tool_choice="required"))
+    assert "invoke{1,1}" in constraint_spec(job).body
 
 
 def test_response_builder_events_and_output():

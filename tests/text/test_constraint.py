@@ -11,6 +11,7 @@ from m2serve.text.constraint import (
     choice_spec,
     json_spec,
     lark_spec,
+    max_tool_calls,
     no_tool_call_spec,
     regex_spec,
     tool_calls_spec,
@@ -64,10 +65,42 @@ def test_uncompilable_grammar_names_the_field(compiler, make, field, reason):
     (lambda: tool_calls_spec([]), "tool_choice"),
     (lambda: choice_spec([]), "structured_outputs.choice"),
     (lambda: json_spec(["not", "a", "schema"]), "response_format"),
+    (lambda: tool_calls_spec([_tool("f", {})], max_calls=0), "max_tool_calls"),
+    (lambda: tool_calls_spec([_tool("f", {})], max_calls=True), "max_tool_calls"),
 ])
 def test_unsupported_request_names_the_field(make, field):
     with pytest.raises(ValueError, match="^" + field.replace("[", r"\[").replace("]", r"\]")):
         make()
+
+
+@pytest.mark.parametrize("kw, cap", [
+    ({}, 2),                                   # required: one call per declared tool
+    ({"name": "g"}, 1),                        # named: one call, as vLLM / SGLang
+    ({"parallel_tool_calls": False}, 1),
+    ({"parallel_tool_calls": False, "max_calls": 3}, 1),
+    ({"max_calls": 3}, 3),                     # Responses max_tool_calls
+    ({"name": "g", "max_calls": 3}, 3),
+])
+def test_forced_calls_are_capped(compiler, kw, cap):
+    """After ``cap`` complete invokes the only allowed token closes the block (then end of turn);
+    before it, another invoke may open. Tokens from the tokenizer's own encoding of the text."""
+    tok = compiler.tokenizer
+    assert max_tool_calls(2, kw.get("name"), kw.get("parallel_tool_calls", True), kw.get("max_calls")) == cap
+    spec = tool_calls_spec([_tool("f", {}), _tool("g", {})], **kw)
+    constraint = compiler.constraint(spec, "off")
+    for token in [tok.tool_call_id] + tok.encode("\n"):
+        constraint.accept_token(token)
+    invoke = tok.encode('<invoke name="g">\n</invoke>\n')
+    for k in range(1, cap + 1):
+        for token in invoke:
+            assert token in _allowed(compiler, constraint)
+            constraint.accept_token(token)
+        allowed = _allowed(compiler, constraint)
+        assert tok.tool_call_end_id in allowed
+        assert (invoke[0] in allowed) == (k < cap), k
+    assert _allowed(compiler, constraint) == {tok.tool_call_end_id}
+    constraint.accept_token(tok.tool_call_end_id)
+    assert constraint.only_end_of_turn() and constraint.error is None
 
 
 def test_a_bad_request_leaves_the_compiler_usable(compiler):

@@ -577,15 +577,25 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState 
 
 def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """x [B, V] with tokens whose bit is 0 in ``allowed`` int32 [B, ceil(V / 32)] set to -inf
-    (bit j of word i = token 32 i + j, llguidance's layout). ValueError on a wrong shape / dtype."""
+    (bit j of word i = token 32 i + j, llguidance's layout). ValueError on a wrong shape / dtype.
+
+    Each word is split into its 4 bytes, each byte looks up its 8 limits (+inf for a set bit, -inf
+    for a clear one) in a [256, 8] table, and ``fmin(x, limit)`` keeps allowed logits and puts -inf
+    on the others: a gather and an elementwise op over [B, V], about twice as fast on CPU as unpacking
+    32 bit planes and a boolean ``masked_fill``. ``fmin`` ignores NaN, so a forbidden token is -inf
+    even when the model gave it NaN or +inf (never drawn); an allowed NaN becomes +inf, which the
+    sampler then clamps like any overflow."""
     B, V = x.shape
     W = bitmask_words(V)
     if allowed.dtype != torch.int32 or tuple(allowed.shape) != (B, W):
         raise ValueError(f"allowed bitmask {allowed.dtype} {tuple(allowed.shape)} must be int32 [{B}, {W}] "
                          f"(B rows, ceil(V / 32) words for V = {V})")
-    shifts = torch.arange(BITMASK_WORD_BITS, dtype=torch.int32, device=x.device)
-    bits = (allowed.to(x.device).unsqueeze(-1) >> shifts) & 1                  # [B, W, 32]
-    return x.masked_fill(bits.flatten(1)[:, :V] == 0, -math.inf)
+    byte_shifts = torch.arange(0, BITMASK_WORD_BITS, 8, dtype=torch.int32, device=x.device)
+    byte_values = (allowed.to(x.device).unsqueeze(-1) >> byte_shifts) & 0xFF            # [B, W, 4]
+    bits = (torch.arange(256, device=x.device).unsqueeze(1) >> torch.arange(8, device=x.device)) & 1
+    table = torch.where(bits == 1, math.inf, -math.inf).to(x.dtype)                     # [256, 8]
+    limit = table.index_select(0, byte_values.flatten()).view(B, W * BITMASK_WORD_BITS)  # [B, 32 W]
+    return torch.fmin(x, limit[:, :V])
 
 
 def _apply_penalties(x: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState) -> torch.Tensor:

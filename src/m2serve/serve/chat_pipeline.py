@@ -103,12 +103,15 @@ class ChatJob:
 
     messages: template-ready history (``role``, ``content`` string, ``reasoning_content``,
     ``tool_calls`` in OpenAI form, ``tool_call_id``); tools: OpenAI function tool dicts or None;
-    tool_choice ``auto``, ``none`` (the tool-call tag can never be generated) or ``required`` (one or
-    more calls of the declared tools); tool_name: a named tool choice (calls of that tool only);
+    tool_choice ``auto``, ``none`` (the tool-call tag can never be generated) or ``required`` (1 to
+    ``max_tool_calls`` calls of the declared tools); tool_name: a named tool choice (calls of that tool
+    only);
     output: the structured-output format (:class:`OutputFormat`) or None; reasoning_budget: the most
     reasoning tokens before ``</think>`` is forced (Anthropic ``thinking.budget_tokens``); params: from
     :func:`sampling_params`; reasoning_split: the parser mode (True split, False passthrough, None the
     server's --reasoning-parser); one_call: at most one tool call per choice (also in the grammar);
+    max_tool_calls: the request's cap on the calls of a forced turn (Responses ``max_tool_calls``; None:
+    the default cap of ``text.constraint.max_tool_calls``);
     messages_param / max_tokens_param: the request fields holding the history (``messages``,
     ``input``) and the output-token limit (``max_tokens``, ``max_completion_tokens``,
     ``max_output_tokens``), named in errors.
@@ -123,6 +126,7 @@ class ChatJob:
     params: SamplingParams = field(default_factory=SamplingParams)
     reasoning_split: bool | None = None
     one_call: bool = False
+    max_tool_calls: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     messages_param: str = "messages"
@@ -384,7 +388,8 @@ def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
         make = {"json": json_spec, "regex": regex_spec, "choice": choice_spec, "grammar": lark_spec}[o.kind]
         return make(o.value, o.field)
     if calls:
-        return tool_calls_spec(job.tools or [], job.tool_name, parallel_tool_calls=not job.one_call)
+        return tool_calls_spec(job.tools or [], job.tool_name, parallel_tool_calls=not job.one_call,
+                               max_calls=job.max_tool_calls)
     if job.tool_choice == "none":
         return no_tool_call_spec()
     if job.reasoning_budget is not None:

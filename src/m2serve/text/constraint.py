@@ -19,15 +19,17 @@ budget forces ``</think>`` after that many reasoning tokens (as soon as the text
 Bodies (``ConstraintSpec`` builders):
 
 - ``tool_calls_spec`` (``tool_choice`` required / named): one ``<minimax:tool_call>\\n`` block (the
-  template writes all calls in one; the parser would also read several) holding one or more invokes
-  ``<invoke name="NAME">\\n`` + parameters + ``</invoke>\\n``, then ``</minimax:tool_call>`` and end of
-  turn (with ``parallel_tool_calls`` false: exactly one invoke). Parameters come in the order of
-  ``properties``, every ``required`` one present, no undeclared name, each
-  ``<parameter name="KEY">VALUE</parameter>\\n``. VALUE follows the parameter's JSON Schema as the parser
-  reads it (§3.4): a parameter whose allowed types (P14) are ``{string}`` or ``{string, null}`` is raw text
-  (``minLength`` / ``maxLength`` / ``enum`` / ``const`` / ``pattern`` enforced; no leading or trailing
-  newline, which P15 would strip; never ``</parameter>``, ``<parameter name=`` or ``</invoke>``, which end
-  a value, P10); any other parameter is compact JSON (``json.dumps`` separators) matching its schema.
+  template writes all calls in one; the parser would also read several) holding 1 to ``max_tool_calls``
+  invokes ``<invoke name="NAME">\\n`` + parameters + ``</invoke>\\n``, then ``</minimax:tool_call>`` and
+  end of turn. The cap: 1 with ``parallel_tool_calls`` false, else the request's ``max_tool_calls``,
+  else 1 for a named tool and the number of declared tools for ``required`` (a forced turn must end).
+  Parameters come in the order of ``properties``, every ``required`` one present, no undeclared name,
+  each ``<parameter name="KEY">VALUE</parameter>\\n``. VALUE follows the parameter's JSON Schema as the
+  parser reads it (§3.4): a parameter whose allowed types (P14) are ``{string}`` or ``{string, null}``
+  is raw text (``minLength`` / ``maxLength`` / ``enum`` / ``const`` / ``pattern`` enforced; no leading
+  or trailing newline, which P15 would strip; never ``</parameter>``, ``<parameter name=`` or
+  ``</invoke>``, which end a value, P10); any other parameter is compact JSON (``json.dumps``
+  separators) matching its schema.
 - ``no_tool_call_spec`` (``tool_choice`` none): any text that does not contain ``<minimax:tool_call>`` under
   any tokenisation (the tag token and the tag spelt by ordinary tokens are both excluded).
 - ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
@@ -283,17 +285,40 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
     return rules, parts
 
 
-def tool_calls_spec(tools: Sequence[Any], name: str | None = None,
-                    parallel_tool_calls: bool = True) -> ConstraintSpec:
-    """Body = tool-call blocks calling the declared tools (``name``: only that one).
+def max_tool_calls(n_tools: int, name: str | None = None, parallel_tool_calls: bool = True,
+                   max_calls: int | None = None) -> int:
+    """The most invokes a forced turn may hold (docs/constrained-decoding.md, "Tool-call cap"): 1 with
+    ``parallel_tool_calls`` false; else ``max_calls`` when the request gives one (Responses
+    ``max_tool_calls``); else 1 for a named tool (one call, as vLLM and SGLang force a named tool) and
+    ``n_tools`` (one call per declared tool) for ``required``. The grammar, not the model, decides
+    when a forced turn may end, so without a cap random or degenerate logits open invokes until
+    ``max_tokens`` and the turn never finishes with its calls. Raises ValueError naming
+    ``max_tool_calls`` for a ``max_calls`` that is not a positive integer."""
+    if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int)
+                                  or max_calls < 1):
+        raise ValueError(f"max_tool_calls: {max_calls!r} must be a positive integer when a tool call "
+                         "is forced")
+    if not parallel_tool_calls:
+        return 1
+    if max_calls is not None:
+        return max_calls
+    return 1 if name is not None else n_tools
+
+
+def tool_calls_spec(tools: Sequence[Any], name: str | None = None, parallel_tool_calls: bool = True,
+                    max_calls: int | None = None) -> ConstraintSpec:
+    """Body = one tool-call block of 1 to ``max_tool_calls(...)`` invokes of the declared tools
+    (``name``: only that one), then end of turn.
 
     ``tools`` are the request's OpenAI tools (``{"type": "function", "function": {...}}`` or the bare
-    function objects). Raises ValueError naming the tool for an unsupported parameter schema, and
-    naming ``tool_choice`` for a ``name`` that is not declared.
+    function objects); ``max_calls`` is the request's own cap (Responses ``max_tool_calls``), if any.
+    Raises ValueError naming the tool for an unsupported parameter schema, naming ``tool_choice`` for
+    a ``name`` that is not declared, and naming ``max_tool_calls`` for a bad cap.
     """
     if not tools:
         raise ValueError("tool_choice: a required or named tool choice needs a non-empty tools list")
     functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    cap = max_tool_calls(len(functions), name, parallel_tool_calls, max_calls)
     if name is not None:
         functions = [f for f in functions if f[0] == name]
         if not functions:
@@ -305,9 +330,9 @@ def tool_calls_spec(tools: Sequence[Any], name: str | None = None,
         rules += tool_rules
         parts += param_parts
     invoke = " | ".join(f"inv_{i}" for i in range(len(functions)))
-    body = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{'+' if parallel_tool_calls else ''} <[TC_END]>\n"
+    body = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{{1,{cap}}} <[TC_END]>\n"
     text = body + f"invoke: {invoke}\n" + "\n".join(rules) + "\n"
-    key = json.dumps([name, parallel_tool_calls, [[f, p] for f, p in functions]], ensure_ascii=False)
+    key = json.dumps([name, cap, [[f, p] for f, p in functions]], ensure_ascii=False)
     return ConstraintSpec(f"tools:{key}", "tool_choice" if name else "tools", text, parts=tuple(parts))
 
 

@@ -13,8 +13,9 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
   official SDK sends none of the last three, so the checkpoint's generation defaults apply.
 - ``tools`` (``input_schema``); ``tool_choice`` ``auto``, ``none`` (the tool-call tag cannot be
-  generated), ``any`` (one or more calls of the declared tools), ``tool`` (calls of that tool);
-  ``disable_parallel_tool_use`` -> exactly one tool_use (docs/constrained-decoding.md).
+  generated), ``any`` (1 to N calls of the declared tools, N = their number), ``tool`` (one call of
+  that tool); ``disable_parallel_tool_use`` -> exactly one tool_use (docs/constrained-decoding.md,
+  "Tool-call cap").
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
   ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens.

@@ -14,12 +14,14 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   evicted -> 404 naming the field.
 - ``tools`` (function), ``tool_choice`` ``auto`` / ``none`` / ``required`` / a named function
   (``{"type": "function", "name": ...}``), ``parallel_tool_calls``, ``max_output_tokens``,
-  ``temperature``, ``top_p``. ``text.format`` json_schema (``schema``) / json_object: the text after the
-  reasoning is JSON matching it (docs/constrained-decoding.md).
+  ``temperature``, ``top_p``. ``max_tool_calls`` caps the calls of a forced (``required`` / named)
+  turn in its grammar (there are no built-in tools; an ``auto`` turn is not capped). ``text.format``
+  json_schema (``schema``) / json_object: the text after the reasoning is JSON matching it
+  (docs/constrained-decoding.md).
 - ``include: ["reasoning.encrypted_content"]`` returns the reasoning sealed under the server key
   (serve/sealing.py) in each reasoning item. ``reasoning``, ``truncation``, ``prompt_cache_key``,
-  ``metadata``, ``user``, ``service_tier``, ``text.verbosity``, ``max_tool_calls`` and unknown fields are
-  accepted and ignored.
+  ``metadata``, ``user``, ``service_tier``, ``text.verbosity`` and unknown fields are accepted and
+  ignored.
 
 Pipeline deltas -> output items (:class:`ResponseBuilder`), one code path for the stream and the
 non-streamed response: ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``),
@@ -70,6 +72,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -271,6 +274,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         params=params,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
+        max_tool_calls=req.max_tool_calls,
         messages_param="input",
         max_tokens_param="max_output_tokens",
     )
