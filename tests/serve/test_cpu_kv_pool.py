@@ -54,3 +54,14 @@ def test_pool_is_resident_and_zero_from_the_start(tiny_random_dir):
     assert all(not bool(t.any()) for t in (*storage.k, *storage.v))
     assert sum(t.numel() * t.element_size() for t in (*storage.k, *storage.v)) == 2**28
     assert all(t.dtype == torch.bfloat16 for t in storage.k)
+
+
+def test_server_caps_onednn_shape_caches_unless_set():
+    from m2serve.serve.cli import bound_onednn_caches
+
+    env: dict[str, str] = {}
+    bound_onednn_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    env = {"LRU_CACHE_CAPACITY": "1024"}
+    bound_onednn_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "1024"}
