@@ -40,13 +40,17 @@ def rss_mib(pid: int) -> float:
 
 
 def start(port: int, extra: list[str]) -> subprocess.Popen:
+    """Start the server and wait for /health; prints the seconds it took (the KV pool is zero-filled
+    during start-up, engine/runner.py)."""
     cmd = [sys.executable, "-m", "m2serve.serve.cli", "serve", "--port", str(port), "--log-level", "warning",
            *extra]
+    t = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
+    deadline = t + 300
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                print(f"server healthy after {time.monotonic() - t:.1f} s", flush=True)
                 return proc
         except httpx.HTTPError:
             time.sleep(0.3)

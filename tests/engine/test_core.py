@@ -181,19 +181,19 @@ def test_add_and_abort_from_other_threads(toy_model, toy_config):
     assert eng.stats.kv_pages_free == 64
 
 
-def test_pool_pages_are_zeroed_before_the_model_sees_them(toy_model, toy_config):
-    # engine/runner.py: the pool is allocated uninitialised (no resident memory until used); every
-    # page handed to the model must be zero-filled first, so garbage (here NaN) is never readable.
+def test_pool_pages_are_zero_from_the_start(toy_model, toy_config):
+    # engine/runner.py zeroed_kv_storage: the whole pool is zero-filled when the engine is built (it
+    # is resident from the start; tests/serve/test_cpu_kv_pool.py checks the RSS), so garbage is
+    # never readable, and a step leaves pages it did not write at zero.
     eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=8)
-    for t in (*eng.runner.kv_storage.k, *eng.runner.kv_storage.v):
-        t.fill_(float("nan"))
+    assert all(not bool(t.any()) for t in (*eng.runner.kv_storage.k, *eng.runner.kv_storage.v))
     eng.add_request("z", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY))
     eng.step()
     k = eng.runner.kv_storage.k[0]
     assert eng.scheduler.kv.block_table("z") == [0, 1]
-    assert not k[:2].isnan().any()                     # pages in use: written or zero
+    assert bool(k[0].any())                            # written by the prefill
     assert (k[1, 1:] == 0).all()                       # slots 5..7 not written yet: zero
-    assert k[2:].isnan().all()                         # never handed out: untouched
+    assert (k[2:] == 0).all()                          # never handed out: zero
 
 
 def test_multi_rank_model_sets_kv_heads_and_dp_turns_prefix_caching_off(toy_model, toy_config):

@@ -1,11 +1,21 @@
 """The default CPU server's KV pool (issue 16 item 10): sized by min(4 GiB, max_batch_size x
-max_length) instead of free RAM, the same on every start, and printed in the banner in pages and
-GiB. Expected figures are derived by hand from tiny-random's config (L 2, Hkv 4, D 128, 4096 tokens)."""
+max_length) instead of free RAM, the same on every start, printed in the banner in pages and GiB, and
+resident (zero-filled) from the start, so serving does not grow RSS by touching pages. Expected
+figures are derived by hand from tiny-random's config (L 2, Hkv 4, D 128, 4096 tokens)."""
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from m2serve.serve.cli import banner
 from m2serve.serve.llm import LLM
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 OPTS = {"host": "127.0.0.1", "port": 8000}
 
@@ -13,9 +23,14 @@ OPTS = {"host": "127.0.0.1", "port": 8000}
 def test_default_cpu_pool_is_the_rule_on_every_start(tiny_random_dir):
     page_bytes = 128 * 2 * 2 * 4 * 128 * 2            # S x (K, V) x L x Hkv x D x bf16 = 512 KiB
     want = min(4 * 2**30, 256 * (4096 // 128) * page_bytes) // page_bytes   # = 8192 pages, 4 GiB
-    starts = [LLM(str(tiny_random_dir), dtype="float32") for _ in range(2)]
-    assert [llm.engine.stats.kv_pages_total for llm in starts] == [want, want]
-    line = banner(starts[0], OPTS)
+    pages = []
+    for _ in range(2):  # one at a time: each holds its 4 GiB pool
+        llm = LLM(str(tiny_random_dir), dtype="float32")
+        pages.append(llm.engine.stats.kv_pages_total)
+        line = banner(llm, OPTS)
+        del llm
+        gc.collect()
+    assert pages == [want, want]
     assert f"KV {want} pages x 128 tokens (bfloat16, {want * page_bytes / 2**30:.2f} GiB)" in line, line
 
 
@@ -24,3 +39,29 @@ def test_explicit_cpu_pool_size(tiny_random_dir):
     llm = LLM(str(tiny_random_dir), dtype="float32", kv_cache_memory_gib=0.25, max_length=2048)
     assert llm.engine.stats.kv_pages_total == 2**30 // 4 // page_bytes == 512
     assert "512 pages x 128 tokens (bfloat16, 0.25 GiB)" in banner(llm, OPTS)
+
+
+def test_pool_is_resident_and_zero_from_the_start(tiny_random_dir):
+    """RSS grows by the whole pool while the engine starts (pages left untouched would not count),
+    and every page reads zero before any request."""
+    page_bytes = 128 * 2 * 2 * 4 * 128 * 2
+    before = _rss_bytes()
+    llm = LLM(str(tiny_random_dir), dtype="float32", kv_cache_memory_gib=0.25, max_length=2048)
+    grown = _rss_bytes() - before
+    assert llm.engine.stats.kv_pages_total * page_bytes == 2**28
+    assert grown >= 2**28, f"RSS grew {grown / 2**20:.0f} MiB while starting, pool is 256 MiB"
+    storage = llm.engine.runner.kv_storage
+    assert all(not bool(t.any()) for t in (*storage.k, *storage.v))
+    assert sum(t.numel() * t.element_size() for t in (*storage.k, *storage.v)) == 2**28
+    assert all(t.dtype == torch.bfloat16 for t in storage.k)
+
+
+def test_server_caps_onednn_shape_caches_unless_set():
+    from m2serve.serve.cli import bound_onednn_caches
+
+    env: dict[str, str] = {}
+    bound_onednn_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    env = {"LRU_CACHE_CAPACITY": "1024"}
+    bound_onednn_caches(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "1024"}

@@ -25,7 +25,7 @@ from m2serve.engine.constraint import TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput, prompt_length_error
-from m2serve.engine.runner import ModelRunner, empty_kv_storage, wants_prompt_logprobs
+from m2serve.engine.runner import ModelRunner, wants_prompt_logprobs, zeroed_kv_storage
 from m2serve.engine.sampling import (
     PenaltyState,
     SamplerOutput,
@@ -143,8 +143,8 @@ class LLMEngine:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         num_kv_heads = getattr(model, "num_kv_heads", config.num_key_value_heads)
-        storage = empty_kv_storage(config.num_hidden_layers, num_pages, S, num_kv_heads, config.head_dim,
-                                   dtype, device, k_scale, v_scale)
+        storage = zeroed_kv_storage(config.num_hidden_layers, num_pages, S, num_kv_heads, config.head_dim,
+                                    dtype, device, k_scale, v_scale)
         caching = args.enable_prefix_caching and not getattr(model, "splits_batch", False)
         kv = KVCacheManager(num_pages, S, caching)
         scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size,

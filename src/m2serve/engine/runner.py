@@ -81,17 +81,21 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
     )
 
 
-def empty_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device | str,
-                     k_scale: list[float] | None, v_scale: list[float] | None) -> KVStorage:
-    """A `KVStorage` whose pages are left uninitialised; `ModelRunner` zeroes them on first use.
+def zeroed_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str,
+                      k_scale: list[float] | None, v_scale: list[float] | None) -> KVStorage:
+    """A `KVStorage` of zero-filled pages: the whole pool is resident from the start.
 
-    The planner sizes the pool from free memory; zero-filling it up front would touch all of it
-    (gigabytes of RAM on CPU) before the first request. Untouched pages cost no resident memory.
+    On CPU the pool is a fixed size (engine/planner.py), so filling it up front makes the server's
+    RSS flat from start-up on, as a GPU engine's pool is (vLLM zero-fills its KV cache too); a pool
+    touched page by page instead grew RSS for as long as the prefix cache kept new pages. The fill
+    costs one write pass over the pool at start (the default 4 GiB: 5.8 s on a shared 2-core box
+    at load average 9). Zeros also mean the model never reads uninitialised memory (padding reads
+    of page 0 included).
     """
     shape = (num_pages, page_size, num_kv_heads, head_dim)   # [P, S, Hkv, D]
-    return KVStorage(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                     v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+    return KVStorage(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                     v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
                      page_size=page_size,
                      k_scale=list(k_scale) if k_scale else [1.0] * num_layers,
                      v_scale=list(v_scale) if v_scale else [1.0] * num_layers)
@@ -99,27 +103,16 @@ def empty_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_hea
 
 @dataclass(slots=True)
 class ModelRunner:
-    """Runs ``model(batch, kv) -> logits [N, V] fp32`` (docs/architecture.md, model contract).
-
-    zeroed_pages: pages [0, zeroed_pages) have been zero-filled. Before each step every page up
-    to the highest id in the batch is zeroed once, so the model never reads uninitialised memory
-    (padding reads of page 0 included) even with a pool from `empty_kv_storage`.
-    """
+    """Runs ``model(batch, kv) -> logits [N, V] fp32`` (docs/architecture.md, model contract)."""
 
     model: Callable[[ForwardBatch, KVStorage], torch.Tensor]
     kv_storage: KVStorage
     device: torch.device | str = "cpu"
-    zeroed_pages: int = 0
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> list[torch.Tensor]:
         """Run one step; returns each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
         batch = build_batch(scheduled, kv, self.device)
-        top = max((p for t in batch.host.block_tables for p in t), default=0) + 1
-        if top > self.zeroed_pages:
-            for t in (*self.kv_storage.k, *self.kv_storage.v):
-                t[self.zeroed_pages:top].zero_()
-            self.zeroed_pages = top
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)

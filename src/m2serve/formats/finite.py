@@ -1,24 +1,40 @@
 """Non-finite values in checkpoint tensors, found on the stored bytes at load.
 
 A NaN or inf in any weight, norm or scale makes every answer garbage ("!!!!…") while the server
-looks healthy, so the loader refuses such a checkpoint with the tensor named. Each check is one or
-two reductions over the tensor as read from the file, before any dequantisation:
+looks healthy, so the loader refuses such a checkpoint with the tensor named. The test is on the
+stored bits, before any dequantisation: a code is non-finite when every bit of its mask is set
+(:func:`nonfinite_mask`):
 
-- floating tensors (bf16 / fp16 / fp32 weights, norms, fp32 scales): ``aminmax`` — NaN propagates
-  into both results and ±inf shows as one of them;
+- floating tensors (bf16 / fp16 / fp32 weights, norms, fp32 scales): the exponent field all ones
+  (inf or NaN), masks 0x7F80 / 0x7C00 / 0x7F800000;
 - FP8 e4m3 (``float8_e4m3fn`` weights, NVFP4 block scales): the NaN codes 0x7F and 0xFF (e4m3fn has
-  no inf), found on the raw bytes as ``max(uint8) == 0xFF`` or ``max(int8) == 0x7F``;
+  no inf), mask 0x7F;
 - E8M0 (MXFP4 block scales, uint8): the NaN code 0xFF;
 - packed E2M1 nibbles (uint8) have no non-finite code and are not checked.
+
+The loader runs the test inside the copy out of the file (:func:`copy_finite`), so the data is
+tested while it is in registers / cache instead of in a second pass over memory: the C++ op
+``m2serve_kernels::copy_check`` when the kernels are built (kernels/ops.py), else
+:func:`copy_check_torch`. :func:`find_nonfinite` counts and locates the bad values for the error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
 Encoding = Literal["float", "e4m3", "e8m0"]
+
+#: (dst [R, C], src [R, C], mask) -> whether any copied element has every bit of ``mask`` set; dst is
+#: contiguous, src rows are contiguous, both hold the stored codes as uint8 / int16 / int32.
+CopyCheck = Callable[[torch.Tensor, torch.Tensor, int], bool]
+
+_FLOAT_EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+_CODE_MASK = {"e4m3": 0x7F, "e8m0": 0xFF}
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_CHUNK_BYTES = 256 * 1024  # copy_check_torch: copied and tested while in L2
 
 
 class CorruptTensorError(ValueError):
@@ -33,7 +49,7 @@ def find_nonfinite(t: torch.Tensor, encoding: Encoding | None = None) -> tuple[i
     dtypes -> float, integer dtypes -> nothing to check). The clean path allocates nothing;
     the mask is built only after a reduction has found a bad value.
     """
-    encoding = _encoding(t, encoding)
+    encoding = _encoding(t.dtype, encoding)
     if t.numel() == 0 or encoding is None:
         return None
     if encoding == "e4m3":
@@ -56,12 +72,60 @@ def find_nonfinite(t: torch.Tensor, encoding: Encoding | None = None) -> tuple[i
     return int(bad.sum()), first
 
 
-def _encoding(t: torch.Tensor, encoding: Encoding | None) -> Encoding | None:
+def _encoding(dtype: torch.dtype, encoding: Encoding | None) -> Encoding | None:
     if encoding is not None:
         return encoding
-    if t.dtype == torch.float8_e4m3fn:
+    if dtype == torch.float8_e4m3fn:
         return "e4m3"
-    return "float" if t.dtype.is_floating_point else None
+    return "float" if dtype.is_floating_point else None
+
+
+def nonfinite_mask(dtype: torch.dtype, encoding: Encoding | None = None) -> int | None:
+    """The bits all set in a non-finite code of ``dtype`` (``encoding`` as for :func:`find_nonfinite`);
+    None when the codes have no non-finite value. Raises ValueError naming the dtype for a float
+    dtype whose exponent field is not known here (only the checkpoint header dtypes are)."""
+    encoding = _encoding(dtype, encoding)
+    if encoding is None:
+        return None
+    if encoding in _CODE_MASK:
+        return _CODE_MASK[encoding]
+    if dtype not in _FLOAT_EXPONENT:
+        raise ValueError(f"no non-finite test for stored dtype {dtype} (bf16, fp16, fp32, e4m3, e8m0 only)")
+    return _FLOAT_EXPONENT[dtype]
+
+
+def copy_check_torch(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:
+    """:data:`CopyCheck` in PyTorch ops: copy ~256 KiB of rows, then ``amax(rows & mask) == mask`` on
+    them while they are in cache. Stops copying at the first chunk with a hit."""
+    rows = max(1, _CHUNK_BYTES // max(1, src.shape[1] * src.element_size()))
+    scratch = torch.empty((min(rows, src.shape[0]), src.shape[1]), dtype=src.dtype)
+    for r in range(0, src.shape[0], rows):
+        d = dst[r:r + rows]
+        d.copy_(src[r:r + rows])
+        s = scratch[:d.shape[0]]
+        torch.bitwise_and(d, mask, out=s)
+        if int(s.amax()) == mask:
+            return True
+    return False
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, -1) if t.dim() <= 1 else t.flatten(1)  # [R, C]; a view for our slices
+
+
+def copy_finite(src: torch.Tensor, name: str, copy_check: CopyCheck, encoding: Encoding | None = None,
+                where: str = "") -> torch.Tensor:
+    """A contiguous copy of ``src`` (a stored tensor or a dim-0 / dim-1 slice of one, e.g. a view of the
+    file), tested for non-finite codes by ``copy_check`` in the same pass. Raises CorruptTensorError
+    as :func:`check_finite` does (``name``, ``where``, count, first index) on a hit."""
+    out = torch.empty(src.shape, dtype=src.dtype)
+    mask = nonfinite_mask(src.dtype, encoding)
+    if mask is None or src.numel() == 0:
+        return out.copy_(src)
+    ints = _INT_OF_WIDTH[src.element_size()]
+    if copy_check(_rows(out.view(ints)), _rows(src.view(ints)), mask):
+        check_finite(src, name, encoding, where)
+    return out
 
 
 _WHAT = {"e4m3": "FP8 e4m3 value(s) hold a NaN code (0x7F/0xFF)",
@@ -74,6 +138,6 @@ def check_finite(t: torch.Tensor, name: str, encoding: Encoding | None = None, w
     found = find_nonfinite(t, encoding)
     if found is not None:
         count, first = found
-        raise CorruptTensorError(f"{where + ': ' if where else ''}{name}: {count} "
-                                 f"{_WHAT[_encoding(t, encoding) or 'float']} (first at index {first}); "
-                                 "the checkpoint is corrupt: re-download or re-convert it")
+        what = _WHAT[_encoding(t.dtype, encoding) or "float"]
+        raise CorruptTensorError(f"{where + ': ' if where else ''}{name}: {count} {what} (first at index "
+                                 f"{first}); the checkpoint is corrupt: re-download or re-convert it")

@@ -6,9 +6,9 @@ yields one ready tensor at a time (dense, in the compute dtype; router in fp32),
 stays near the final model size. Every linear weight goes through :func:`dequantize_linear`,
 the one dispatch point per storage kind.
 
-Every tensor read (weights, norms, scales, packed codes, KV scales) is checked for NaN / inf on
-its stored bytes before use (formats/finite.py); a corrupt one raises CorruptTensorError naming
-the file and tensor.
+Every tensor read (weights, norms, scales, FP8 codes, KV scales) is tested for NaN / inf codes on
+its stored bytes while it is copied out of the file (CheckpointReader.read, formats/finite.py);
+a corrupt one raises CorruptTensorError naming the file and tensor.
 
 Shard hook: ``plan(name, global_shape)`` returns None (whole tensor), ``"skip"`` (not on this
 rank) or ``(dim, start, end)`` (read only that slice; FP8 slices must start on a 128 boundary).
@@ -36,7 +36,7 @@ from m2serve.formats.detect import (
     detect_quant,
     linear_kind,
 )
-from m2serve.formats.finite import Encoding, check_finite
+from m2serve.formats.finite import CopyCheck, copy_check_torch
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4
 from m2serve.formats.fp8 import PackedFP8
 from m2serve.formats.safetensors_io import CheckpointReader, TensorInfo
@@ -62,15 +62,6 @@ class LoadPlan:
     kinds: dict[str, LinearKind] = field(default_factory=dict)
     kv_scales: dict[tuple[int, str], str] = field(default_factory=dict)  # (layer, "k"|"v") -> name
     quant: QuantSpec | None = None  # checkpoint-level quantisation (formats/detect.py)
-
-
-def read_checked(plan: LoadPlan, fname: str, rows: tuple[int, int] | None = None,
-                 cols: tuple[int, int] | None = None, encoding: Encoding | None = None) -> torch.Tensor:
-    """``plan.reader.read(fname, rows, cols)``, refused with CorruptTensorError (naming the file
-    and tensor) when it holds non-finite values; ``encoding`` as for formats/finite.py."""
-    t = plan.reader.read(fname, rows, cols)
-    check_finite(t, fname, encoding, where=plan.reader.tensors[fname].file.name)
-    return t
 
 
 def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPlan:
@@ -150,7 +141,7 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     fname = plan.files[name]
     kind = plan.kinds[name]
     if kind is LinearKind.DENSE:
-        return read_checked(plan, fname, rows, cols).to(dtype)
+        return plan.reader.read(fname, rows, cols).to(dtype)
     if kind is LinearKind.FP8_BLOCK:
         return packed_fp8(plan, name, rows, cols).dequantize(dtype)
     return packed_linear(plan, name, rows, cols).dequantize(dtype)
@@ -184,9 +175,9 @@ def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None
     scols = (cols[0] // g, cols[1] // g) if cols else None
     second = comps.get("weight_scale_2") or comps.get("weight_global_scale")
     packed = plan.reader.read(fname, rows, pcols)  # E2M1 nibbles: every code is finite
-    scale = read_checked(plan, comps["weight_scale"].name, rows, scols,
-                         "e8m0" if scheme is FP4Scheme.MXFP4 else "e4m3")
-    scalar = read_checked(plan, second.name).float() if second else None
+    scale = plan.reader.read(comps["weight_scale"].name, rows, scols,
+                             "e8m0" if scheme is FP4Scheme.MXFP4 else "e4m3")
+    scalar = plan.reader.read(second.name).float() if second else None
     return PackedFP4(scheme, packed, scale, scalar, fname)
 
 
@@ -198,8 +189,8 @@ def packed_fp8(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
     fname = plan.files[name]
     scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
     srows, scols = (_block_range(name, r) if r else None for r in (rows, cols))
-    q = read_checked(plan, fname, rows, cols, "e4m3")
-    return PackedFP8(q, read_checked(plan, scale.name, srows, scols).float(), fname)
+    q = plan.reader.read(fname, rows, cols, "e4m3")
+    return PackedFP8(q, plan.reader.read(scale.name, srows, scols).float(), fname)
 
 
 def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
@@ -246,7 +237,7 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
                 t = dequantize_linear(plan, canon, dtype, rows, cols)
             else:
                 target = torch.float32 if names.is_router(canon) else dtype
-                t = read_checked(plan, fname, rows, cols).to(target)
+                t = reader.read(fname, rows, cols).to(target)
             bar.update(info.nbytes)
             yield canon, t
 
@@ -258,7 +249,7 @@ def read_kv_scales(plan: LoadPlan) -> tuple[list[float], list[float]] | None:
     L = plan.config.num_hidden_layers
     k, v = [1.0] * L, [1.0] * L
     for (layer, which), fname in plan.kv_scales.items():
-        val = float(read_checked(plan, fname).float().reshape(-1)[0])
+        val = float(plan.reader.read(fname).float().reshape(-1)[0])
         (k if which == "k" else v)[layer] = val
     return k, v
 
@@ -274,9 +265,9 @@ def read_input_scales(plan: LoadPlan) -> dict[str, float]:
     found: dict[str, float] = {}
     for canon, comps in plan.companions.items():
         if "input_scale" in comps:
-            found[canon] = float(read_checked(plan, comps["input_scale"].name).float().reshape(-1)[0])
+            found[canon] = float(plan.reader.read(comps["input_scale"].name).float().reshape(-1)[0])
         elif "input_global_scale" in comps:
-            inv = read_checked(plan, comps["input_global_scale"].name).float().reshape(-1)[0]
+            inv = plan.reader.read(comps["input_global_scale"].name).float().reshape(-1)[0]
             found[canon] = 1.0 / float(inv)
     if not found:
         return {}
@@ -288,6 +279,8 @@ def read_input_scales(plan: LoadPlan) -> dict[str, float]:
     return {**found, **dict.fromkeys(missing, 1.0)}
 
 
-def open_checkpoint(path: str | Path, config: MiniMaxM2Config) -> LoadPlan:
-    """Open ``path`` and plan its load (see :func:`plan_checkpoint`)."""
-    return plan_checkpoint(CheckpointReader(path), config)
+def open_checkpoint(path: str | Path, config: MiniMaxM2Config,
+                    copy_check: CopyCheck = copy_check_torch) -> LoadPlan:
+    """Open ``path`` (reads copied and tested by ``copy_check``, formats/finite.py) and plan its load
+    (see :func:`plan_checkpoint`)."""
+    return plan_checkpoint(CheckpointReader(path, copy_check), config)

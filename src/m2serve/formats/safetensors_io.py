@@ -3,18 +3,22 @@
 docs/checkpoints.md §1: with ``model.safetensors.index.json`` exactly the files named in its
 ``weight_map`` are read (a stray ``*.safetensors`` beside them is ignored); without an index, a
 single ``model.safetensors``. Headers are parsed and checked against the file size before any
-data is read, so a truncated or corrupt file fails with its name instead of a late crash.
+data is read, so a truncated or corrupt file fails with its name instead of a late crash. Reads copy
+out of a memory map of the file and test the bytes for non-finite codes in the same pass
+(formats/finite.py).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+
+from m2serve.formats.finite import CopyCheck, Encoding, copy_check_torch, copy_finite
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,13 +39,15 @@ class CheckpointFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One tensor as its header describes it: ``dtype`` is the header string (e.g. ``"F8_E4M3"``)."""
+    """One tensor as its header describes it: ``dtype`` is the header string (e.g. ``"F8_E4M3"``);
+    ``offset``: where its data starts in the file (bytes)."""
 
     name: str
     file: Path
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
@@ -96,7 +102,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             raise CheckpointFormatError(
                 f"{file}: truncated: tensor {name!r} ends at data byte {end} but the file holds "
                 f"only {data_len} data bytes")
-        out[name] = TensorInfo(name, file, dtype, shape, want)
+        out[name] = TensorInfo(name, file, dtype, shape, want, 8 + n + start)
     return out
 
 
@@ -134,11 +140,13 @@ class CheckpointReader:
 
     ``tensors`` maps each name to its :class:`TensorInfo`. With an index, every name it lists
     must be in the named shard's header and no name may appear in two shards (else
-    CheckpointFormatError naming both). Use as a context manager or call :meth:`close`.
+    CheckpointFormatError naming both). ``copy_check`` copies and tests the bytes of each read
+    (formats/finite.py; kernels/ops.py passes the C++ op). Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, copy_check: CopyCheck = copy_check_torch):
         self.path = Path(path)
+        self.copy_check = copy_check
         self.files = checkpoint_files(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:
@@ -155,7 +163,7 @@ class CheckpointReader:
                     raise CheckpointFormatError(
                         f"{index} maps tensor {name!r} to {fname}, but that shard's header does "
                         f"not contain it")
-        self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -164,30 +172,37 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Release the open file handles."""
-        self._handles.clear()
+        """Drop the file maps (each is unmapped once no tensor view of it is left)."""
+        self._maps.clear()
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
-             cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor ``name`` as stored (CPU, header dtype), optionally only ``[start, end)`` of
-        dim 0 (``rows``) and/or dim 1 (``cols``).
+             cols: tuple[int, int] | None = None, encoding: Encoding | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored (CPU, header dtype, a copy), optionally only ``[start, end)``
+        of dim 0 (``rows``) and/or dim 1 (``cols``), tested for non-finite codes while it is copied
+        (``encoding`` as for formats/finite.py; U8 without one, e.g. packed E2M1, is not tested).
 
         Raises KeyError naming the tensor if absent; CheckpointFormatError naming the file if the
-        data cannot be read.
+        data cannot be read; CorruptTensorError naming the file and tensor for NaN / inf / NaN codes.
         """
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
         try:
-            if handle is None:
-                handle = safe_open(str(info.file), framework="pt", device="cpu")
-                self._handles[info.file] = handle
-            if rows is None and cols is None:
-                return handle.get_tensor(name)
-            index = [slice(None)] * len(info.shape)
-            if rows is not None:
-                index[0] = slice(*rows)
-            if cols is not None:
-                index[1] = slice(*cols)
-            return handle.get_slice(name)[tuple(index)]
-        except Exception as e:  # safetensors raises its own error types
+            view = self._view(info)
+        except (OSError, ValueError) as e:
             raise CheckpointFormatError(f"{info.file}: cannot read tensor {name!r}: {e}") from e
+        if rows is not None:
+            view = view[slice(*rows)]
+        if cols is not None:
+            view = view[:, slice(*cols)]
+        return copy_finite(view, name, self.copy_check, encoding, where=info.file.name)
+
+    def _view(self, info: TensorInfo) -> torch.Tensor:
+        """``info``'s tensor as a view of the mapped file (no copy; read-only use)."""
+        dtype = HEADER_DTYPES[info.dtype]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        mm = self._maps.get(info.file)
+        if mm is None:
+            with open(info.file, "rb") as fh:  # a private map: torch wants a writable buffer, nothing writes
+                mm = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        return raw.view(dtype).view(info.shape)

@@ -1,7 +1,7 @@
-"""Build, cache and load the packed-weight CPU kernels (csrc/packed_linear.cpp), and pick the ISA.
+"""Build, cache and load the CPU kernels (csrc/: packed_linear.cpp, copy_check.cpp), and pick the ISA.
 
 The C++ is compiled once with ``torch.utils.cpp_extension`` (ninja) into a cache directory keyed
-by the source hash and the torch / Python versions, under a file lock so that ``cpu:N`` ranks
+by the sources' hash and the torch / Python versions, under a file lock so that ``cpu:N`` ranks
 started together build it once; later processes just load the shared library. ``m2serve
 build-kernels`` does the same ahead of time. Any failure (no compiler, no headers, failed build,
 a CPU without the requested ISA) leaves :func:`kernel_backend` reporting the pure-PyTorch
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "copy_check.cpp"))
 LIBRARY = "m2serve_kernels"
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "M2SERVE_CPU_ISA"
@@ -55,9 +55,9 @@ class KernelBackend:
 
 
 def cache_dir() -> Path:
-    """Build directory of this source + torch + Python (``$M2SERVE_KERNEL_CACHE`` overrides the root)."""
+    """Build directory of these sources + torch + Python (``$M2SERVE_KERNEL_CACHE`` overrides the root)."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "m2serve" / "kernels")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)).hexdigest()[:12]
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{digest}"
     return root / tag.replace("+", "_")
 
@@ -80,7 +80,7 @@ def build(verbose: bool = False) -> Path:
         if lib.exists():
             return lib
         print("building CPU kernels (once)", file=sys.stderr, flush=True)
-        cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], build_directory=str(build_dir),
+        cpp_extension.load(name=LIBRARY, sources=[str(f) for f in SOURCES], build_directory=str(build_dir),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=verbose)
         return lib

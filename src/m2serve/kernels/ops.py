@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
+from m2serve.formats.finite import CopyCheck, copy_check_torch
 from m2serve.formats.fp4 import (
     FP4Scheme,
     PackedFP4,
@@ -219,3 +220,16 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13
     """
     gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend).chunk(2, dim=-1)  # [R, I_loc] x2
     return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend)
+
+
+def _copy_check_kernel(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:
+    return bool(torch.ops.m2serve_kernels.copy_check(dst, src, mask))
+
+
+def checkpoint_copy_check(backend: KernelBackend | None = None) -> CopyCheck:
+    """The copy-and-test of checkpoint reads (formats/finite.py ``CopyCheck``): the C++ op
+    ``m2serve_kernels::copy_check`` (one pass, the test on the value in a register) when the kernels
+    are available (``backend``, default :func:`kernel_backend`), else formats/finite.py's
+    ``copy_check_torch`` (chunked PyTorch ops)."""
+    backend = backend if backend is not None else kernel_backend()
+    return _copy_check_kernel if backend.available else copy_check_torch

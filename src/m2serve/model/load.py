@@ -11,7 +11,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelState
 from m2serve.formats.loader import ShardPlan, iter_weights, open_checkpoint, read_kv_scales
 from m2serve.kernels.build import kernel_backend
-from m2serve.kernels.ops import kernels_apply
+from m2serve.kernels.ops import checkpoint_copy_check, kernels_apply
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
 
 
@@ -61,7 +61,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     cfg = MiniMaxM2Config.from_pretrained(path)
-    plan = open_checkpoint(path, cfg)
+    plan = open_checkpoint(path, cfg, checkpoint_copy_check())
     parallel = parallel or ParallelState()
     with torch.device(device):
         model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)

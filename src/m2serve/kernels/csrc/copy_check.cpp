@@ -1,0 +1,94 @@
+// Copy checkpoint bytes and look for non-finite codes in the same pass (formats/finite.py).
+//
+// m2serve_kernels::copy_check(dst, src, mask) copies src [R, C] into the contiguous dst [R, C]
+// (same integer dtype: uint8, int16 or int32, the stored element's width) and returns whether any
+// element has every bit of `mask` set (the exponent field of bf16 / fp16 / fp32, 0x7F for the FP8
+// e4m3 NaN codes 0x7F / 0xFF, 0xFF for the E8M0 NaN code). src may be a column slice: its rows are
+// contiguous (stride(1) == 1), row stride anything. The copy goes 16 KiB at a time (memcpy) and
+// each block is tested right after it lands, while it is in L1, so the check costs no extra pass
+// over memory; threads split the rows (or the elements of a contiguous src) with at::parallel_for.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;        // elements per parallel task
+constexpr int64_t kBlockBytes = 16 << 10;  // copied, then tested while in L1
+
+// min over i of (~d[i] & mask): 0 exactly when some element has every bit of mask set. A min
+// reduction vectorises (pminub / pminuw / pminud); one clone per ISA, picked at load time.
+#define M2_MIN_MASKED(U)                                                                    \
+  __attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) U min_masked(const U* d, \
+                                                                             int64_t n, U mask) { \
+    U m = mask;                                                                             \
+    for (int64_t i = 0; i < n; ++i) {                                                       \
+      const U x = static_cast<U>(~d[i] & mask);                                             \
+      m = x < m ? x : m;                                                                    \
+    }                                                                                       \
+    return m;                                                                               \
+  }
+M2_MIN_MASKED(uint8_t)
+M2_MIN_MASKED(uint16_t)
+M2_MIN_MASKED(uint32_t)
+#undef M2_MIN_MASKED
+
+// Copy n elements block by block (memcpy), testing each block right after it lands.
+template <typename U>
+bool copy_run(const U* s, U* d, int64_t n, U mask) {
+  constexpr int64_t block = kBlockBytes / sizeof(U);
+  bool hit = false;
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t len = std::min(block, n - b);
+    std::memcpy(d + b, s + b, len * sizeof(U));
+    hit |= min_masked(d + b, len, mask) == 0;
+  }
+  return hit;
+}
+
+template <typename U>
+bool copy_check_impl(const at::Tensor& dst, const at::Tensor& src, int64_t mask64) {
+  const U mask = static_cast<U>(mask64);
+  const int64_t R = src.size(0), C = src.size(1), row_stride = src.stride(0);
+  const U* s = static_cast<const U*>(src.const_data_ptr());
+  U* d = static_cast<U*>(dst.mutable_data_ptr());
+  std::atomic<bool> bad{false};
+  if (row_stride == C || R == 1) {  // contiguous: split the flat range
+    at::parallel_for(0, R * C, kGrain, [&](int64_t b, int64_t e) {
+      if (copy_run(s + b, d + b, e - b, mask)) bad.store(true, std::memory_order_relaxed);
+    });
+  } else {
+    at::parallel_for(0, R, std::max<int64_t>(1, kGrain / std::max<int64_t>(C, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        if (copy_run(s + r * row_stride, d + r * C, C, mask)) bad.store(true, std::memory_order_relaxed);
+      }
+    });
+  }
+  return bad.load();
+}
+
+bool copy_check(at::Tensor dst, const at::Tensor& src, int64_t mask) {
+  TORCH_CHECK(src.dim() == 2 && dst.dim() == 2 && src.sizes() == dst.sizes(),
+              "copy_check: src and dst must both be [R, C] of one shape");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "copy_check: src and dst dtypes differ");
+  TORCH_CHECK(dst.is_contiguous() && (src.size(1) <= 1 || src.stride(1) == 1),
+              "copy_check: dst must be contiguous and src rows contiguous");
+  switch (src.scalar_type()) {
+    case at::kByte: return copy_check_impl<uint8_t>(dst, src, mask);
+    case at::kShort: return copy_check_impl<uint16_t>(dst, src, mask);
+    case at::kInt: return copy_check_impl<uint32_t>(dst, src, mask);
+    default: TORCH_CHECK(false, "copy_check: src must be uint8, int16 or int32, got ", src.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(m2serve_kernels, m) { m.def("copy_check(Tensor(a!) dst, Tensor src, int mask) -> bool"); }
+
+TORCH_LIBRARY_IMPL(m2serve_kernels, CPU, m) { m.impl("copy_check", &copy_check); }
