@@ -155,3 +155,32 @@ def test_same_greedy_tokens_and_length_error_as_the_server(llm):
     assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
     assert f"the prompt has {n} tokens but the max context of {MAX_LENGTH} tokens" in err["message"]
     assert str(offline_err.value) == f"messages: {err['message']}"
+
+
+@pytest.mark.parametrize("cut", ["</invoke", '<parameter name="city">Par', '<invoke name="get_w'])
+def test_collected_result_returns_only_closed_calls(cut):
+    """Generation stopped inside the second invoke: streamed per character, the collected choice keeps
+    the closed call only (docs/parsers.md P18: the unclosed invoke is content, P26: only streaming
+    cannot take its header back), with the hand-derived arguments, and the cut text as content."""
+    from m2serve.serve.chat_pipeline import ChoiceAccumulator
+    from m2serve.serve.output import OutputDelta
+    from m2serve.text.parser import StreamingParser
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    closed = '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n'
+    second = '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke'
+    text = "<minimax:tool_call>\n" + closed + second[:second.index(cut) + len(cut)]
+    parser = StreamingParser(tools)
+    acc = ChoiceAccumulator(0)
+    for ch in text:
+        d = parser.feed(ch)
+        acc.add(OutputDelta("r", text=ch, reasoning=d.reasoning, content=d.content,
+                            tool_calls=list(d.tool_calls)))
+    d = parser.finish()
+    acc.add(OutputDelta("r", reasoning=d.reasoning, content=d.content, tool_calls=list(d.tool_calls),
+                        finished=True, finish_reason="length"))
+    out = acc.result()
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert out.content is not None and out.content.startswith('<invoke name="get_w')
+    assert out.finish_reason == "length"

@@ -292,16 +292,28 @@ class ChoiceAccumulator:
             self.out.finish_reason = d.finish_reason
 
     def result(self) -> CompletionOutput:
-        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7)."""
+        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7). Only closed
+        calls are calls: a call whose invoke never closed (generation stopped inside it) streamed its
+        header and an arguments prefix that cannot be taken back (P26), but its raw text is already
+        content (P18), so the collected result leaves it out. Arguments are a JSON object only once
+        ``}`` arrives at ``</invoke>`` (P24), which is how a closed call is told apart."""
         o = self.out
         o.text = "".join(self._text)
         o.reasoning = "".join(self._reasoning) or None
         o.content = "".join(self._content) or None
-        o.tool_calls = [
-            ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
-            for _, s in sorted(self._calls.items())
-        ]
+        calls = [ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
+                 for _, s in sorted(self._calls.items())]
+        o.tool_calls = [c for c in calls if _closed_arguments(c.arguments)]
         return o
+
+
+def _closed_arguments(arguments: str) -> bool:
+    """Whether a call's streamed arguments are complete: a JSON object (P24: the growing prefix gets
+    its closing ``}`` only at ``</invoke>``)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 @dataclass(slots=True)
