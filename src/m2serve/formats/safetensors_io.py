@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from m2serve.formats.finite import CopyCheck, Encoding, copy_check_torch, copy_finite
@@ -202,7 +204,13 @@ class CheckpointReader:
             return torch.empty(info.shape, dtype=dtype)
         mm = self._maps.get(info.file)
         if mm is None:
-            with open(info.file, "rb") as fh:  # a private map: torch wants a writable buffer, nothing writes
-                mm = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+            # read-only: a private writable map (ACCESS_COPY) is charged in full to the kernel's
+            # committed memory, which fails a large checkpoint under vm.overcommit_memory=2
+            with open(info.file, "rb") as fh:
+                mm = self._maps[info.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # torch has no read-only tensors and warns about one; this view is only ever copied from
+        # (copy_finite), never written
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset))
         return raw.view(dtype).view(info.shape)
