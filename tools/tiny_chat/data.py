@@ -49,8 +49,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"
 
 KINDS = ("tool_call", "tool_result", "no_tool", "plain", "repeat", "natural_result")
-# Kind mix of the training corpus (five weights leave natural_result out). The default stays the committed checkpoint's five-weight mix (natural_result 0), so the documented
-# commands of train.py and tokenizer.py reproduce it; a natural_result run passes six weights.
+# Kind mix of the training corpus (five weights leave natural_result out). The default stays the
+# committed checkpoint's mix, so the documented commands of train.py and tokenizer.py reproduce it; a
+# natural_result run passes six weights.
 KIND_WEIGHTS = (0.36, 0.28, 0.12, 0.08, 0.16)
 
 
