@@ -6,7 +6,7 @@ encodings (default: ``fp8`` and ``bf16``, built by formats.py's ``build_all``; `
 its directory) are loaded with default flags (``--weight-dequant auto``: FP8 stays packed where the
 CPU kernels run, bf16 uses the bf16 kernel) and decode greedily one token each, alternately,
 ``--steps`` times, so both see the same load. Printed per encoding: median wall ms per token and
-tok/s, median thread CPU ms per token (what the step computed, less sensitive to other processes),
+tok/s, median process CPU ms per token (all threads) (what the step computed, less sensitive to other processes),
 MB read per token; then the ratio of the first encoding's tok/s to the second's, from the medians
 and as the median of the per-pair ratios.
 
@@ -56,11 +56,11 @@ def main() -> None:
             toks = {e: m(c.batch([(0, prompt)]), c.storage).argmax(-1).tolist() for e, (m, c) in runs.items()}
             for step in range(args.steps + 1):  # step 0: warm-up
                 for enc, (model, cache) in runs.items():
-                    t, ct = time.perf_counter(), time.thread_time()
+                    t, ct = time.perf_counter(), time.process_time()
                     toks[enc] = model(cache.batch([(0, toks[enc])]), cache.storage).argmax(-1).tolist()
                     if step:
                         wall[enc].append(time.perf_counter() - t)
-                        cpu[enc].append(time.thread_time() - ct)
+                        cpu[enc].append(time.process_time() - ct)
         print(f"{args.threads} thread(s), {args.steps} interleaved decode steps")
         print(f"{'encoding':9}{'MB/token':>9}{'wall ms':>9}{'tok/s':>7}{'CPU ms':>8}{'tok/CPU-s':>10}")
         for enc, (model, _) in runs.items():

@@ -104,8 +104,8 @@ class ChatJob:
     messages: template-ready history (``role``, ``content`` string, ``reasoning_content``,
     ``tool_calls`` in OpenAI form, ``tool_call_id``); tools: OpenAI function tool dicts or None;
     tool_choice ``auto``, ``none`` (the tool-call tag can never be generated) or ``required`` (1 to
-    ``max_tool_calls`` calls of the declared tools); tool_name: a named tool choice (calls of that tool
-    only);
+    ``max_tool_calls`` calls of the declared tools); tool_name: a named tool choice (exactly one call of
+    that tool);
     output: the structured-output format (:class:`OutputFormat`) or None; reasoning_budget: the most
     reasoning tokens before ``</think>`` is forced (Anthropic ``thinking.budget_tokens``); params: from
     :func:`sampling_params`; reasoning_split: the parser mode (True split, False passthrough, None the

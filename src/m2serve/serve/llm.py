@@ -297,9 +297,10 @@ class LLM:
         (``{"type": "function", "function": {"name", "description", "parameters"}}``); reasoning_split:
         True split reasoning, False passthrough (``<think>`` + text in content), None the LLM's
         reasoning_parser; tool_choice: ``auto``, ``none`` (tools rendered, a call can never be
-        generated), ``required`` (one or more calls of the declared tools) or
-        ``{"type": "function", "function": {"name": ...}}`` (calls of that tool);
-        parallel_tool_calls False: at most one call per choice; response_format: OpenAI's
+        generated), ``required`` (1 to N calls of the declared tools, N = the number of tools) or
+        ``{"type": "function", "function": {"name": ...}}`` (exactly one call of that tool; the cap:
+        docs/constrained-decoding.md, "Tool-call cap"); parallel_tool_calls False: at most one call
+        per choice; response_format: OpenAI's
         ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``;
         structured_outputs: vLLM's ``{"json" | "regex" | "choice" | "grammar": ...}`` (one of the two);
         reasoning_budget: the most reasoning tokens before ``</think>`` is forced
