@@ -6,7 +6,8 @@ encodings (default: ``fp8`` and ``bf16``, built by formats.py's ``build_all``; `
 its directory) are loaded with default flags (``--weight-dequant auto``: FP8 stays packed where the
 CPU kernels run, bf16 uses the bf16 kernel) and decode greedily one token each, alternately,
 ``--steps`` times, so both see the same load. Printed per encoding: median wall ms per token and
-tok/s, median process CPU ms per token (all threads) (what the step computed, less sensitive to other processes),
+tok/s, median process CPU ms per token (all threads: what the step computed, less sensitive to
+other processes),
 MB read per token; then the ratio of the first encoding's tok/s to the second's, from the medians
 and as the median of the per-pair ratios.
 
