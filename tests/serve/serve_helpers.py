@@ -115,3 +115,18 @@ def metric(m: dict[str, float], name: str, **labels: str) -> float:
 
 def labels_of(key: str) -> dict[str, str]:
     return dict(re.findall(r'(\w+)="([^"]*)"', key))
+
+
+# A structured-output schema whose every production is bounded (enum, boolean, integer bounds, a string
+# with maxLength): the embedded model's greedy output always completes it within 256 tokens.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 32},
+        "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+        "warm": {"type": "boolean"},
+        "celsius": {"type": "integer", "minimum": -30, "maximum": 45},
+    },
+    "required": ["city", "sky", "warm", "celsius"],
+    "additionalProperties": False,
+}

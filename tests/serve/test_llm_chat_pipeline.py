@@ -17,6 +17,7 @@ import tokenize
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
+from serve_helpers import WEATHER_SCHEMA
 
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve import chat_pipeline as cp
@@ -30,17 +31,7 @@ QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 32},
-        "sky": {"enum": ["sunny", "cloudy", "rainy"]},
-        "warm": {"type": "boolean"},
-        "celsius": {"type": "integer", "minimum": -30, "maximum": 45},
-    },
-    "required": ["city", "sky", "warm", "celsius"],
-    "additionalProperties": False,
-}
+SCHEMA = WEATHER_SCHEMA
 GREEDY = SamplingParams(temperature=0.0, max_tokens=256)
 
 

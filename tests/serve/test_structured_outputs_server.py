@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from serve_helpers import FAST_ENGINE_FLAGS, start_server
+from serve_helpers import FAST_ENGINE_FLAGS, WEATHER_SCHEMA, start_server
 
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.tokenizer import Tokenizer
@@ -47,17 +47,7 @@ class Weather(BaseModel):
     celsius: int = Field(ge=-30, le=45)
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 32},
-        "sky": {"enum": ["sunny", "cloudy", "rainy"]},
-        "warm": {"type": "boolean"},
-        "celsius": {"type": "integer", "minimum": -30, "maximum": 45},
-    },
-    "required": ["city", "sky", "warm", "celsius"],
-    "additionalProperties": False,
-}
+SCHEMA = WEATHER_SCHEMA
 TOOL_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 32},
