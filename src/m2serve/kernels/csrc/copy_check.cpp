@@ -23,21 +23,46 @@ constexpr int64_t kGrain = 1 << 16;        // elements per parallel task
 constexpr int64_t kBlockBytes = 16 << 10;  // copied, then tested while in L1
 
 // min over i of (~d[i] & mask): 0 exactly when some element has every bit of mask set. A min
-// reduction vectorises (pminub / pminuw / pminud); one clone per ISA, picked at load time.
-#define M2_MIN_MASKED(U)                                                                    \
-  __attribute__((target_clones("arch=skylake-avx512", "avx2", "default"))) U min_masked(const U* d, \
-                                                                             int64_t n, U mask) { \
-    U m = mask;                                                                             \
-    for (int64_t i = 0; i < n; ++i) {                                                       \
-      const U x = static_cast<U>(~d[i] & mask);                                             \
-      m = x < m ? x : m;                                                                    \
-    }                                                                                       \
-    return m;                                                                               \
+// reduction vectorises (pminub / pminuw / pminud). The body is compiled once per ISA through
+// target attributes and picked by a run-time CPU check, as packed_linear.cpp does (no -march flags,
+// and no ifunc / target_clones, which some C libraries, e.g. musl, lack).
+template <typename U>
+__attribute__((always_inline)) inline U min_masked_body(const U* d, int64_t n, U mask) {
+  U m = mask;
+  for (int64_t i = 0; i < n; ++i) {
+    const U x = static_cast<U>(~d[i] & mask);
+    m = x < m ? x : m;
   }
-M2_MIN_MASKED(uint8_t)
-M2_MIN_MASKED(uint16_t)
-M2_MIN_MASKED(uint32_t)
-#undef M2_MIN_MASKED
+  return m;
+}
+
+template <typename U>
+__attribute__((target("avx512f,avx512bw"))) U min_masked_avx512(const U* d, int64_t n, U mask) {
+  return min_masked_body(d, n, mask);
+}
+
+template <typename U>
+__attribute__((target("avx2"))) U min_masked_avx2(const U* d, int64_t n, U mask) {
+  return min_masked_body(d, n, mask);
+}
+
+enum class Isa { kAvx512, kAvx2, kBaseline };
+
+Isa cpu_isa() {
+  static const Isa isa = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                             ? Isa::kAvx512
+                             : (__builtin_cpu_supports("avx2") ? Isa::kAvx2 : Isa::kBaseline);
+  return isa;
+}
+
+template <typename U>
+U min_masked(const U* d, int64_t n, U mask) {
+  switch (cpu_isa()) {
+    case Isa::kAvx512: return min_masked_avx512(d, n, mask);
+    case Isa::kAvx2: return min_masked_avx2(d, n, mask);
+    default: return min_masked_body(d, n, mask);
+  }
+}
 
 // Copy n elements block by block (memcpy), testing each block right after it lands.
 template <typename U>
