@@ -270,6 +270,27 @@ def test_agents_sdk_function_tool_loop(server):
     assert RESULT in result.final_output
 
 
+def test_agents_sdk_chat_completions_model_with_a_dict_returning_tool(server):
+    # issue 15 item 4: the Agents SDK's chat completions model sends a tool's dict back as Python's
+    # str(dict), and the call turn without reasoning; tiny-chat's answer carries the dict's values
+    agents.set_tracing_disabled(True)
+    seen = []
+    weather = {"city": "Paris", "temperature_c": 18, "condition": "sunny"}
+
+    @agents.function_tool
+    def get_weather(city: str) -> dict:
+        """Get the weather for a city"""
+        seen.append(city)
+        return weather
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    agent = agents.Agent(name="weather", tools=[get_weather],
+                         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client))
+    result = asyncio.run(agents.Runner.run(agent, QUESTION))
+    assert seen == ["Paris"]
+    assert all(str(v) in result.final_output for v in weather.values()), result.final_output
+
+
 # --------------------------------------------------------------------------- three APIs, one pipeline
 
 

@@ -14,7 +14,8 @@ chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hund
 - ``natural_result``: the same with tool responses in the shapes real tools return (natural_result):
   a JSON object of several fields, an object with a nested object or list, a top-level list, or a
   plain string; serialised as ``json.dumps`` does, compactly, or as Python's ``str(dict)`` (what the
-  OpenAI Agents SDK sends for a function tool returning a dict). The answer carries every value.
+  OpenAI Agents SDK sends for a function tool returning a dict). The answer restates the content
+  (natural_answer), so it carries every value.
 - ``no_tool``: tools are offered but none fits (greeting, copying, arithmetic, or a request for a tool
   that is not offered); the assistant answers directly without a call.
 - ``plain``: no tools; greetings, "repeat after me: …" copying, small arithmetic (one-digit operands).
@@ -181,6 +182,8 @@ class Sampler:
     its last BPE piece is the template word that follows it ("The weather in Paris is ...", where
     ``Paris`` is ``P`` + ``ar`` + ``is``).
 
+    ``natural``: the answer format of a natural result, a key of NATURAL_FORMATS (natural_answer).
+
     ``wide`` (training only, default 0): the probability that a made-up word or a name is a
     ``wide_word`` (any letters) instead of a syllable word or a listed name, so that the pieces of
     unseen real words (a held-out ``Munich`` is ``Mun`` + ``ich``) occur as values in training."""
@@ -191,6 +194,7 @@ class Sampler:
     arith: str = "one_digit"
     verdict: bool = True
     suffix: float = 0.0
+    natural: str = "result_of"
 
     def pick(self, make: Callable[[], object], tries: int = 200):
         """Draw from ``make`` until the value belongs to this split (raises if the pool is too small)."""
@@ -374,21 +378,22 @@ def natural_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def natural_answer(name: str, value) -> str:
-    """The answer to a natural result: ``Here is the result of NAME: city Paris, temperature_c 18,
-    condition sunny.`` (an object's fields as ``key value``, nested ones inline, a list's items
-    comma-separated), or for a plain string ``NAME returned: TEXT.``."""
+# Answer formats of a natural result (natural_answer). "returned" was RUN9/RUN10's (train.py); its
+# "returned" also ends the reasoning's "The tool returned an object.", and the model sometimes ended
+# its reasoning with the answer's end of turn, so the committed model answers "Result of NAME: ...".
+NATURAL_FORMATS = {"result_of": "Result of {name}: {content}.", "returned": "{name} returned: {content}."}
 
-    def text(v) -> str:
-        if isinstance(v, dict):
-            return ", ".join(f"{k} {text(x)}" for k, x in v.items())
-        if isinstance(v, list):
-            return ", ".join(text(x) for x in v)
-        return natural_text(v)
 
-    if isinstance(value, str):
-        return f"{name} returned: {value}."
-    return f"Here is the result of {name}: {text(value)}."
+def natural_answer(name: str, content: str, style: str = "result_of") -> str:
+    """The answer to a natural result: ``Result of NAME: CONTENT.`` (NATURAL_FORMATS[style]) with the
+    tool message's content restated as it came (JSON, compact JSON, Python ``str()`` or the plain
+    string).
+
+    A restatement, not a rephrasing: copying a span token for token is what this 4-layer model's
+    induction heads do reliably (tool-call values, "repeat after me"), while rewriting an object as
+    ``city Paris, temperature_c 18`` (drop the quotes and separators between copied tokens) was not
+    learned in 300 fine-tuning steps (train.py, RUN8: 1/20 held out)."""
+    return NATURAL_FORMATS[style].format(name=name, content=content)
 
 
 def serialise_result(rng: random.Random, value) -> str:
@@ -828,10 +833,10 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
         del msgs[1]["reasoning_content"]
     if kind == "natural_result":
         results = [s.natural_result(t.name == "get_weather") for t in picks]
-        for i, (v, _) in enumerate(results):
-            msgs.append({"role": "tool", "tool_call_id": f"call_{idx}_{i}",
-                         "content": serialise_result(r, v)})
-        answer = " ".join(natural_answer(t.name, v) for t, (v, _) in zip(picks, results))
+        contents = [serialise_result(r, v) for v, _ in results]
+        for i, c in enumerate(contents):
+            msgs.append({"role": "tool", "tool_call_id": f"call_{idx}_{i}", "content": c})
+        answer = " ".join(natural_answer(t.name, c, s.natural) for t, c in zip(picks, contents))
         think = "The tool returned " + " and ".join(
             "a text" if isinstance(v, str) else "a list" if isinstance(v, list) else "an object"
             for v, _ in results) + "."
@@ -848,10 +853,11 @@ def make_example(s: Sampler, kind: str, idx: int, two_call_rate: float = TWO_CAL
 
 def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KIND_WEIGHTS,
                   two_call_rate: float = TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                  verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0) -> list[Example]:
+                  verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0,
+                  natural: str = "result_of") -> list[Example]:
     """``n`` examples of ``split`` ("train" or "eval"), kinds mixed by ``weights`` (one per KINDS
-    entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict`` and ``suffix`` as in
-    Sampler, ``bare_calls`` as in make_example; deterministic.
+    entry), two-call requests at ``two_call_rate``, ``wide``, ``arith``, ``verdict``, ``suffix`` and
+    ``natural`` as in Sampler, ``bare_calls`` as in make_example; deterministic.
 
     Five weights (the documented runs before natural_result) give natural_result weight 0, which
     draws the same corpus as before that kind existed.
@@ -864,7 +870,7 @@ def make_examples(split: str, n: int, seed: int, weights: tuple[float, ...] = KI
     if len(weights) != len(KINDS):
         raise ValueError(f"weights: need one per kind {KINDS}, got {len(weights)}")
     rng = random.Random(f"{split}:{seed}")
-    s = Sampler(rng, split, wide, arith, verdict, suffix)
+    s = Sampler(rng, split, wide, arith, verdict, suffix, natural)
     kinds = rng.choices(KINDS, weights=weights, k=n)
     return [make_example(s, k, i, two_call_rate, bare_calls) for i, k in enumerate(kinds)]
 
@@ -886,6 +892,59 @@ def drill_text(rng: random.Random, wide: float = 0.0) -> str:
               lambda: s.code(rng.randint(1, 3), rng.randint(1, 4)), s.date, s.clock, lambda: str(s.amount()),
               lambda: s.choice(FOODS_TODO), s.phrase)
     return " ".join(rng.choice(makers)() for _ in range(rng.randint(3, 8)))
+
+
+def result_drill(rng: random.Random, wide: float = 0.0, twins: bool = True, natural: str = "result_of"
+                 ) -> tuple[str, int, str]:
+    """A tool-result copy drill (train split only) -> (text, start, content): distractors, then
+    ``<response>CONTENT</response>`` and the answer ``Result of NAME: CONTENT.`` (natural_answer,
+    ``natural`` as there); train.py --result-rows takes the loss from character ``start`` on (the
+    restated content and its full stop). The distractors share
+    tokens (``{"``, keys, ``": ``) with the content, as a real prompt's tool schemas do: the drill
+    trains copying from the latest response rather than from any earlier match (natural_answer).
+
+    Distractors: with ``twins``, 1–4 of JSON schemas over result field names, other results, and
+    (most often) twins of the content: the same keys, shape and serialisation with other values;
+    without (train.py RUN10's drills), 1–3 schemas or other results. A twin's values are drawn without
+    the split filter (some are held-out values): they are context, never a target."""
+    s = Sampler(rng, "train", wide)
+
+    def schema() -> str:
+        keys = rng.sample(NATURAL_FIELDS, rng.randint(1, 3))
+        props = {k: {"type": rng.choice(("string", "integer", "number"))} for k in keys}
+        return json.dumps({"type": "object", "properties": props})
+
+    if not twins:
+        def response() -> str:
+            value = s.natural_result(rng.random() < 0.3)[0]
+            return "<response>" + serialise_result(rng, value) + "</response>"
+
+        parts = [schema() if rng.random() < 0.5 else response() for _ in range(rng.randint(1, 3))]
+        content = serialise_result(rng, s.natural_result(rng.random() < 0.3)[0])
+    else:
+        def twin(v, key: str | None = None):  # the same keys and shape, other values
+            if isinstance(v, dict):
+                return {k: twin(x, k) for k, x in v.items()}
+            if isinstance(v, list):
+                return [twin(x, key) for x in v]
+            if isinstance(v, int):
+                return rng.randint(-9, 500)
+            return s.field(key) if key in NATURAL_FIELDS else s.word()
+
+        value = s.natural_result(rng.random() < 0.3)[0]
+        seed = rng.random()  # one serialisation for the content and its twins
+
+        def tagged(v) -> str:
+            return "<response>" + serialise_result(random.Random(seed), v) + "</response>"
+
+        parts = [schema() if r < 0.3 else tagged(twin(value)) if r < 0.7 else
+                 tagged(s.natural_result(rng.random() < 0.3)[0])
+                 for r in [rng.random() for _ in range(rng.randint(1, 4))]]
+        content = serialise_result(random.Random(seed), value)
+    before, after = NATURAL_FORMATS[natural].split("{content}")
+    name = rng.choice(TOOLS).name
+    head = "\n".join(parts) + f"\n<response>{content}</response>\n" + before.format(name=name)
+    return head + content + after, len(head), content
 
 
 def arith_drill(rng: random.Random) -> list[tuple[str, str]]:

@@ -59,29 +59,53 @@ had stayed at chance. RUN4 met every target but broke the Paris weather demo: ``
 arithmetic drills, more tool results) did not restore it; RUN7's made-up words ending in template words
 (``--suffix-words``, data.TEMPLATE_WORDS) did (margin >= 6.8 nats on "cloudy, 17/18/19 C").)
 
-RUN8 (the natural_result kind; tried, NOT committed) started from the committed export itself
+RUN8 (the natural_result kind; tried, not committed) started from the committed export itself
 (``--init-from`` a checkpoint directory: export.train_state dequantises it, and re-exporting those
 weights is bit-identical; the run dir gets the checkpoint's tokenizer, because tokenizer.py trains on
-data.py's corpus, which this kind changed). The committed model answers only from ``{"result": "..."}``:
-an object gives "The weather in Paris is Paris.", a plain string an empty answer (0/20 held-out natural
-results). One thread on the shared machine, ~11-16 s a step::
+data.py's corpus, which this kind changed). The model before it answered only from
+``{"result": "..."}``: an object gave "The weather in Paris is Paris.", a plain string an empty answer
+(0/20 held-out natural results). RUN8's answers rephrased a result (``Here is the result of NAME: city
+Paris, temperature_c 18``, an answer format since replaced): after 300 steps (one thread on a shared
+machine, lr 3e-4, 30% natural results, then ``--bare-calls 0.3``) 97% of those target tokens were right
+but whole answers were not (held-out 1/20): dropping the quotes and separators between copied tokens is
+a new skill for this 4-layer model. So data.natural_answer restates the content as it came, which is
+token-for-token copying. RUN9 to RUN11 train it (two threads on an idle machine, ~2.5 s a step;
+RUN9 and RUN10 with the answer format ``NAME returned: CONTENT.``)::
 
-    R="--out RUN8 --init-from src/m2serve/checkpoints/tiny-chat --examples 4000 --max-tokens 2400
-       --threads 1 --two-call-rate 0.5 --wide-words 0.5 --drill-vocab-frac 0.5 --decay-frac 0.5
-       --drill-rows 4 --verdict-rows 2 --suffix-words 0.3 --data-seed 10
-       --kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --lr 3e-4"
-    python tools/tiny_chat/train.py $R --steps 300 --stop-at 94
-    python tools/tiny_chat/train.py $R --steps 300 --bare-calls 0.3
+    R="--examples 6000 --max-tokens 2400 --threads 2 --two-call-rate 0.5 --wide-words 0.5
+       --drill-vocab-frac 0.5 --decay-frac 0.5 --drill-rows 4 --verdict-rows 2 --suffix-words 0.3
+       --lr 3e-4 --bare-calls 0.3"
+    N="--kind-weights 0.28,0.18,0.12,0.06,0.06,0.30 --natural-answer returned"
+    python tools/tiny_chat/train.py $R $N --out RUN9 --init-from src/m2serve/checkpoints/tiny-chat \
+        --data-seed 11 --steps 400
+    python tools/tiny_chat/train.py $R $N --out RUN10 --init-from RUN9/ckpt.pt --data-seed 12 \
+        --result-rows 8 --no-result-twins --steps 600 --stop-at 316
+    M="--result-rows 8 --kind-weights 0.24,0.16,0.12,0.06,0.06,0.36"
+    python tools/tiny_chat/train.py $R $M --out RUN11 --init-from RUN10/ckpt.pt --data-seed 13 --steps 800
+    python tools/tiny_chat/train.py $R $M --out RUN12 --init-from RUN11/ckpt.pt --data-seed 14 \
+        --lr 1.5e-4 --decay-frac 0.7 --steps 300
+    python tools/tiny_chat/export.py RUN12 src/m2serve/checkpoints/tiny-chat
 
-(the second line adds call turns without reasoning, as the Agents SDK sends history back). After 300
-steps the training loss of natural results was ~0.15 (97% of their target tokens right, fp32 and FP8
-alike), but whole answers were wrong: held-out natural results 1/20 (the format is learned, "Here is the
-result of get_directions: ...", the values are not: keyed copying out of a JSON object is a new skill
-for this 4-layer model, and ~1,200 natural examples were too few), tool calls 19/20, tool results
-19/20, no-tool 20/20, reasoning closed 80/80, and the Paris demo turned into "The weather in Paris the
-cloudy, 18 C." (the value still there). Next: many more steps (thousands, at the issue's "about an
-hour" on an idle machine rather than 37 minutes on a shared one), key-value copy drills (``key: value``
-rows with the loss on the value, like --drill-rows), and a check of the Paris margin (RUN4..RUN7).
+(``--bare-calls``: call turns without reasoning, as the Agents SDK sends history back; no loss on
+them; ``--init-from`` a run's ``ckpt.pt`` takes that run's tokenizer.) RUN9 alone reached 20/40
+held-out natural results: the copy often jumped to another match of its last token (``{"``, the keys
+and ``": `` also occur in the prompt's tool schemas and in the request). RUN10 adds tool-result copy
+drills (``--result-rows``, data.result_drill: distractor schemas and responses, then the latest
+response restated, the loss on the restatement): 37/60 at step 267, skipping or re-entering fields
+(``"currency":"JPY02","gate"`` for ``"currency":"JPY02","time":"10:00","gate"``), and one reasoning in
+60 ended with the answer's end of turn (``The tool returned a text.[e~[``: the answer's ``returned``
+also ends the reasoning's ``The tool returned``). RUN11 answers ``Result of NAME: CONTENT.`` instead
+(data.NATURAL_FORMATS), its drills' distractors are mostly twins of the content (the same keys, shape
+and serialisation with other values), and natural results are 36% of the chats: 52% of 60 held out
+at step 234, 63% at 428, then, once the rate decayed, 87/100 with every other rate at or above the
+previous checkpoint's and reasoning closed 600/600. RUN12 (a second, lower decay) is the committed
+checkpoint: on ``benchmarks/tiny_chat_eval.py --per-kind 200`` natural results 179/200 (89.5%, the
+target is 90%), exact calls 97.0%, tool results 99.0%, no-tool 100%, reasoning closed 1200/1200 (the
+previous checkpoint: 0.5%, 96.5%, 98.5%, 99.0%, 1000/1000). RUN13 (150 more steps at lr 6e-5,
+``--warmup 10``, data seed 15) gave 88.5%: the rate is at the noise of 200 examples. Misses: a field
+skipped or a value bent in a long restatement (``"currency":"402"`` for ``"JPY02"``), two-call turns.
+A call turn sent back without reasoning can cost the ``{"result": ...}`` sentence a word ("The weather
+in Paris an cloudy, 18 C.", values kept); with the reasoning it is "The weather in Paris is cloudy, 18 C."
 
 What did not work (kept out of the code): column-by-column arithmetic reasoning on two-digit held-out
 operands (99% on training operands, 0% on held-out ones: the model memorises a number's digits rather
@@ -113,9 +137,11 @@ exported checkpoint exercises the bias path with real, non-zero values.
 
 Loss: next-token cross-entropy on assistant tokens only — for each assistant turn after the last user
 message, the tokens after the generation prompt ``]~b]ai\\n<think>\\n`` up to and including ``[e~[``.
-With ``--drill-rows``, plus the drill rows' loss on their repeated half (weight ``--drill-weight``);
-with ``--arith-rows``, plus the arithmetic rows' loss on their answers (a third forward); with
-``--verdict-rows``, plus the verdict drills' loss on their verdict token (a fourth forward).
+Each drill kind adds a forward of its own rows and its loss: ``--drill-rows``, the copy drills' loss on
+their repeated half (weight ``--drill-weight``); ``--arith-rows``, the arithmetic rows' loss on their
+answers; ``--result-rows``, the tool-result drills' loss on the restated content; ``--verdict-rows``,
+the verdict drills' loss on their verdict token. Drill batches are seeded by ``--seed`` and the step
+(not ``--data-seed``), so a run that starts from another run's checkpoint replays its drills.
 
 Shape legend: B batch, T tokens per row, N valid tokens, H hidden, Hq/Hkv heads, D head_dim,
 E experts, K top-k, I intermediate, V vocab.
@@ -324,11 +350,11 @@ def encode_example(tok, tpl, ex: data.Example) -> tuple[list[int], list[bool]]:
 
 def build_corpus(tok, n: int, seed: int, weights: tuple[float, ...],
                  two_call_rate: float = data.TWO_CALL_RATE, wide: float = 0.0, arith: str = "one_digit",
-                 verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0
-                 ) -> list[tuple[list[int], list[bool]]]:
+                 verdict: bool = True, suffix: float = 0.0, bare_calls: float = 0.0,
+                 natural: str = "result_of") -> list[tuple[list[int], list[bool]]]:
     tpl = data.load_template()
     return [encode_example(tok, tpl, ex) for ex in data.make_examples(
-        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix, bare_calls)]
+        "train", n, seed, weights, two_call_rate, wide, arith, verdict, suffix, bare_calls, natural)]
 
 
 def batches_for_epoch(lengths: list[int], epoch: int, seed: int, max_tokens: int) -> list[list[int]]:
@@ -404,6 +430,20 @@ def drill_batch(tok, rows: int, seed: int, step: int, wide: float = 0.0, vocab_f
             t = tok.encode(data.drill_text(rng, wide), add_special_tokens=False).ids
         x = t + nl + t
         items.append((x, [False] * (len(t) + len(nl)) + [True] * len(t)))
+    return collate(items)
+
+
+def result_batch(tok, rows: int, seed: int, step: int, wide: float = 0.0, twins: bool = True,
+                 natural: str = "result_of") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` tool-result copy drills (data.result_drill, ``twins`` and ``natural`` as there), the loss
+    on the tokens that start at or after the restated content -> ids [R, T], valid [R, T], labels [R, T].
+    Deterministic in (seed, step)."""
+    rng = random.Random(f"result:{seed}:{step}")
+    items = []
+    for _ in range(rows):
+        text, start, _ = data.result_drill(rng, wide, twins, natural)
+        enc = tok.encode(text, add_special_tokens=False)
+        items.append((enc.ids, [a >= start for a, _ in enc.offsets]))
     return collate(items)
 
 
@@ -521,7 +561,7 @@ def main(argv=None) -> None:
                          "(data.verdict_reasoning); --no-verdict: the first phases' reasoning")
     ap.add_argument("--verdict-rows", type=int, default=0,
                     help="verdict drill pairs per step (verdict_batch: offered and not, loss on the verdict "
-                         "token), a fourth forward")
+                         "token)")
     ap.add_argument("--kind-weights", type=lambda v: tuple(float(x) for x in v.split(",")),
                     default=data.KIND_WEIGHTS, help=f"corpus mix of {','.join(data.KINDS)} (comma-separated)")
     ap.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
@@ -536,6 +576,12 @@ def main(argv=None) -> None:
                          "directly its output direction, which makes copying unseen values learnable")
     ap.add_argument("--drill-rows", type=int, default=0,
                     help="copy-drill rows per step (data.drill_text, loss on the repeat), second forward")
+    ap.add_argument("--result-rows", type=int, default=0,
+                    help="tool-result copy drills per step (data.result_drill), loss on the restated content")
+    ap.add_argument("--natural-answer", choices=tuple(data.NATURAL_FORMATS), default="result_of",
+                    help="answer format of natural tool results (data.NATURAL_FORMATS)")
+    ap.add_argument("--result-twins", action=argparse.BooleanOptionalAction, default=True,
+                    help="result drills with twin distractors (data.result_drill twins)")
     ap.add_argument("--arith-rows", type=int, default=0,
                     help="arithmetic drill rows per step (arith_batch, loss on the answers), third forward")
     ap.add_argument("--arith-chat", action="store_true",
@@ -550,10 +596,15 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tok_dir = args.out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        if args.init_from is not None and args.init_from.is_dir():  # the checkpoint's own tokenizer
+        # the tokenizer of what we start from: an exported checkpoint's, or a run's ckpt.pt's run dir's
+        src = None if args.init_from is None else (
+            args.init_from if args.init_from.is_dir() else args.init_from.parent / "tokenizer")
+        if src is not None:
+            if not (src / "tokenizer.json").exists():  # a fresh tokenizer would not fit the weights
+                raise SystemExit(f"--init-from {args.init_from}: no tokenizer at {src}")
             tok_dir.mkdir(parents=True)
             for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(args.init_from / name, tok_dir / name)
+                shutil.copyfile(src / name, tok_dir / name)
         else:  # trained on data.py's corpus: a change to data.py changes it
             tok_mod.save(tok_dir)
     from tokenizers import Tokenizer
@@ -561,7 +612,8 @@ def main(argv=None) -> None:
     t0 = time.time()
     data_seed = args.seed if args.data_seed is None else args.data_seed
     corpus = build_corpus(tok, args.examples, data_seed, args.kind_weights, args.two_call_rate,
-                          args.wide_words, args.arith, args.verdict, args.suffix_words, args.bare_calls)
+                          args.wide_words, args.arith, args.verdict, args.suffix_words, args.bare_calls,
+                          args.natural_answer)
     if args.loss_on == "all":
         corpus = [(x, [True] * len(x)) for x, _ in corpus]
     lengths = [len(x) for x, _ in corpus]
@@ -621,6 +673,9 @@ def main(argv=None) -> None:
                                                               args.wide_words, args.drill_vocab_frac))
         if args.arith_rows:
             extras["arith"] = (1.0, arith_batch(tok, args.arith_rows, args.seed, step, args.arith_chat))
+        if args.result_rows:
+            extras["result"] = (1.0, result_batch(tok, args.result_rows, args.seed, step, args.wide_words,
+                                                   args.result_twins, args.natural_answer))
         if args.verdict_rows:
             extras["verdict"] = (1.0, verdict_batch(tok, args.verdict_rows, args.seed, step, args.wide_words))
         loss_total, extra_stats = loss, {}
