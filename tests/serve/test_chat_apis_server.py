@@ -252,43 +252,37 @@ def test_responses_400s_name_the_field(oai, kwargs, param):
     assert param in e.value.body["message"] or e.value.body["param"] == param
 
 
-def test_agents_sdk_function_tool_loop(server):
+def _run_weather_agent(server, result, model_class) -> tuple[list[str], str]:
+    """Run an Agents SDK agent (tracing off) whose get_weather tool returns ``result``, on ``model_class``
+    (OpenAIResponsesModel or OpenAIChatCompletionsModel) -> (the cities the tool got, final output)."""
     agents.set_tracing_disabled(True)
     seen = []
 
     @agents.function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: str):
         """Get the weather for a city"""
         seen.append(city)
-        return TOOL_RESULT
+        return result
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     agent = agents.Agent(name="weather", tools=[get_weather],
-                         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client))
-    result = asyncio.run(agents.Runner.run(agent, QUESTION))
+                         model=model_class(model=MODEL, openai_client=client))
+    return seen, asyncio.run(agents.Runner.run(agent, QUESTION)).final_output
+
+
+def test_agents_sdk_function_tool_loop(server):
+    seen, output = _run_weather_agent(server, TOOL_RESULT, agents.OpenAIResponsesModel)
     assert seen == ["Paris"]
-    assert RESULT in result.final_output
+    assert RESULT in output
 
 
 def test_agents_sdk_chat_completions_model_with_a_dict_returning_tool(server):
     # issue 15 item 4: the Agents SDK's chat completions model sends a tool's dict back as Python's
     # str(dict), and the call turn without reasoning; tiny-chat's answer carries the dict's values
-    agents.set_tracing_disabled(True)
-    seen = []
     weather = {"city": "Paris", "temperature_c": 18, "condition": "sunny"}
-
-    @agents.function_tool
-    def get_weather(city: str) -> dict:
-        """Get the weather for a city"""
-        seen.append(city)
-        return weather
-
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    agent = agents.Agent(name="weather", tools=[get_weather],
-                         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client))
-    result = asyncio.run(agents.Runner.run(agent, QUESTION))
+    seen, output = _run_weather_agent(server, weather, agents.OpenAIChatCompletionsModel)
     assert seen == ["Paris"]
-    assert all(str(v) in result.final_output for v in weather.values()), result.final_output
+    assert all(str(v) in output for v in weather.values()), output
 
 
 # --------------------------------------------------------------------------- three APIs, one pipeline
