@@ -1,11 +1,13 @@
-"""FP8 block quantise / dequantise (checkpoints.md §6, §8) against transformers' FP8 path."""
+"""FP8 block quantise / dequantise (checkpoints.md §6, §8) against transformers' FP8 path, whole and
+band by band as the loader does it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from m2serve.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
+from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_block
+from m2serve.formats.loader import dequantize_in_bands
 from m2serve.model.load import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -46,6 +48,16 @@ def test_dequantize_bit_exact_vs_transformers(dtype):
     s = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 1e-2
     ref = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)
     ours = dequantize_fp8_block(q, s, dtype)
+    assert ours.dtype == dtype and torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_at_load_in_bands_bit_exact_vs_transformers(dtype):
+    # the loader's band-by-band dequantisation (3 bands of 128 rows) gives transformers' values
+    q = _random_e4m3((384, 256), 4)
+    s = torch.rand(3, 2, generator=torch.Generator().manual_seed(5)) * 1e-2
+    ref = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)
+    ours = dequantize_in_bands(PackedFP8(q, s), dtype)
     assert ours.dtype == dtype and torch.equal(ours, ref)
 
 

@@ -83,6 +83,50 @@ def test_every_byte_code(impl, encoding):
             assert torch.equal(copy, t)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_every_position_of_short_runs(impl, dtype):
+    # the vector body (64 bytes a step with AVX-512) and its scalar tail: a bad code at each position
+    # of runs 1..3 vectors + 5 long is found, and a clean run is copied exactly
+    encoding = "e4m3" if dtype == torch.uint8 else None
+    bad_code = {torch.uint8: 0x7F, torch.bfloat16: 0x7FC0, torch.float32: 0x7F800000}[dtype]
+    per_vector = 64 // dtype.itemsize
+    for n in (1, 2, per_vector - 1, per_vector, per_vector + 1, 3 * per_vector + 5):
+        clean = torch.ones(n, dtype=dtype) if dtype.is_floating_point else torch.full((n,), 0x38, dtype=dtype)
+        hit, copy = _check(impl, clean, encoding)
+        assert not hit and torch.equal(copy, clean.view(copy.dtype)), n
+        for i in range(n):
+            t = clean.clone()
+            t.view(INTS[dtype.itemsize])[i] = bad_code
+            assert _check(impl, t, encoding)[0], (n, i)
+
+
+def test_short_strided_rows(impl):
+    # column slices narrower than a vector (the per-row branch): every position inside is found, a
+    # bad code just outside is not, and the copy is exact
+    full = torch.ones(7, 64, dtype=torch.bfloat16)
+    for width in (1, 5, 33):
+        sl = full[:, 3:3 + width]
+        hit, copy = _check(impl, sl)
+        assert not hit and torch.equal(copy, sl.contiguous().view(torch.int16)), width
+        for r in range(7):
+            for c in (2, 3 + width):  # just left and just right of the slice
+                t = full.clone()
+                t[r, c] = float("nan")
+                assert not _check(impl, t[:, 3:3 + width])[0], (width, r, c)
+            for c in range(3, 3 + width):
+                t = full.clone()
+                t[r, c] = float("inf")
+                assert _check(impl, t[:, 3:3 + width])[0], (width, r, c)
+
+
+def test_kernel_refuses_overlapping_src_and_dst():
+    assert kernel_backend().available
+    buf = torch.zeros(128, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="src and dst overlap"):
+        _copy_check_kernel(buf[0:64].view(1, 64), buf[32:96].view(1, 64), 0x7F80)
+    assert not _copy_check_kernel(buf[0:64].view(1, 64), buf[64:128].view(1, 64), 0x7F80)  # adjacent
+
+
 def test_column_slice_and_many_chunks(impl):
     full = torch.randn(700, 2048).to(torch.bfloat16)  # 2.8 MB: many chunks / parallel tasks
     full[5, 100] = float("nan")  # outside the slice below

@@ -177,3 +177,10 @@ class PackedFP4:
         if self.scheme is FP4Scheme.NVFP4_CT:
             return dequantize_nvfp4_ct(self.packed, self.scale, self.scale_2, dtype, self.name)
         return dequantize_mxfp4(self.packed, self.scale, dtype, self.name)
+
+    def rows(self, start: int, end: int) -> PackedFP4:
+        """Rows ``[start, end)`` of the weight (views): the block scales are per row, ``scale_2`` is one
+        value for the whole tensor. Raises ValueError naming the tensor unless the scale fits the
+        whole weight, so that a band never hides a bad scale shape."""
+        _check_scale(self.packed, self.scale, self.scheme.group, self.name, f"{self.name}_scale")
+        return PackedFP4(self.scheme, self.packed[start:end], self.scale[start:end], self.scale_2, self.name)

@@ -40,6 +40,16 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return q, s
 
 
+def check_scale_grid(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> None:
+    """Raise ValueError naming both shapes unless ``scale_inv`` is the [ceil(N/b), ceil(K/b)] grid of
+    ``q`` [N, K]."""
+    n, k = q.shape
+    grid = (-(-n // block), -(-k // block))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]} "
+                         f"in {block}x{block} blocks (expected {list(grid)})")
+
+
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
                          block: int = FP8_BLOCK) -> torch.Tensor:
     """``q`` e4m3 [N, K], ``scale_inv`` [ceil(N/b), ceil(K/b)] -> dense [N, K] of ``dtype``.
@@ -48,10 +58,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     both shapes if the scale grid does not cover q.
     """
     n, k = q.shape
-    grid = (-(-n // block), -(-k // block))
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]} "
-                         f"in {block}x{block} blocks (expected {list(grid)})")
+    check_scale_grid(q, scale_inv, block)
     s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return (q.float() * s).to(dtype)
 
@@ -75,3 +82,13 @@ class PackedFP8:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Dense [N, K] of ``dtype``, one rounding from fp32. ValueError if the grid does not cover q."""
         return dequantize_fp8_block(self.q, self.scale, dtype)
+
+    def rows(self, start: int, end: int) -> PackedFP8:
+        """Rows ``[start, end)`` of the weight (views) with the scale rows covering them; ``start``
+        must be a multiple of the 128-row block (ValueError naming the tensor), and the scale must be
+        the whole weight's grid (ValueError naming both shapes), so that a band never hides a bad grid."""
+        check_scale_grid(self.q, self.scale)
+        if start % FP8_BLOCK:
+            raise ValueError(f"{self.name}: FP8 row slice start {start} is not a multiple of the "
+                             f"{FP8_BLOCK}-block")
+        return PackedFP8(self.q[start:end], self.scale[start // FP8_BLOCK:-(-end // FP8_BLOCK)], self.name)

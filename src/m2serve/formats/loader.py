@@ -143,8 +143,28 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     if kind is LinearKind.DENSE:
         return plan.reader.read(fname, rows, cols).to(dtype)
     if kind is LinearKind.FP8_BLOCK:
-        return packed_fp8(plan, name, rows, cols).dequantize(dtype)
-    return packed_linear(plan, name, rows, cols).dequantize(dtype)
+        return dequantize_in_bands(packed_fp8(plan, name, rows, cols), dtype)
+    return dequantize_in_bands(packed_linear(plan, name, rows, cols), dtype)
+
+
+#: Rows of a quantised weight dequantised at a time at load: one row of the FP8 scale grid.
+DEQUANT_BAND_ROWS = FP8_BLOCK
+
+
+def dequantize_in_bands(packed: PackedFP8 | PackedFP4, dtype: torch.dtype) -> torch.Tensor:
+    """``packed.dequantize(dtype)`` (dense [N, K], on the codes' device), computed DEQUANT_BAND_ROWS
+    rows at a time into one output: equal values (every formula is per row), but the fp32
+    temporaries are a band's (~1.5 MiB at K = 3,072, reused from the heap) instead of whole [N, K]
+    ones per weight (three fp32 tensors for FP8, 12 bytes per weight), whose fresh pages the kernel
+    zeroes on every load. ValueError as ``packed.rows`` (a scale that does not fit the whole weight)
+    or its ``dequantize``."""
+    n, k = packed.shape
+    codes = packed.q if isinstance(packed, PackedFP8) else packed.packed
+    out = torch.empty((n, k), dtype=dtype, device=codes.device)
+    for start in range(0, n, DEQUANT_BAND_ROWS):
+        end = min(n, start + DEQUANT_BAND_ROWS)
+        out[start:end] = packed.rows(start, end).dequantize(dtype)
+    return out
 
 
 _FP4_SCHEMES = {LinearKind.NVFP4: FP4Scheme.NVFP4_MODELOPT, LinearKind.NVFP4_CT: FP4Scheme.NVFP4_CT,
