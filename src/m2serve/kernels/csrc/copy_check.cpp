@@ -6,9 +6,10 @@
 // e4m3 NaN codes 0x7F / 0xFF, 0xFF for the E8M0 NaN code). src may be a column slice: its rows are
 // contiguous (stride(1) == 1), row stride anything; src and dst must not overlap. One loop loads each
 // vector, stores it and folds it into a running minimum while it is in a register, so the check adds
-// two ALU ops per vector (and-not, min) to the copy and no pass over memory (a memcpy followed by a test of each block while in L1 measured
-// 10-15% slower than torch's own copy into freshly faulted pages; this loop matches it); threads
-// split the rows (or the elements of a contiguous src) with at::parallel_for.
+// two ALU ops per vector (and-not, min) to the copy and no pass over memory (a memcpy followed by a
+// test of each block while in L1 was slower than torch's own copy in benchmarks/load_check.py's reads
+// column; this loop matches it); threads split the rows (or the elements of a contiguous src) with
+// at::parallel_for.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
