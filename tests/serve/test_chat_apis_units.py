@@ -90,6 +90,10 @@ def test_pieces_split_order_and_logprobs_on_first_piece():
     assert pieces[0].logprobs == lps and pieces[1].logprobs is None and pieces[2].logprobs is None
     only_lps = _delta(logprobs=lps).pieces()  # a token whose text went nowhere (a parser tag)
     assert [(p.kind, p.logprobs) for p in only_lps] == [("logprobs", lps)]
+    # the content the parser's finish step added (a cut call's raw text) follows the call's fragments
+    last = _delta(content="x" + RAW, tail=RAW, calls=[ToolCallDelta(0, "r")]).pieces()
+    assert [(p.kind, p.text) for p in last] == [("content", "x"), ("tool_calls", ""), ("content", RAW)]
+    assert [p.kind for p in _delta(content=RAW, tail=RAW).pieces()] == ["content"]
 
 
 # --------------------------------------------------------------------------- Anthropic
