@@ -320,9 +320,10 @@ def output_items(choice: cp.Choice, streamed: bool, encrypted: Sealer | None,
         kind = "rs" if part.kind == "reasoning" else "msg" if part.kind == "content" else "fc"
         item_id = sent[k]["id"] if k < len(sent) else _id(kind)
         if part.kind == "reasoning":
-            item = reasoning_item(item_id, part.text, "completed", encrypted)
-            if encrypted is not None and k < len(sent) and "encrypted_content" in sent[k]:
-                item["encrypted_content"] = sent[k]["encrypted_content"]  # sealing draws a new nonce
+            sealed = sent[k].get("encrypted_content") if k < len(sent) and encrypted is not None else None
+            item = reasoning_item(item_id, part.text, "completed", None if sealed else encrypted)
+            if sealed:
+                item["encrypted_content"] = sealed  # as the stream sent it (each seal draws a new nonce)
             out.append(item)
         elif part.kind == "content":
             out.append(message_item(item_id, part.text, "completed"))
