@@ -44,9 +44,10 @@ from m2serve.kernels.triton.runtime import TL_DTYPES, compute_dtype, interpreted
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile
 BLOCK_M_DECODE, BLOCK_M_PREFILL = 16, 64  # query rows (tokens x G heads) per program; tl.dot needs >= 16
-SPLIT_MENU = (1, 2, 4, 8, 16)  # split-K counts the launcher chooses from (power-of-two combine)
+SPLIT_MENU = (1, 2, 4, 8, 16, 32, 64)  # split-K counts the launcher chooses from (power-of-two combine)
 MAX_SPLITS = SPLIT_MENU[-1]
 SPLIT_MIN_KEYS = 512  # keys per split at least: below that the combine costs more than it saves
+SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM (a guess: not measured on a GPU)
 INTERPRETER_SMS = 8  # stand-in SM count under the interpreter (only the split choice depends on it)
 NUM_WARPS = 4
 CUDA_Q_DTYPES = (torch.bfloat16,)  # q dtypes launched on CUDA (fp32 too under the interpreter)
@@ -157,15 +158,13 @@ def _combine_splits_kernel(part_acc, part_ml, out, num_splits, num_heads, v_scal
 
 
 def choose_splits(query_tiles: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
-    """Split-K count from :data:`SPLIT_MENU`: 1 unless the ``query_tiles · num_kv_heads``
-    programs fill less than half of ``sm_count`` SMs; then the largest menu value that keeps
-    programs <= 2 · sm_count and every split >= SPLIT_MIN_KEYS keys of ``max_context_len``."""
+    """Split-K count: the largest value of :data:`SPLIT_MENU` that keeps the programs
+    (``query_tiles · num_kv_heads · splits``) <= SPLIT_PROGRAMS_PER_SM · ``sm_count`` and every split
+    >= SPLIT_MIN_KEYS keys of ``max_context_len``; 1 when the tiles alone fill the GPU."""
     programs = query_tiles * num_kv_heads
-    if 2 * programs > sm_count:
-        return 1
     best = 1
     for n in SPLIT_MENU:
-        if programs * n <= 2 * sm_count and max_context_len >= n * SPLIT_MIN_KEYS:
+        if programs * n <= SPLIT_PROGRAMS_PER_SM * sm_count and max_context_len >= n * SPLIT_MIN_KEYS:
             best = n
     return best
 
