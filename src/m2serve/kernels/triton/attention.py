@@ -46,8 +46,8 @@ BLOCK_N = 64  # keys per tile
 BLOCK_M_DECODE, BLOCK_M_PREFILL = 16, 64  # query rows (tokens x G heads) per program; tl.dot needs >= 16
 SPLIT_MENU = (1, 2, 4, 8, 16, 32, 64)  # split-K counts the launcher chooses from (power-of-two combine)
 MAX_SPLITS = SPLIT_MENU[-1]
-SPLIT_MIN_KEYS = 512  # keys per split at least: below that the combine costs more than it saves
-SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM (a guess: not measured on a GPU)
+SPLIT_MIN_KEYS = 512  # keys per split at least (a starting value: not measured on a GPU)
+SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM (likewise)
 INTERPRETER_SMS = 8  # stand-in SM count under the interpreter (only the split choice depends on it)
 NUM_WARPS = 4
 CUDA_Q_DTYPES = (torch.bfloat16,)  # q dtypes launched on CUDA (fp32 too under the interpreter)
