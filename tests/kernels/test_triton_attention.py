@@ -87,8 +87,17 @@ def _max_diff(requests, page_size, Hq, Hkv, splits=None, **kw) -> float:
 
 
 def test_ragged_decode_batch_one_kv_head_per_rank():
-    # decode rows of contexts 1 .. 1,000 tokens, page 16, G = 6 (48 / 8 heads at TP 8)
-    assert _max_diff([(0, 1), (16, 1), (63, 1), (299, 1), (999, 1)], 16, Hq=6, Hkv=1) <= FP32_TOL
+    # decode rows of contexts 1 .. 1,000 tokens (and a request with no new token), page 16,
+    # G = 6 (48 / 8 heads at TP 8)
+    assert _max_diff([(0, 1), (16, 1), (4, 0), (63, 1), (299, 1), (999, 1)], 16, Hq=6, Hkv=1) <= FP32_TOL
+
+
+def test_many_requests_find_their_tiles():
+    # 37 requests of 1-3 new tokens: programs find their request by binary search over 38 starts
+    g = torch.Generator().manual_seed(7)
+    requests = [(int(c), int(n)) for c, n in zip(torch.randint(0, 90, (37,), generator=g),
+                                                  torch.randint(1, 4, (37,), generator=g))]
+    assert _max_diff(requests, 16, Hq=6, Hkv=1) <= FP32_TOL
 
 
 @pytest.mark.parametrize("page_size", [16, 128])
