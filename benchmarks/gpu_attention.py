@@ -19,7 +19,9 @@ head_dim 128), pages of 16 tokens handed out in shuffled order, bf16.
     bf16 pages, and fp8 pages at batch 32): median kernel time (CUDA events) and the same step
     through ``attend``; each as a ratio to the bandwidth bound, the KV bytes the step must read
     (``kv_bytes_read``) over the device copy rate measured in the same run (``copy_`` of a 2 GiB
-    buffer, bytes read + written per second).
+    buffer, bytes read + written per second). Timed eagerly (CUDA events around each call, the
+    host's launch cost included) and replayed from a CUDA graph (device time; a capture failure is
+    reported, not fatal).
 
 Figures are printed and, with ``$OUT`` set, written to ``$OUT/gpu_check_attention.json``.
 """
@@ -132,6 +134,20 @@ def median_ms(fn, device: str, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn, iters: int) -> float | str:
+    """Median ms of one replay of ``fn`` captured in a CUDA graph (device time without the host's
+    launch cost), or the capture error as a string (reported, not fatal)."""
+    try:
+        fn()  # compiled and warm before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return median_ms(graph.replay, "cuda", iters)
+    except Exception as e:  # the point is to learn what does not capture
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def copy_rate(device: str, nbytes: int) -> float:
     """Device copy rate in bytes/s (read + written) of ``dst.copy_(src)`` over ``nbytes``."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
@@ -147,12 +163,20 @@ def time_decode(batch_size: int, context: int, kv_dtype: torch.dtype, hq: int, h
     from m2serve.kernels.triton.attention import kv_bytes_read
 
     q, kv, batch, steps = build_step([(context - 1, 1)] * batch_size, hq, hkv, PAGE, kv_dtype, device)
-    kernel_ms = median_ms(lambda: run_kernel(q, kv, batch), device, iters)
-    torch_ms = median_ms(lambda: attend(q, kv, 0, steps[torch.bfloat16], D ** -0.5), device, iters)
+    kernel = lambda: run_kernel(q, kv, batch)  # noqa: E731
+    torch_path = lambda: attend(q, kv, 0, steps[torch.bfloat16], D ** -0.5)  # noqa: E731
+    kernel_ms, torch_ms = median_ms(kernel, device, iters), median_ms(torch_path, device, iters)
     bound_ms = kv_bytes_read([context] * batch_size, hkv, D, kv_dtype) / rate * 1e3
-    return {"batch": batch_size, "context": context, "kv_dtype": str(kv_dtype), "kernel_ms": kernel_ms,
-            "attend_ms": torch_ms, "bound_ms": bound_ms, "kernel_over_bound": kernel_ms / bound_ms,
-            "attend_over_bound": torch_ms / bound_ms}
+    res = {"batch": batch_size, "context": context, "kv_dtype": str(kv_dtype), "kernel_ms": kernel_ms,
+           "attend_ms": torch_ms, "bound_ms": bound_ms, "kernel_over_bound": kernel_ms / bound_ms,
+           "attend_over_bound": torch_ms / bound_ms}
+    if device.startswith("cuda"):  # the same calls replayed from CUDA graphs: device time only
+        for name, fn in (("kernel", kernel), ("attend", torch_path)):
+            ms = graph_ms(fn, iters)
+            res[f"{name}_graph_ms"] = ms
+            if isinstance(ms, float):
+                res[f"{name}_graph_over_bound"] = ms / bound_ms
+    return res
 
 
 def check_attention(device: str, smoke: bool) -> dict:
@@ -179,6 +203,7 @@ def check_attention(device: str, smoke: bool) -> dict:
         out["decode"][name] = res
         print(f"[b] decode {name} x {context}: kernel {res['kernel_ms']:.3f} ms "
               f"({res['kernel_over_bound']:.2f} x bound {res['bound_ms']:.3f} ms), attend "
-              f"{res['attend_ms']:.3f} ms ({res['attend_over_bound']:.2f} x)", flush=True)
+              f"{res['attend_ms']:.3f} ms ({res['attend_over_bound']:.2f} x); graphs: kernel "
+              f"{res.get('kernel_graph_ms')} ms, attend {res.get('attend_graph_ms')} ms", flush=True)
     out["ok"] = all(r["ok"] for r in out["correctness"].values())
     return out
