@@ -1,6 +1,7 @@
 """Imports point down only (docs/architecture.md): config <- formats <- kernels <- model <- parallel <- engine
 <- serve, config <- text <- serve; checkpoints may import config, formats and text. transformers
-is a test dependency only and never imported from src/."""
+is a test dependency only and never imported from src/; only kernels/triton/ imports triton
+(docs/kernels.md §1)."""
 
 from __future__ import annotations
 
