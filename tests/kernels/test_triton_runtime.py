@@ -1,5 +1,7 @@
 """The Triton package sets up the interpreter on a machine without CUDA before any kernel is
-defined, keeps an explicit TRITON_INTERPRET, and picks the compute dtype (docs/kernels.md §1)."""
+defined, keeps an explicit TRITON_INTERPRET, and picks the compute dtype (docs/kernels.md §1).
+The interpreter runs a K = 8 ``tl.dot`` that sm_90 compilation refuses (test_triton_compile.py),
+which is why both checks exist."""
 
 from __future__ import annotations
 
@@ -43,12 +45,23 @@ def test_without_cuda_the_package_selects_the_interpreter_and_a_kernel_runs_on_c
             v = tl.load(x + i, mask=i < n).to(COMPUTE)
             tl.store(y + i, (v * 2).to(y.dtype.element_ty), mask=i < n)
 
+        @triton.jit
+        def mm(a, b, c, K: tl.constexpr):  # a K = 8 dot: sm_90 compilation refuses it (compile test)
+            i = tl.arange(0, 16)
+            k = tl.arange(0, K)
+            x = tl.load(a + i[:, None] * K + k[None, :])
+            y = tl.load(b + k[:, None] * 16 + i[None, :])
+            tl.store(c + i[:, None] * 16 + i[None, :], tl.dot(x, y))
+
         x = torch.arange(5, dtype=torch.float32)
         y = torch.zeros(5)
         twice[(1,)](x, y, 5, BLOCK=8, COMPUTE=compute_dtype(torch.bfloat16))
-        print(os.environ["TRITON_INTERPRET"], interpreted(), compute_dtype(torch.bfloat16), y.tolist())
+        a, b, c = torch.randn(16, 8), torch.randn(8, 16), torch.zeros(16, 16)
+        mm[(1,)](a, b, c, K=8)
+        ran = bool(torch.allclose(c, a @ b, atol=1e-5))
+        print(os.environ["TRITON_INTERPRET"], interpreted(), compute_dtype(torch.bfloat16), y.tolist(), ran)
     """, tmp_path)
-    assert out == "1 True fp32 [0.0, 2.0, 4.0, 6.0, 8.0]"
+    assert out == "1 True fp32 [0.0, 2.0, 4.0, 6.0, 8.0] True"
 
 
 def test_an_explicit_setting_is_kept_and_gives_the_real_compute_dtype(tmp_path):
