@@ -45,11 +45,13 @@ from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.context import ACCESS_KEY, AccessRecord, ModelCapabilities, ServeContext, ServerSettings
 from m2serve.serve.errors import APIError, anthropic_error_body, openai_error_body
 from m2serve.serve.openai import chat, completions, models, responses
+from m2serve.serve.protocol import sse
 from m2serve.serve.sealing import Sealer
 
 __all__ = ["ServerSettings", "build_app"]
 
 access_log = logging.getLogger("m2serve.access")
+log = logging.getLogger(__name__)
 
 _GEN_ROUTES = {
     "/v1/chat/completions": "chat",
@@ -109,11 +111,17 @@ class _AuthCountAndLog:
         endpoint = _GEN_ROUTES.get(path)
         headers = dict(scope["headers"])
 
+        sse_started, ended = [False], [False]
+
         async def send_counting(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                sse_started[0] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                     for k, v in message.get("headers") or ())
                 if endpoint is not None:
                     self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
             await send(message)
 
         if self.api_key is not None and not path.startswith(_AUTH_FREE):
@@ -147,7 +155,31 @@ class _AuthCountAndLog:
             async def receive() -> dict:
                 return buffered.pop(0) if buffered else await upstream()
 
-        await self.app(scope, receive, send_counting)
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception as exc:  # the catch-all: a bug in a route must not drop the connection
+            log.exception("%s %s: uncaught error in the route", scope.get("method"), path)
+            e = APIError(500, f"internal server error ({type(exc).__name__}); the server log has the "
+                              "details", "server_error")
+            if status[0] == 0:  # nothing sent yet: a JSON 500 in the API's shape
+                await error_response(e, scope)(scope, receive, send_counting)
+            elif not ended[0]:  # a response is under way: end it (with an error event if a stream)
+                scope[ACCESS_KEY].error = e.message
+                frame = _stream_error_frame(path, e) if sse_started[0] else ""
+                end = {"type": "http.response.body", "body": frame.encode(), "more_body": False}
+                await send_counting(end)
+
+
+def _stream_error_frame(path: str, e: APIError) -> str:
+    """The error event that ends a stream cut by an uncaught error, in the API's stream shape."""
+    if path.startswith(_ANTHROPIC_PREFIX):
+        return sse(anthropic_error_body(e), "error")
+    body = openai_error_body(e)
+    if path.startswith("/v1/responses"):
+        err = body["error"]
+        return sse({"type": "error", "code": str(err["code"]), "message": err["message"], "param": None},
+                   "error")
+    return sse(body)
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:

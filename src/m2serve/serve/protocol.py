@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from m2serve.engine.sampling import MAX_REPETITION_PENALTY
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -86,7 +88,7 @@ class _SamplingFields(OpenAIModel):
     # extensions (docs/serving.md §10)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)

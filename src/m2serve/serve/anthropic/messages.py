@@ -51,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.anthropic.protocol import CountTokensRequest, MessagesRequest
 from m2serve.serve.context import ServeContext
-from m2serve.serve.errors import APIError, anthropic_error_body
+from m2serve.serve.errors import APIError, anthropic_error_body, json_type, typed_field
 from m2serve.serve.protocol import new_id, sse
 from m2serve.serve.sealing import Sealer
 
@@ -69,31 +69,27 @@ def _text_of(blocks: Any, where: str) -> str:
     """The text of a string or a list of text blocks (tool_result content, system)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where}: must be a string or a list of text blocks, got "
+                            f"{json_type(blocks)}", param=where)
     parts = []
-    for j, b in enumerate(blocks or []):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+    for j, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else json_type(b)
             raise APIError(400, f"{where}.{j}: a {kind!r} block is not supported here; the served model is "
                                 "text-only (send text blocks)", param=f"{where}.{j}")
-        parts.append(b["text"])
+        parts.append(typed_field(b, "text", str, f"{where}.{j}"))
     return "".join(parts)
 
 
-def _block(b: Any, where: str, *keys: str) -> dict[str, Any]:
-    if not isinstance(b, dict):
-        raise APIError(400, f"{where}: a content block must be an object", param=where)
-    missing = [k for k in keys if k not in b]
-    if missing:
-        raise APIError(400, f"{where}: a {b.get('type')!r} block needs {', '.join(missing)}",
-                       param=f"{where}.{missing[0]}")
-    return b
-
-
 def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any]]:
-    """The template-ready history of an Anthropic request (see the module docstring)."""
+    """The template-ready history of an Anthropic request (see the module docstring). Each block's
+    fields are checked (a 400 naming ``messages.<i>.content.<j>.<field>``); a ``tool_result`` must
+    answer a ``tool_use`` of an earlier assistant message."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text_of(req.system, "system")})
+    tool_use_ids: set[str] = set()
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
@@ -107,25 +103,32 @@ def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any
                 raise APIError(400, f"{at}: {kind} content is not supported; the served model is text-only",
                                param=f"{at}.type")
             if kind == "text":
-                texts.append(str(_block(raw, at, "text")["text"]))
+                texts.append(typed_field(raw, "text", str, at))
             elif kind == "thinking" and m.role == "assistant":
-                b = _block(raw, at, "thinking")
-                if not sealer.verify(b["thinking"], b.get("signature")):
+                text = typed_field(raw, "thinking", str, at)
+                if not sealer.verify(text, typed_field(raw, "signature", str, at, required=False)):
                     log.warning("%s: the thinking block's signature does not verify under this server's key "
                                 "(--thinking-signing-key); using its text as reasoning anyway", at)
-                reasoning.append(b["thinking"])
+                reasoning.append(text)
             elif kind == "redacted_thinking" and m.role == "assistant":
                 continue  # never produced by this server: nothing to recover
             elif kind == "tool_use" and m.role == "assistant":
-                b = _block(raw, at, "id", "name", "input")
-                args = json.dumps(b["input"], ensure_ascii=False)
-                fn = {"name": b["name"], "arguments": args}
-                calls.append({"id": b["id"], "type": "function", "function": fn})
+                call_id, name = typed_field(raw, "id", str, at), typed_field(raw, "name", str, at)
+                args = json.dumps(typed_field(raw, "input", dict, at), ensure_ascii=False)
+                fn = {"name": name, "arguments": args}
+                calls.append({"id": call_id, "type": "function", "function": fn})
+                tool_use_ids.add(call_id)
             elif kind == "tool_result" and m.role == "user":
-                b = _block(raw, at, "tool_use_id")
-                text = _text_of(b.get("content") or "", f"{at}.content")
-                results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                                "content": ("Error: " + text) if b.get("is_error") else text})
+                call_id = typed_field(raw, "tool_use_id", str, at)
+                if call_id not in tool_use_ids:
+                    raise APIError(400, f"{at}.tool_use_id: {call_id!r} answers no tool_use block of an "
+                                        "earlier assistant message (each tool_result must follow the "
+                                        "tool_use it answers)", param=f"{at}.tool_use_id")
+                content = raw.get("content")
+                text = _text_of("" if content is None else content, f"{at}.content")
+                error = typed_field(raw, "is_error", bool, at, required=False)
+                results.append({"role": "tool", "tool_call_id": call_id,
+                                "content": ("Error: " + text) if error else text})
             else:
                 raise APIError(400, f"{at}: a {kind!r} block is not supported in a {m.role} message",
                                param=f"{at}.type")
@@ -167,6 +170,9 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     output = cp.output_format(fmt.get("type"), fmt.get("schema"), "output_config.format") if fmt else None
     thinking = req.thinking
     budget = thinking.budget_tokens if thinking is not None and thinking.type != "disabled" else None
+    if budget is not None and budget > ctx.caps.max_length:
+        raise APIError(400, f"thinking.budget_tokens: {budget} is more than the model's context of "
+                            f"{ctx.caps.max_length} tokens", param="thinking.budget_tokens")
     params = cp.sampling_params(
         ctx, {"stop": "stop_sequences"}, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_tokens, stop=tuple(s for s in req.stop_sequences or () if s),

@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
-from m2serve.serve.errors import APIError, openai_error_body
+from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
 from m2serve.serve.protocol import new_id, sse
 from m2serve.serve.sealing import Sealer
 
@@ -105,23 +105,34 @@ def _parts_text(content: Any, where: str) -> str:
     """The text of a message's content: a string or ``input_text`` / ``output_text`` parts."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of input_text parts (got "
+                            f"{json_type(content)})", param=where)
     texts = []
-    for j, part in enumerate(content or []):
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
+        if kind not in ("input_text", "output_text", "text"):
             raise APIError(
                 400,
                 f"{where}.{j}: {kind!r} content is not supported; the served model is "
                 "text-only (send input_text parts)",
                 param=f"{where}.{j}.type",
             )
+        texts.append(typed_field(part, "text", str, f"{where}.{j}"))
     return "".join(texts)
 
 
 def _reasoning_text(item: dict[str, Any], sealer: Sealer, where: str) -> str:
-    sealed = item.get("encrypted_content")
+    sealed = typed_field(item, "encrypted_content", str, where, required=False)
+    texts = {}
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = typed_field(item, key, list, where, required=False) or []
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict):
+                raise APIError(400, f"{where}.{key}.{j}: must be a {kind} part (an object)",
+                               param=f"{where}.{key}.{j}")
+        texts[key] = [typed_field(p, "text", str, f"{where}.{key}.{j}") for j, p in enumerate(parts)
+                      if p.get("type") == kind]
     if sealed:
         text = sealer.open(sealed)
         if text is not None:
@@ -131,17 +142,12 @@ def _reasoning_text(item: dict[str, Any], sealer: Sealer, where: str) -> str:
             "using the item's readable text instead",
             where,
         )
-    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
-        texts = [
-            p.get("text", "") for p in item.get(key) or () if isinstance(p, dict) and p.get("type") == kind
-        ]
-        if texts:
-            return "".join(texts)
-    return ""
+    return "".join(texts["content"] or texts["summary"])
 
 
 def input_messages(items: str | list[dict[str, Any]], sealer: Sealer) -> list[dict[str, Any]]:
-    """The template-ready messages of ``input`` (see the module docstring)."""
+    """The template-ready messages of ``input`` (see the module docstring). Each item's fields are
+    checked (a 400 naming ``input.<k>.<field>``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -184,23 +190,23 @@ def input_messages(items: str | list[dict[str, Any]], sealer: Sealer) -> list[di
                 msg = assistant()
             msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item, sealer, where)
         elif kind == "function_call":
-            missing = [f for f in ("call_id", "name") if not item.get(f)]
+            call_id, name = typed_field(item, "call_id", str, where), typed_field(item, "name", str, where)
+            missing = [f for f, v in (("call_id", call_id), ("name", name)) if not v]
             if missing:
                 raise APIError(
                     400, f"{where}: a function_call item needs {missing[0]}", param=f"{where}.{missing[0]}"
                 )
-            fn = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
-            assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function", "function": fn}
-            )
+            args = typed_field(item, "arguments", str, where, required=False) or "{}"
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            if not item.get("call_id"):
+            call_id = typed_field(item, "call_id", str, where)
+            if not call_id:
                 raise APIError(
                     400, f"{where}: a function_call_output item needs call_id", param=f"{where}.call_id"
                 )
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            text = _parts_text(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
             turn = None
         else:
             raise APIError(
@@ -216,13 +222,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     """Responses function tools as chat-completions function tools (the template's form)."""
     out = []
     for i, t in enumerate(tools or []):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else json_type(t)
             raise APIError(
                 400,
                 f"tools.{i}: only function tools (type 'function' with a name) are supported, "
-                f"got type {t.get('type')!r}",
+                f"got type {kind!r}",
                 param=f"tools.{i}.type",
             )
+        typed_field(t, "description", str, f"tools.{i}", required=False)
+        typed_field(t, "parameters", dict, f"tools.{i}", required=False)
+        typed_field(t, "strict", bool, f"tools.{i}", required=False)
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out or None
@@ -259,6 +269,8 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         history = [dict(m) for m in stored.messages]
     if req.input is None and not history:
         raise APIError(400, "input is required (a string or a list of input items)", param="input")
+    if req.input == []:
+        raise APIError(400, "input: an empty list; send at least one input item (or a string)", param="input")
     history += input_messages(req.input or [], ctx.sealer)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     params = cp.sampling_params(
