@@ -640,6 +640,24 @@ def check_token_ids(ctx: AnyContext, ids: list[int], param: str, what: str = "to
                        param=param)
 
 
+# OpenAI's reasoning effort levels (Chat ``reasoning_effort``, Responses ``reasoning.effort``; the openai
+# SDK's ReasoningEffort) as reasoning budgets in tokens: ``</think>`` is forced after that many reasoning
+# tokens, the mechanism of Anthropic's ``thinking.budget_tokens`` (docs/serving.md §10). None: no budget.
+REASONING_BUDGETS: dict[str, int | None] = {
+    "none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None,
+}
+
+
+def effort_budget(effort: Any, param: str) -> int | None:
+    """The reasoning budget (tokens, None = none) of an OpenAI reasoning effort level; None when the
+    request sent none. Raises APIError 400 naming ``param`` for a value not in :data:`REASONING_BUDGETS`."""
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in REASONING_BUDGETS:
+        raise APIError(400, f"{param}: {effort!r} is not one of {', '.join(REASONING_BUDGETS)}", param=param)
+    return REASONING_BUDGETS[effort]
+
+
 def sampling_params(
     ctx: AnyContext, renames: dict[str, str] | None = None, **fields: Any
 ) -> SamplingParams:

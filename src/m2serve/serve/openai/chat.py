@@ -34,6 +34,7 @@ def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
         output=output,
         params=params,
         reasoning_split=req.reasoning_split,
+        reasoning_budget=cp.effort_budget(req.reasoning_effort, "reasoning_effort"),
         one_call=req.parallel_tool_calls is False,
         chat_template_kwargs=req.chat_template_kwargs,
         skip_special_tokens=req.skip_special_tokens,

@@ -50,12 +50,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
-from m2serve.serve.protocol import new_id, sse
+from m2serve.serve.protocol import APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,9 @@ router = APIRouter()
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-class ResponsesRequest(BaseModel):
-    """The fields m2serve uses, validated strictly; others are accepted and ignored (``extra="allow"``)."""
+class ResponsesRequest(APIRequest):
+    """The fields m2serve uses, validated strictly; others are accepted and ignored (:class:`APIRequest`)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -84,6 +83,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort: a reasoning budget; summary ... ignored
 
 
 @dataclass(slots=True)
@@ -280,6 +280,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
     )
+    effort = (req.reasoning or {}).get("effort")
     job = cp.ChatJob(
         messages=system + history,
         tools=chat_tools(req.tools),
@@ -290,6 +291,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
         max_tool_calls=req.max_tool_calls,
+        reasoning_budget=cp.effort_budget(effort, "reasoning.effort"),
         messages_param="input",
         max_tokens_param="max_output_tokens",
     )
@@ -456,7 +458,7 @@ class ResponseBuilder:
             "output": [dict(item) for item in self.output],
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
             "store": r.store,
             "temperature": r.temperature,
             "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
