@@ -670,7 +670,8 @@ def sampling_params(
     except ValueError as e:  # "invalid sampling parameter <field>...": the field is the param
         m = re.match(r"invalid sampling parameter (\w+)", str(e))
         param = (renames or {}).get(m.group(1), m.group(1)) if m else None
-        raise APIError(400, str(e), param=param) from e
+        message = str(e) if m is None else str(e).replace(m.group(1), param, 1)  # the wire name
+        raise APIError(400, message, param=param) from e
     return p
 
 
