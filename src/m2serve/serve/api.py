@@ -9,7 +9,10 @@ called: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``
 OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request (also
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
 API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
-Retry-After when the waiting queue is full or the engine is down. A bad request never reaches the
+Retry-After when the waiting queue is full or the engine is down, 500 when an engine step failed or a
+route raised an error nothing else caught: the middleware's catch-all answers it in the API's shape
+(a stream already under way ends with an error event in its shape), logs the traceback, counts and
+logs the 500 like any answer, and the keep-alive connection stays open. A bad request never reaches the
 engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
 route's error shape (FastAPI's default 422 is never sent, so it is not listed).
 
@@ -81,8 +84,8 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
 
 class _AuthCountAndLog:
     """ASGI middleware: API-key check (all routes but health/version/metrics), the request-body size
-    limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter and the
-    access log. Pure ASGI (not BaseHTTPMiddleware), so client disconnects still reach streaming
+    limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter, the
+    access log and the catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI (not BaseHTTPMiddleware), so client disconnects still reach streaming
     responses."""
 
     def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int) -> None:
@@ -271,7 +274,7 @@ _STATUS_TEXT = {
     401: "missing or invalid API key",
     404: "unknown model, or unknown stored response",
     413: "request body larger than --max-request-bytes",
-    500: "an engine step failed while running this request",
+    500: "an engine step failed while running this request, or an internal error",
     503: "waiting queue full or engine not running (with Retry-After)",
 }
 
@@ -287,8 +290,9 @@ def _statuses(path: str, method: str, has_body: bool) -> list[int]:
         out.append(404)  # unknown model / stored response
     if method == "post":
         out.append(413)
+    out.append(500)  # the catch-all, on every route
     if path in _GEN_ROUTES:
-        out += [500, 503]
+        out.append(503)
     if path == "/health":
         out.append(503)
     return out
