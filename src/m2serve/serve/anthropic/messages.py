@@ -7,7 +7,8 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   ``text``; ``thinking`` (its ``signature`` checked against this server's key: one that does not verify
   is still used and a warning is logged) and ``redacted_thinking`` (not produced here: dropped);
   ``tool_use`` -> the assistant's ``tool_calls``; ``tool_result`` (string or text blocks, ``is_error``
-  -> the text is prefixed ``Error: ``) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
+  -> the text is prefixed ``Error: ``; its ``tool_use_id`` must name a ``tool_use`` of an earlier
+  assistant message) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
   model). Thinking blocks sent back become the assistant's ``reasoning_content``, so the template keeps
   the current tool loop's reasoning (interleaved thinking, docs/parsers.md §2).
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
@@ -18,7 +19,9 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   "Tool-call cap").
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
-  ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens.
+  ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens
+  (at most the context; OpenAI's reasoning effort levels map to the same budgets,
+  ``chat_pipeline.REASONING_BUDGETS``).
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``): the text after the reasoning
   is JSON matching the schema; ``output_config.effort``, ``metadata``, ``cache_control`` and unknown
   fields are ignored.

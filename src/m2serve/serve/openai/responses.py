@@ -19,9 +19,11 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   json_schema (``schema``) / json_object: the text after the reasoning is JSON matching it
   (docs/constrained-decoding.md).
 - ``include: ["reasoning.encrypted_content"]`` returns the reasoning sealed under the server key
-  (serve/sealing.py) in each reasoning item. ``reasoning``, ``truncation``, ``prompt_cache_key``,
+  (serve/sealing.py) in each reasoning item. ``reasoning.effort`` is a reasoning budget
+  (``chat_pipeline.REASONING_BUDGETS``). ``reasoning.summary``, ``truncation``, ``prompt_cache_key``,
   ``metadata``, ``user``, ``service_tier``, ``text.verbosity`` and unknown fields are accepted and
-  ignored.
+  ignored. ``input: []`` is a 400; every item's fields are type-checked (a 400 naming
+  ``input.<k>.<field>``).
 
 The finished choice of the pipeline -> the output items of the response (:func:`output_items`):
 ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``), ``function_call``
