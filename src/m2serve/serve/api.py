@@ -85,8 +85,8 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
 class _AuthCountAndLog:
     """ASGI middleware: API-key check (all routes but health/version/metrics), the request-body size
     limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter, the
-    access log and the catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI (not BaseHTTPMiddleware), so client disconnects still reach streaming
-    responses."""
+    access log and the catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI
+    (not BaseHTTPMiddleware), so client disconnects still reach streaming responses."""
 
     def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int) -> None:
         self.app, self.api_key, self.metrics, self.max_bytes = app, api_key, metrics, max_bytes
