@@ -4,7 +4,8 @@ A valid multi-turn request per API (chat with tools, tool calls and tool results
 with thinking, tool_use and tool_result blocks; Responses with reasoning, function_call and
 function_call_output items; completions) has each of its field paths (every key of every object and
 every item of every list, at any depth) replaced in turn by each of ``5, 1.5, true, null, [], {}, "s",
-[1], {"a": 1}``. Every answer must be below 500, and every 4xx must be in the error shape of the API
+[1], {"a": 1}`` (``stream: true`` among them, so the streamed path runs too). Every answer must be
+below 500, a stream must carry no error event, and every 4xx must be in the error shape of the API
 called (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``). In-process
 (FastAPI's TestClient) on the tiny random model, max_tokens 1, so the requests that are valid run for
 real in a few milliseconds each.
@@ -24,6 +25,8 @@ from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
 
+pytestmark = pytest.mark.slow  # ~1,700 requests: tens of seconds on the shared 2-core box
+
 VALUES: list[Any] = [5, 1.5, True, None, [], {}, "s", [1], {"a": 1}]
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -31,6 +34,7 @@ WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, 
 CHAT = {
     "model": "m",
     "max_tokens": 1,
+    "stream": False,
     "temperature": 0.5,
     "top_p": 0.9,
     "stop": ["\n\n"],
@@ -53,6 +57,7 @@ CHAT = {
 MESSAGES = {
     "model": "m",
     "max_tokens": 1,
+    "stream": False,
     "system": [{"type": "text", "text": "Be brief."}],
     "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
@@ -76,6 +81,7 @@ MESSAGES = {
 RESPONSES = {
     "model": "m",
     "max_output_tokens": 1,
+    "stream": False,
     "instructions": "Be brief.",
     "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
@@ -99,9 +105,8 @@ COMPLETIONS = {"model": "m", "prompt": ["Hello", "Hi"], "max_tokens": 1, "stop":
 CASES = [
     ("/v1/chat/completions", CHAT),
     ("/v1/messages", MESSAGES),
-    ("/v1/messages/count_tokens", {k: v for k, v in MESSAGES.items() if k not in ("max_tokens",
-                                                                                  "stop_sequences",
-                                                                                  "temperature")}),
+    ("/v1/messages/count_tokens", {k: v for k, v in MESSAGES.items()
+                                   if k not in ("max_tokens", "stop_sequences", "temperature", "stream")}),
     ("/v1/responses", RESPONSES),
     ("/v1/completions", COMPLETIONS),
 ]
@@ -155,6 +160,9 @@ def test_no_5xx_for_any_mistyped_field(client, route, body):
             where = ".".join(map(str, path)) + " = " + json.dumps(value)
             if r.status_code >= 500:
                 failures.append(f"{where}: {r.status_code} {r.text[:200]}")
+            elif r.headers.get("content-type", "").startswith("text/event-stream") and (
+                    "event: error" in r.text or '"error": {' in r.text):
+                failures.append(f"{where}: the stream carries an error: {r.text[-300:]}")
             elif r.status_code >= 400 and not _in_shape(route, r.json()):
                 failures.append(f"{where}: {r.status_code} not in the API's error shape: {r.text[:200]}")
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
