@@ -25,7 +25,7 @@ from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
 
-pytestmark = pytest.mark.slow  # ~1,700 requests: tens of seconds on the shared 2-core box
+pytestmark = pytest.mark.slow  # 2,052 requests: 30 to 90 s on the shared 2-core box
 
 VALUES: list[Any] = [5, 1.5, True, None, [], {}, "s", [1], {"a": 1}]
 
