@@ -71,10 +71,10 @@ def test_uncaught_error_is_a_json_500_and_the_connection_stays(server, monkeypat
     before = _requests_total(engine, endpoint, "500")
     monkeypatch.setattr(*target, _boom)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    with caplog.at_level(logging.WARNING, logger="m2serve.access"):
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        payload = json.loads(r.read())
+    caplog.set_level(logging.WARNING, logger="m2serve.access")
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    payload = json.loads(r.read())
     assert r.status == 500 and r.getheader("content-type") == "application/json"
     if path == "/v1/messages":
         assert payload["type"] == "error" and payload["error"]["type"] == "api_error", payload
@@ -82,7 +82,11 @@ def test_uncaught_error_is_a_json_500_and_the_connection_stays(server, monkeypat
         assert payload["error"]["type"] == "server_error" and payload["error"]["code"] == 500, payload
     assert "RuntimeError" in json.dumps(payload)
     assert not r.will_close  # no "Connection: close"
-    assert any(f"POST {path} 500 " in rec.getMessage() for rec in caplog.records), caplog.text
+    # the access line is written once the response is sent: wait for it (the server runs in a thread)
+    deadline = time.monotonic() + 10
+    while not any(f"POST {path} 500 " in rec.getMessage() for rec in caplog.records):
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.02)
     assert _requests_total(engine, endpoint, "500") == before + 1
     # the same socket answers the next request
     sock = conn.sock
