@@ -26,6 +26,10 @@ models in process with seeded random weights (no checkpoint files, no tokenizer)
 
 Figures are printed and, when ``$OUT`` is set, written to ``$OUT/gpu_check.json``. Without a
 CUDA device (and without --cpu-smoke) it prints that and exits 0.
+
+``--part attention`` runs instead the check of the Triton paged attention kernel
+(benchmarks/gpu_attention.py: correctness against ``attend`` and decode time against the
+bandwidth bound; < 6 min on one H200; needs triton 3.6, no more).
 """
 
 from __future__ import annotations
@@ -301,9 +305,30 @@ def check(device: str, smoke: bool) -> dict:
     return out
 
 
+def attention_part(device: str, smoke: bool) -> int:
+    """``--part attention``: benchmarks/gpu_attention.py (imported here: it needs triton)."""
+    from gpu_attention import check_attention
+
+    t = time.perf_counter()
+    out = {"torch": torch.__version__, "device": device,
+           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+           **check_attention(device, smoke)}
+    out["wall_s"] = time.perf_counter() - t
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "gpu_check_attention.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+    print(f"gpu_check --part attention: {'OK' if out['ok'] else 'OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
+    return 0 if out["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-runnable parts on tiny dims")
+    ap.add_argument("--part", choices=("model", "attention"), default="model",
+                    help="model: the forward (this module's docstring); attention: the Triton paged "
+                    "attention kernel (benchmarks/gpu_attention.py)")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
         device = "cuda"
@@ -313,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device visible; nothing to check here (use --cpu-smoke for the "
               "CPU-runnable parts)")
         return 0
+    if args.part == "attention":
+        return attention_part(device, smoke=args.cpu_smoke and device == "cpu")
     t = time.perf_counter()
     out = check(device, smoke=args.cpu_smoke and device == "cpu")
     out["wall_s"] = time.perf_counter() - t

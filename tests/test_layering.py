@@ -1,6 +1,7 @@
 """Imports point down only (docs/architecture.md): config <- formats <- kernels <- model <- parallel <- engine
 <- serve, config <- text <- serve; checkpoints may import config, formats and text. transformers
-is a test dependency only and never imported from src/."""
+is a test dependency only and never imported from src/; only kernels/triton/ imports triton
+(docs/kernels.md §1)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ ALLOWED["serve"] = set(CHAIN) | {"text", "checkpoints", "serve"}
 FORBIDDEN = {"transformers"}
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in ``path``; relative imports resolved."""
-    package = ".".join(("m2serve", *path.relative_to(SRC).with_suffix("").parts))
+def _imports(path: Path, root: Path | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path`` (under ``root``, default the package);
+    relative imports resolved."""
+    package = ".".join(("m2serve", *path.relative_to(root or SRC).with_suffix("").parts))
     if path.name != "__init__.py":
         package = package.rsplit(".", 1)[0]
     out = []
@@ -56,6 +58,34 @@ def violations() -> list[str]:
 
 def test_imports_point_down_only():
     assert violations() == []
+
+
+TRITON_HOME = ("kernels", "triton")  # docs/kernels.md §1: imported only when a Triton path is chosen
+
+
+def triton_importers(root: Path | None = None) -> list[str]:
+    """Modules outside kernels/triton/ that import ``triton`` or m2serve.kernels.triton."""
+    root = root or SRC
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[:2] == TRITON_HOME:
+            continue
+        for line, mod in _imports(path, root):
+            if mod.split(".")[0] == "triton" or mod.startswith("m2serve.kernels.triton"):
+                bad.append(f"{path.relative_to(root)}:{line} imports {mod}")
+    return bad
+
+
+def test_only_the_triton_package_imports_triton(tmp_path):
+    assert triton_importers() == []
+    # and the walker can fail: the model importing the kernel package, the kernels importing triton
+    (tmp_path / "model").mkdir()
+    (tmp_path / "kernels" / "triton").mkdir(parents=True)
+    (tmp_path / "model" / "x.py").write_text("from m2serve.kernels.triton import attention\n")
+    (tmp_path / "kernels" / "ops.py").write_text("import triton.language as tl\n")
+    (tmp_path / "kernels" / "triton" / "k.py").write_text("import triton\n")
+    assert triton_importers(tmp_path) == ["kernels/ops.py:1 imports triton.language",
+                                          "model/x.py:1 imports m2serve.kernels.triton"]
 
 
 def test_checker_catches_an_upward_import(tmp_path, monkeypatch):

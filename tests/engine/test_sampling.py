@@ -506,6 +506,9 @@ def test_child_params_for_n():
     (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(thinking_temperature=-1), "thinking_temperature"),
     (dict(reasoning_end_token_ids=["a"]), "reasoning_end_token_ids"),
+    (dict(repetition_penalty=100.5), "repetition_penalty"), (dict(logit_bias={" 5": 1}), "logit_bias"),
+    (dict(logit_bias={"1_0": 1}), "logit_bias"), (dict(logit_bias={"+5": 1}), "logit_bias"),
+    (dict(logit_bias={"\u0665": 1}), "logit_bias"), (dict(stop=["a\ud800"]), "stop"),
 ])
 def test_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -514,6 +517,9 @@ def test_validation_names_the_field(kw, field):
 
 def test_token_ids_checked_against_vocab():
     SamplingParams(logit_bias={9: 1}).check_token_ids(10)
+    SamplingParams(logit_bias={"9": 1}, top_k=10, repetition_penalty=100).check_token_ids(10)
+    with pytest.raises(ValueError, match=r"top_k=11: must be at most the vocabulary size 10"):
+        SamplingParams(top_k=11).check_token_ids(10)
     with pytest.raises(ValueError, match=r"stop_token_ids: token id 10 .*\[0, 10\)"):
         SamplingParams(stop_token_ids=[10]).check_token_ids(10)
 

@@ -47,6 +47,27 @@ def test_cpu_smoke_checks_logits_counts_no_read_backs_and_writes_json(tmp_path):
     assert set(res["speed_bf16"]) >= {"decode_b1_tok_s", "decode_b4_tok_s", "legacy_decode_b4_tok_s"}
 
 
+def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
+    # --part attention (issue 28 item 5): the GPU image has torch, triton and transformers only
+    code = (f"import sys; sys.argv = ['gpu_check']; sys.path.insert(0, {str(SCRIPT.parent)!r});"
+            "import gpu_check, gpu_attention, m2serve.kernels.triton.attention; bad = sorted(m for m in "
+            "sys.modules if m.split('.')[0] in ('pydantic', 'fastapi', 'llguidance', 'tokenizers', "
+            "'transformers') or m.startswith(('m2serve.serve', 'm2serve.engine', 'm2serve.text', "
+            "'m2serve.parallel', 'm2serve.checkpoints'))); print(bad)")
+    r = _run(code=code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    r = _run("--part", "attention", "--cpu-smoke", out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "gpu_check_attention.json").read_text())
+    assert res["ok"] and res["device"] == "cpu" and res["copy_rate_gb_s"] > 0
+    assert set(res["correctness"]) == {"mixed page16", "mixed fp8 page16", "decode split4"}
+    for c in res["correctness"].values():  # bf16 outputs within a bf16 ulp or two of fp32 attend
+        assert c["kernel_max_abs_diff"] <= 2**-6 * c["max_abs_ref"], c
+    for d in res["decode"].values():
+        assert d["bound_ms"] > 0 and d["kernel_over_bound"] == d["kernel_ms"] / d["bound_ms"]
+
+
 def test_dims_are_the_tiny_random_and_bench_dims():
     sys.path.insert(0, str(SCRIPT.parent))
     try:

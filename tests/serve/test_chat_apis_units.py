@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import openai
+import pydantic
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from m2serve.engine.sampling import TokenLogprobs
-from m2serve.serve.anthropic.messages import MessageBuilder, messages_job
+from m2serve.serve.anthropic.messages import MessageStream, message, messages_job
 from m2serve.serve.anthropic.protocol import MessagesRequest
-from m2serve.serve.chat_pipeline import ChoiceDelta, TokenUsage, constraint_spec
+from m2serve.serve.chat_pipeline import ChoiceCollector, ChoiceDelta, TokenUsage, constraint_spec
 from m2serve.serve.context import ModelCapabilities, ResponseStore
 from m2serve.serve.errors import APIError
 from m2serve.serve.openai.responses import ResponseBuilder, ResponsesRequest, responses_job
@@ -27,10 +29,11 @@ CTX = SimpleNamespace(
     caps=ModelCapabilities(4096, 1000, 16, True, True), sealer=SEALER, responses=ResponseStore(2)
 )
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+EVENTS = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)  # the openai SDK's event types
 CALL_ID = "call_" + "ab" * 12
 
 
-def _delta(reasoning="", content="", calls=(), finished=False, finish_reason=None, logprobs=None):
+def _delta(reasoning="", content="", calls=(), finished=False, finish_reason=None, logprobs=None, tail=""):
     d = OutputDelta(
         "r-0-0",
         text=reasoning + content,
@@ -41,8 +44,22 @@ def _delta(reasoning="", content="", calls=(), finished=False, finish_reason=Non
         logprobs=logprobs,
         finished=finished,
         finish_reason=finish_reason,
+        tail=tail,
     )
     return ChoiceDelta(0, 0, d)
+
+
+def _stream(deltas):
+    """``deltas`` as the pipeline's stream yields them: collected, the last one carrying the finished
+    choice (chat_pipeline.stream)."""
+    collector, out = ChoiceCollector({"r-0-0": (0, 0)}), []
+    for d in deltas:
+        d = ChoiceDelta(d.index, d.prompt_index, d.delta)
+        collector.add(d)
+        if d.delta.finished:
+            d.choice = collector.choice(None, "r-0-0", ())
+        out.append(d)
+    return out
 
 
 # a choice that reasons in two pieces then calls get_weather({"city": "Paris"}) in two argument pieces
@@ -52,6 +69,14 @@ DELTAS = [
     _delta(calls=[ToolCallDelta(0, "", CALL_ID, "function", "get_weather")]),
     _delta(calls=[ToolCallDelta(0, '{"city": ')]),
     _delta(calls=[ToolCallDelta(0, '"Paris"}')], finished=True, finish_reason="tool_calls"),
+]
+# the same call cut by the token limit inside its value: the last delta carries the last argument
+# fragment and the parser's finish step adds the call's raw text as content (P18), after it
+RAW = '<invoke name="get_weather">\n<parameter name="city">Par'
+CUT = [
+    *DELTAS[:3],
+    _delta(calls=[ToolCallDelta(0, '{"city": "Pa')]),
+    _delta(content=RAW, tail=RAW, calls=[ToolCallDelta(0, "r")], finished=True, finish_reason="length"),
 ]
 
 
@@ -65,6 +90,10 @@ def test_pieces_split_order_and_logprobs_on_first_piece():
     assert pieces[0].logprobs == lps and pieces[1].logprobs is None and pieces[2].logprobs is None
     only_lps = _delta(logprobs=lps).pieces()  # a token whose text went nowhere (a parser tag)
     assert [(p.kind, p.logprobs) for p in only_lps] == [("logprobs", lps)]
+    # the content the parser's finish step added (a cut call's raw text) follows the call's fragments
+    last = _delta(content="x" + RAW, tail=RAW, calls=[ToolCallDelta(0, "r")]).pieces()
+    assert [(p.kind, p.text) for p in last] == [("content", "x"), ("tool_calls", ""), ("content", RAW)]
+    assert [p.kind for p in _delta(content=RAW, tail=RAW).pieces()] == ["content"]
 
 
 # --------------------------------------------------------------------------- Anthropic
@@ -169,13 +198,23 @@ def test_messages_request_errors_name_the_field(extra, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_message_builder_events_assemble_to_its_message():
-    b = MessageBuilder("msg_1", "m", SEALER, thinking=True)
+def _accumulate(events):
+    """The anthropic SDK's own accumulation of a stream's events."""
+    snapshot, bufs = None, {}
+    for _, data in events:
+        if data["type"] != "ping":
+            snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    return snapshot
+
+
+def test_message_stream_events_assemble_to_the_message():
+    b = MessageStream("msg_1", "m", SEALER, thinking=True)
     usage = TokenUsage(prompt=10, output=5, reasoning=2, cached=4)
     events = b.start(usage)
-    for d in DELTAS:
+    deltas = _stream(DELTAS)
+    for d in deltas:
         events += b.feed(d)
-    events += b.finish(None, DELTAS[-1], usage)
+    events += b.finish(deltas[-1].choice, usage)
     assert [name for name, _ in events] == [
         "message_start",
         "ping",
@@ -198,24 +237,47 @@ def test_message_builder_events_assemble_to_its_message():
         "input_json_delta",
         "input_json_delta",
     ]
-    snapshot, bufs = None, {}
-    for _, data in events:
-        if data["type"] != "ping":
-            snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
-    message = b.message(usage)
-    assert snapshot.model_dump(exclude_none=True)["content"] == message["content"]
-    assert message["content"] == [
+    snapshot = _accumulate(events)
+    msg = message("msg_1", "m", deltas[-1].choice, usage, True, SEALER)
+    assert snapshot.model_dump(exclude_none=True)["content"] == msg["content"]
+    assert msg["content"] == [
         {"type": "thinking", "thinking": "Need the weather.", "signature": SEALER.sign("Need the weather.")},
         {"type": "tool_use", "id": "toolu_" + "ab" * 12, "name": "get_weather", "input": {"city": "Paris"}},
     ]
-    assert (message["stop_reason"], snapshot.stop_reason) == ("tool_use", "tool_use")
-    assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
-    # thinking disabled: the same deltas give only the tool_use block
-    quiet = MessageBuilder("msg_2", "m", SEALER, thinking=False)
-    for d in DELTAS:
-        quiet.feed(d)
-    quiet.finish(None, DELTAS[-1], usage)
-    assert [blk["type"] for blk in quiet.message(usage)["content"]] == ["tool_use"]
+    assert (msg["stop_reason"], snapshot.stop_reason) == ("tool_use", "tool_use")
+    assert msg["usage"]["input_tokens"] == 6 and msg["usage"]["cache_read_input_tokens"] == 4
+    # thinking disabled: the same deltas give only the tool_use block, streamed and not
+    quiet = MessageStream("msg_2", "m", SEALER, thinking=False)
+    events = quiet.start(usage) + [e for d in deltas for e in quiet.feed(d)]
+    events += quiet.finish(deltas[-1].choice, usage)
+    assert [blk.type for blk in _accumulate(events).content] == ["tool_use"]
+    assert [blk["type"] for blk in message("m", "m", deltas[-1].choice, usage, False, SEALER)["content"]] == \
+        ["tool_use"]
+
+
+def test_message_with_a_cut_call_streamed_and_not():
+    # docs/serving.md §10.1: not streamed, the cut call is its raw text (P18), never a tool_use with
+    # input {}; streamed, its block already started: it stops as it stands, the raw text follows as a
+    # text block, and both end with stop_reason max_tokens
+    usage = TokenUsage(prompt=10, output=5)
+    deltas = _stream(CUT)
+    msg = message("msg_1", "m", deltas[-1].choice, usage, True, SEALER)
+    assert msg["content"] == [
+        {"type": "thinking", "thinking": "Need the weather.", "signature": SEALER.sign("Need the weather.")},
+        {"type": "text", "text": RAW},
+    ]
+    assert msg["stop_reason"] == "max_tokens"
+    b = MessageStream("msg_1", "m", SEALER, thinking=True)
+    events = b.start(usage) + [e for d in deltas for e in b.feed(d)] + b.finish(deltas[-1].choice, usage)
+    snapshot = _accumulate(events)
+    assert [blk.type for blk in snapshot.content] == ["thinking", "tool_use", "text"]
+    assert snapshot.content[2].text == RAW and snapshot.stop_reason == "max_tokens"
+    json_deltas = [data["delta"]["partial_json"] for _, data in events
+                   if data["type"] == "content_block_delta" and data["delta"]["type"] == "input_json_delta"]
+    assert "".join(json_deltas) == '{"city": "Par'  # the prefix sent before the cut, then nothing more
+    starts = [(name, data.get("index")) for name, data in events if name.startswith("content_block_s")]
+    assert starts == [("content_block_start", 0), ("content_block_stop", 0), ("content_block_start", 1),
+                      ("content_block_stop", 1), ("content_block_start", 2), ("content_block_stop", 2)]
 
 
 # --------------------------------------------------------------------------- Responses
@@ -316,10 +378,11 @@ def test_responses_max_tool_calls_caps_a_forced_turn():
 def test_response_builder_events_and_output():
     req = ResponsesRequest(input="x", include=["reasoning.encrypted_content"])
     b = ResponseBuilder(req, "m", SEALER)
+    deltas = _stream(DELTAS)
     events = b.start()
-    for d in DELTAS:
+    for d in deltas:
         events += b.feed(d)
-    events += b.finish(DELTAS[-1], TokenUsage(10, 5, 2, 0))
+    events += b.finish(deltas[-1].choice, TokenUsage(10, 5, 2, 0))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events] == [
         "response.created",
@@ -344,11 +407,20 @@ def test_response_builder_events_and_output():
         "get_weather",
         {"city": "Paris"},
     )
+    # the final state is the items the stream sent, by id, as each output_item.done had it
+    assert out == [e["item"] for e in events if e["type"] == "response.output_item.done"]
     # the deltas assemble to the items' texts
     args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     assert args == out[1]["arguments"]
     assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
-    assert b.assistant_message() == {
+    # the non-streamed response of the same finished choice: the same items but their random ids
+    ns = ResponseBuilder(req, "m", SEALER)
+    ns.complete(deltas[-1].choice, TokenUsage(10, 5, 2, 0))
+    def blank(o):
+        return {**o, "id": None, "encrypted_content": None}
+
+    assert [blank(o) for o in ns.response()["output"]] == [blank(o) for o in out]
+    assert deltas[-1].choice.output.history_message() == {
         "role": "assistant",
         "content": "",
         "reasoning_content": "Need the weather.",
@@ -361,11 +433,36 @@ def test_response_builder_events_and_output():
         ],
     }
     cut = ResponseBuilder(req, "m", SEALER)
-    cut.feed(_delta(content="Hel"))
-    assert (
-        cut.finish(_delta(content="lo", finished=True, finish_reason="length"), TokenUsage())[-1]["type"]
-        == "response.incomplete"
-    )
+    last = _stream([_delta(content="Hel"), _delta(content="lo", finished=True, finish_reason="length")])
+    cut.feed(last[0])
+    assert cut.finish(last[1].choice, TokenUsage())[-1]["type"] == "response.incomplete"
+
+
+def test_response_with_a_cut_call_streamed_and_not():
+    # docs/serving.md §10.1: not streamed, the cut call is a message with its raw text (P18), never a
+    # function_call with truncated arguments; streamed, its item already went out: it ends with status
+    # incomplete (no function_call_arguments.done), the raw text follows as a message item, and the
+    # response.incomplete object lists exactly the items the stream sent
+    req = ResponsesRequest(input="x")
+    deltas = _stream(CUT)
+    ns = ResponseBuilder(req, "m", SEALER)
+    ns.complete(deltas[-1].choice, TokenUsage(10, 5))
+    r = openai.types.responses.Response.model_validate(ns.response())
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == RAW
+    b = ResponseBuilder(req, "m", SEALER)
+    events = b.start() + [e for d in deltas for e in b.feed(d)]
+    events += b.finish(deltas[-1].choice, TokenUsage(10, 5))
+    events = [EVENTS.validate_python(e) for e in events]
+    assert "response.function_call_arguments.done" not in [e.type for e in events]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(o.type, o.status) for o in done] == [("reasoning", "completed"), ("function_call", "incomplete"),
+                                                  ("message", "completed")]
+    assert done[1].arguments == '{"city": "Par' and done[2].content[0].text == RAW
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.output == done
+    assert deltas[-1].choice.output.history_message() == {"role": "assistant", "content": RAW,
+                                                          "reasoning_content": "Need the weather."}
 
 
 def test_response_store_is_bounded():

@@ -175,3 +175,14 @@ def test_collected_result_returns_only_closed_calls(cut):
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
     assert out.content is not None and out.content.startswith('<invoke name="get_w')
     assert out.finish_reason == "length"
+    # the finished choice's parts in stream order (docs/serving.md §10.1): the cut call is there only
+    # when its header was sent (a complete name), and only a stream's final state keeps it
+    header_sent = cut != '<invoke name="get_w'
+    assert [(p.kind, p.call and p.call.complete) for p in out.parts] == \
+        [("tool_call", True)] + [("tool_call", False)] * header_sent + [("content", None)]
+    assert [(p.kind, p.call and p.call.complete) for p in out.returned_parts(streamed=False)] == \
+        [("tool_call", True), ("content", None)]
+    assert out.returned_parts(streamed=True) == out.parts
+    assert out.history_message()["tool_calls"] == [
+        {"id": out.tool_calls[0].id, "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]

@@ -3,7 +3,9 @@
 The server process is tests/serve/replay_server.py (TEST-ONLY): the real ``m2serve serve`` whose model
 replays REPLAY below after the generation prompt. Checked streamed and non-streamed with the openai
 client: reasoning_content deltas, per index one first delta with id + name, arguments that parse to
-the expected objects, finish_reason "tool_calls", and the same message both ways.
+the expected objects, finish_reason "tool_calls", and the same message both ways. The second call cut
+by the token limit goes through Chat Completions, Anthropic Messages and Responses, streamed and not,
+with the openai and anthropic SDK clients (issue 26 item 3, docs/serving.md §10.1).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import re
 import sys
 
+import anthropic
 import openai
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, HERE, metric, start_server
@@ -167,3 +170,96 @@ def test_parallel_tool_calls_false_returns_first_call_only(client):
         for tc in ch.choices[0].delta.tool_calls or []
     }
     assert streamed == {0}
+
+
+# --------------------------------------------------------------------------- a call cut by the limit
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def cut(tokenizer):
+    """(max_tokens, raw): a limit that stops the replay one token into the value of the second call
+    (get_time: its name, so its header, is complete), and that call's raw text from its ``<invoke``
+    (P18), hand-derived from the replayed tokens."""
+    ids = tokenizer.encode(REPLAY)
+    k = next(k for k in range(len(ids)) if 'name="timezone">' in tokenizer.decode(ids[:k])) + 1
+    text = tokenizer.decode(ids[:k])
+    raw = text[text.index('<invoke name="get_time">'):]
+    assert "</invoke>" not in raw and raw in REPLAY and raw.index('"timezone">') < len(raw) - 11
+    return k, raw
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_cut_call_chat_completions(client, cut):
+    # not streamed: the cut call is content (P18), only the closed call is a call, finish_reason length
+    limit, raw = cut
+    kw = dict(model="replay", messages=MESSAGES, tools=TOOLS, max_tokens=limit)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content == raw
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == EXPECTED[:1]
+    # streamed: the cut call's header went out (P23) and stays; its raw text follows as content (P26)
+    content, names, args, finish = [], {}, {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        d = chunk.choices[0].delta
+        content.append(d.content or "")
+        for tc in d.tool_calls or []:
+            names.setdefault(tc.index, tc.function.name)
+            args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and "".join(content) == raw
+    assert names == {0: "get_weather", 1: "get_time"} and json.loads(args[0]) == EXPECTED[0][1]
+    assert args[1].startswith('{"timezone": "') and not args[1].endswith("}")
+
+
+def test_cut_call_anthropic_messages(claude, cut):
+    # not streamed: a text block with the raw text, never a tool_use with input {}; stop_reason max_tokens
+    limit, raw = cut
+    kw = dict(model="replay", max_tokens=limit, messages=MESSAGES, tools=ANTHROPIC_TOOLS)
+    msg = claude.messages.create(**kw)
+    assert msg.stop_reason == "max_tokens"
+    assert [b.type for b in msg.content] == ["thinking", "tool_use", "text"]
+    assert (msg.content[1].name, msg.content[1].input) == EXPECTED[0] and msg.content[2].text == raw
+    # streamed: the cut call's tool_use block had started; it stops as it stands and the raw text
+    # follows as a text block (the SDK's own accumulator), with the same stop reason
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [b.type for b in final.content] == ["thinking", "tool_use", "tool_use", "text"]
+    assert final.content[0].thinking == msg.content[0].thinking == REASONING
+    assert (final.content[1].name, final.content[1].input) == EXPECTED[0]
+    assert final.content[2].name == "get_time" and final.content[3].text == raw
+
+
+def test_cut_call_responses(client, cut):
+    # not streamed: a message item with the raw text, never a function_call with truncated arguments
+    limit, raw = cut
+    kw = dict(model="replay", input=MESSAGES, tools=RESPONSES_TOOLS, max_output_tokens=limit)
+    r = client.responses.create(**kw)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.status) for o in r.output] == [
+        ("reasoning", "completed"), ("function_call", "completed"), ("message", "completed")]
+    assert (r.output[1].name, json.loads(r.output[1].arguments)) == EXPECTED[0] and r.output_text == raw
+    # streamed: the cut call's item had been added; it ends with status incomplete (no
+    # function_call_arguments.done), the raw text follows as a message, and response.incomplete lists
+    # exactly the items the stream finished
+    events = list(client.responses.create(**kw, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(o.type, o.status) for o in done] == [
+        ("reasoning", "completed"), ("function_call", "completed"), ("function_call", "incomplete"),
+        ("message", "completed")]
+    assert done[2].name == "get_time" and done[3].content[0].text == raw
+    assert [e.type for e in events].count("response.function_call_arguments.done") == 1
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.output == done
+    # the stored history keeps the closed call only: the conversation continues from it
+    result = {"type": "function_call_output", "call_id": done[1].call_id, "output": "sunny"}
+    follow = client.responses.create(model="replay", previous_response_id=final.response.id, input=[result],
+                                  tools=RESPONSES_TOOLS, max_output_tokens=limit)
+    assert follow.status == "incomplete" and follow.previous_response_id == final.response.id

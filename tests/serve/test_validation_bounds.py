@@ -1,4 +1,4 @@
-"""Validation gaps and cost bounds on every API (issue 16 items 8 and 9), in-process.
+"""Validation gaps and cost bounds on every API (issue 16 items 8 and 9, issue 26 item 4), in-process.
 
 Each bad request below was answered 200 before (or could cost unbounded work); each must now be a 400
 naming the field or the limit, in the shape of the API called, without reaching the engine. The
@@ -6,6 +6,8 @@ published OpenAPI document must list the statuses the server really answers (400
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -221,3 +223,88 @@ def test_openapi_lists_the_statuses_really_returned(served):
             assert {"400", "413"} <= codes, (path, codes)
     schema = doc["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
     assert schema["$ref"].endswith("/AnthropicError")
+
+
+# --------------------------------------------------------------------------- issue 26 item 4
+
+def _turns(thinking=None, tool_use=None, tool_result=None, first=None):
+    """An Anthropic tool loop whose blocks can be overridden: user, assistant (thinking + tool_use),
+    user (tool_result)."""
+    return [
+        {"role": "user", "content": [{"type": "text", "text": "weather?", **(first or {})}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "call it", "signature": "s", **(thinking or {})},
+            {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}, **(tool_use or {})}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny", **(tool_result or {})}]},
+    ]
+
+
+def _items(*items):
+    return ("/v1/responses", {"input": list(items), "max_output_tokens": 2})
+
+
+CALL = {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}
+REASONING = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]}
+ANTHROPIC_TYPES = [  # (messages, the path the 400 names): were 500s or were accepted
+    (_turns(thinking={"signature": 12345}), "messages.1.content.0.signature"),
+    (_turns(thinking={"thinking": ["x"]}), "messages.1.content.0.thinking"),
+    (_turns(tool_result={"content": 5}), "messages.2.content.0.content"),
+    (_turns(first={"text": 5}), "messages.0.content.0.text"),
+    (_turns(tool_use={"id": 5}), "messages.1.content.1.id"),
+    (_turns(tool_use={"input": "{}"}), "messages.1.content.1.input"),
+    (_turns(tool_result={"tool_use_id": 5}), "messages.2.content.0.tool_use_id"),
+    (_turns(tool_result={"is_error": "yes"}), "messages.2.content.0.is_error"),
+    (_turns(tool_result={"tool_use_id": "toolu_2"}), "messages.2.content.0.tool_use_id"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}],
+     "messages.0.content.0.tool_use_id"),
+]
+FIELD_400 = [  # (route, body, the path the 400 names)
+    *[(route, {"model": "m", "messages": msgs, **({"max_tokens": 2} if route == "/v1/messages" else {})},
+       path) for msgs, path in ANTHROPIC_TYPES for route in ("/v1/messages", "/v1/messages/count_tokens")],
+    (*_msgs(thinking={"type": "enabled", "budget_tokens": BIG}), "thinking.budget_tokens"),
+    (*_items({"role": "user", "content": 5}), "input.0.content"),
+    (*_items(CALL, {"type": "function_call_output", "call_id": "c1", "output": 5}), "input.1.output"),
+    (*_items({**REASONING, "encrypted_content": 12345}, {"role": "user", "content": "x"}),
+     "input.0.encrypted_content"),
+    (*_items({**REASONING, "content": [{"type": "reasoning_text", "text": 5}]}), "input.0.content.0.text"),
+    (*_items({**CALL, "call_id": 5}), "input.0.call_id"),
+    (*_items({**CALL, "arguments": {"city": "Paris"}}), "input.0.arguments"),
+    (*_items({"type": "function_call_output", "call_id": 5, "output": "x"}), "input.0.call_id"),
+    (*_resp(input=[]), "input"),
+    (*_resp(tools=[{"type": "function", "name": "w", "parameters": "{}"}]), "tools.0.parameters"),
+    (*_chat(logit_bias={" 5": 1}), "logit_bias"),
+    (*_chat(logit_bias={"1_0": 1}), "logit_bias"),
+    (*_cmpl(logit_bias={"+5": 1}), "logit_bias"),
+    (*_chat(top_k=10**9), "top_k"),
+    (*_cmpl(top_k=10**9), "top_k"),
+    (*_msgs(top_k=10**9), "top_k"),
+    (*_chat(repetition_penalty=100.5), "repetition_penalty"),
+    (*_cmpl(repetition_penalty=1000), "repetition_penalty"),
+    (*_chat(stop="\ud800"), "stop"),
+    (*_cmpl(stop=["ok", "a\udfffb"]), "stop"),
+    (*_msgs(stop_sequences=["\ud800"]), "stop_sequences"),
+]
+
+
+@pytest.mark.parametrize("route, body, path", FIELD_400)
+def test_mistyped_or_inconsistent_field_is_400_naming_its_path(served, route, body, path):
+    client, llm = served
+    before = llm.engine.added
+    # ensure_ascii: a lone surrogate travels as a \ud800 escape, as a client's JSON encoder writes it
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message, param = _error(route, r)
+    assert message.startswith(path) or f"{path}:" in message or f"{path}=" in message, (path, message)
+    assert param in (None, path), (param, path)
+    assert llm.engine.added == before
+
+
+@pytest.mark.parametrize("route, body", [
+    _chat(logit_bias={"5": 1}, repetition_penalty=100, top_k=1),
+    _msgs(messages=_turns(tool_result={"is_error": True, "content": [{"type": "text", "text": "x"}]})),
+    _items(REASONING, CALL, {"type": "function_call_output", "call_id": "c1", "output": "sunny"}),
+])
+def test_the_valid_forms_are_accepted(served, route, body):
+    client, _ = served
+    assert client.post(route, json=body).status_code == 200

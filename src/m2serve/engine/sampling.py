@@ -29,6 +29,8 @@ from m2serve.engine.constraint import BITMASK_WORD_BITS, bitmask_words
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` count accepted (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+#: Largest repetition_penalty accepted (vLLM's limit too); the range is (0, MAX_REPETITION_PENALTY].
+MAX_REPETITION_PENALTY = 100.0
 #: Temperatures below this are greedy (a division by ~0 would overflow).
 GREEDY_EPS = 1e-5
 # Sampler defaults when neither the request nor generation_config.json sets a value.
@@ -111,8 +113,8 @@ class SamplingParams:
         need(self.top_k is None or (integer(self.top_k) and self.top_k >= -1), "top_k",
              "an integer >= 1, or 0 or -1 (disabled)")
         need(num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(num(self.repetition_penalty) and self.repetition_penalty > 0,
-             "repetition_penalty", "> 0 (1.0 = off)")
+        need(num(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             "repetition_penalty", f"in (0, {MAX_REPETITION_PENALTY:g}] (1.0 = off)")
         need(num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              "presence_penalty", "in [-2, 2]")
         need(num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -156,7 +158,10 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError naming the field if a token id in logit_bias, stop_token_ids or
-        reasoning_end_token_ids is outside [0, vocab_size)."""
+        reasoning_end_token_ids is outside [0, vocab_size), or top_k is above vocab_size."""
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise ValueError(f"invalid sampling parameter top_k={self.top_k}: must be at most the vocabulary "
+                             f"size {vocab_size} (or 0 / -1: disabled)")
         for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids),
                           ("reasoning_end_token_ids", self.reasoning_end_token_ids)):
             bad = [i for i in ids if not 0 <= i < vocab_size]
@@ -172,6 +177,11 @@ def _str_tuple(v: object, name: str) -> tuple[str, ...]:
     for s in items:
         if not isinstance(s, str) or not s:
             raise ValueError(f"invalid sampling parameter {name}: {s!r} is not a non-empty string")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"invalid sampling parameter {name}: {s!r} contains a lone UTF-16 surrogate "
+                             "(not valid Unicode)") from None
     return items
 
 
@@ -190,12 +200,13 @@ def _bias_dict(v: object) -> dict[int, float]:
         raise ValueError(f"invalid sampling parameter logit_bias={v!r}: must be a mapping token id -> bias")
     out: dict[int, float] = {}
     for k, b in v.items():
-        try:
-            tid = int(k)  # JSON object keys arrive as strings
-        except (TypeError, ValueError):
-            raise ValueError(f"invalid sampling parameter logit_bias: key {k!r} is not a token id") from None
-        if tid < 0:
-            raise ValueError(f"invalid sampling parameter logit_bias: key {k!r} is not a token id")
+        # JSON object keys arrive as strings: only plain decimal digits name a token id (int() would
+        # also take " 5", "+5", "1_0" and other scripts' digits)
+        if isinstance(k, bool) or not (isinstance(k, int) and k >= 0
+                                       or isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise ValueError(f"invalid sampling parameter logit_bias: key {k!r} is not a token id "
+                             "(a decimal integer >= 0)")
+        tid = int(k)
         if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
             raise ValueError(f"invalid sampling parameter logit_bias[{k!r}]={b!r}: must be in [-100, 100]")
         out[tid] = float(b)

@@ -9,7 +9,10 @@ called: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``
 OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request (also
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
 API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
-Retry-After when the waiting queue is full or the engine is down. A bad request never reaches the
+Retry-After when the waiting queue is full or the engine is down, 500 when an engine step failed or a
+route raised an error nothing else caught: the middleware's catch-all answers it in the API's shape
+(a stream already under way ends with an error event in its shape), logs the traceback, counts and
+logs the 500 like any answer, and the keep-alive connection stays open. A bad request never reaches the
 engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
 route's error shape (FastAPI's default 422 is never sent, so it is not listed).
 
@@ -45,11 +48,13 @@ from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.context import ACCESS_KEY, AccessRecord, ModelCapabilities, ServeContext, ServerSettings
 from m2serve.serve.errors import APIError, anthropic_error_body, openai_error_body
 from m2serve.serve.openai import chat, completions, models, responses
+from m2serve.serve.protocol import sse
 from m2serve.serve.sealing import Sealer
 
 __all__ = ["ServerSettings", "build_app"]
 
 access_log = logging.getLogger("m2serve.access")
+log = logging.getLogger(__name__)
 
 _GEN_ROUTES = {
     "/v1/chat/completions": "chat",
@@ -79,9 +84,9 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
 
 class _AuthCountAndLog:
     """ASGI middleware: API-key check (all routes but health/version/metrics), the request-body size
-    limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter and the
-    access log. Pure ASGI (not BaseHTTPMiddleware), so client disconnects still reach streaming
-    responses."""
+    limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter, the
+    access log and the catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI
+    (not BaseHTTPMiddleware), so client disconnects still reach streaming responses."""
 
     def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int) -> None:
         self.app, self.api_key, self.metrics, self.max_bytes = app, api_key, metrics, max_bytes
@@ -109,11 +114,17 @@ class _AuthCountAndLog:
         endpoint = _GEN_ROUTES.get(path)
         headers = dict(scope["headers"])
 
+        sse_started, ended = [False], [False]
+
         async def send_counting(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                sse_started[0] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                     for k, v in message.get("headers") or ())
                 if endpoint is not None:
                     self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
             await send(message)
 
         if self.api_key is not None and not path.startswith(_AUTH_FREE):
@@ -147,7 +158,31 @@ class _AuthCountAndLog:
             async def receive() -> dict:
                 return buffered.pop(0) if buffered else await upstream()
 
-        await self.app(scope, receive, send_counting)
+        try:
+            await self.app(scope, receive, send_counting)
+        except Exception as exc:  # the catch-all: a bug in a route must not drop the connection
+            log.exception("%s %s: uncaught error in the route", scope.get("method"), path)
+            e = APIError(500, f"internal server error ({type(exc).__name__}); the server log has the "
+                              "details", "server_error")
+            if status[0] == 0:  # nothing sent yet: a JSON 500 in the API's shape
+                await error_response(e, scope)(scope, receive, send_counting)
+            elif not ended[0]:  # a response is under way: end it (with an error event if a stream)
+                scope[ACCESS_KEY].error = e.message
+                frame = _stream_error_frame(path, e) if sse_started[0] else ""
+                end = {"type": "http.response.body", "body": frame.encode(), "more_body": False}
+                await send_counting(end)
+
+
+def _stream_error_frame(path: str, e: APIError) -> str:
+    """The error event that ends a stream cut by an uncaught error, in the API's stream shape."""
+    if path.startswith(_ANTHROPIC_PREFIX):
+        return sse(anthropic_error_body(e), "error")
+    body = openai_error_body(e)
+    if path.startswith("/v1/responses"):
+        err = body["error"]
+        return sse({"type": "error", "code": str(err["code"]), "message": err["message"], "param": None},
+                   "error")
+    return sse(body)
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -239,7 +274,7 @@ _STATUS_TEXT = {
     401: "missing or invalid API key",
     404: "unknown model, or unknown stored response",
     413: "request body larger than --max-request-bytes",
-    500: "an engine step failed while running this request",
+    500: "an engine step failed while running this request, or an internal error",
     503: "waiting queue full or engine not running (with Retry-After)",
 }
 
@@ -255,8 +290,9 @@ def _statuses(path: str, method: str, has_body: bool) -> list[int]:
         out.append(404)  # unknown model / stored response
     if method == "post":
         out.append(413)
+    out.append(500)  # the catch-all, on every route
     if path in _GEN_ROUTES:
-        out += [500, 503]
+        out.append(503)
     if path == "/health":
         out.append(503)
     return out

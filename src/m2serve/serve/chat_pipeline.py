@@ -27,7 +27,11 @@ Rules written once here: the n fan-out (:func:`engine_requests`: engine request 
 choice index = prompt index x n + choice), the one-call rule (``parallel_tool_calls: false`` /
 ``disable_parallel_tool_use``: only the first call of a choice is returned, :func:`choice_delta`), the
 split of one engine delta into stream pieces (reasoning, content, tool calls, then any logprobs left
-over) and the token accounting (usage and the access log).
+over), the token accounting (usage and the access log) and the finished choice (docs/serving.md §10.1):
+:class:`ChoiceAccumulator` builds one API-neutral :class:`Choice` per choice (reasoning, content, tool
+calls complete or cut, their order, finish reason, stop string, logprobs), and every API's
+non-streamed object, the final state of its stream and the stored history are translations of it, so
+the rule for a call cut by the token limit lives in :meth:`CompletionOutput.returned_parts` only.
 """
 
 from __future__ import annotations
@@ -160,7 +164,7 @@ class TokenUsage:
 @dataclass(slots=True)
 class Submission:
     """The engine requests of one HTTP request: ids, their shared delta queue, and per request id the
-    (prompt index, choice index) slot; counts kept as deltas arrive."""
+    (prompt index, choice index) slot; counts kept and choices collected as deltas arrive."""
 
     request_ids: list[str]
     queue: asyncio.Queue
@@ -171,6 +175,10 @@ class Submission:
     stops: tuple[str, ...] = ()
     out: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (output, reasoning) tokens
     cached: int = 0
+    collector: ChoiceCollector = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.collector = ChoiceCollector(self.slots)
 
     def usage(self) -> TokenUsage:
         return TokenUsage(
@@ -200,37 +208,69 @@ class Piece:
     logprobs: list[TokenLogprobs] | None = None
 
 
+def pieces(d: OutputDelta) -> list[Piece]:
+    """The one stream split of an engine delta: reasoning, content, tool calls, the content the
+    parser's finish step added (``d.tail``: e.g. the raw text of a cut call, which follows its last
+    argument fragment), then leftover logprobs; the delta's logprobs ride on the first piece. Every
+    stream and the finished choice (:class:`ChoiceAccumulator`) follow this order, so they agree
+    (docs/serving.md §10.1)."""
+    lps, out = d.logprobs, []
+    tail = d.tail if d.tool_calls else ""
+    head = d.content[: len(d.content) - len(tail)]
+    for kind, text in (("reasoning", d.reasoning), ("content", head)):
+        if text:
+            out.append(Piece(kind, text, logprobs=lps))
+            lps = None
+    if d.tool_calls:
+        out.append(Piece("tool_calls", tool_calls=d.tool_calls, logprobs=lps))
+        lps = None
+    if tail:
+        out.append(Piece("content", tail))
+    if lps:
+        out.append(Piece("logprobs", logprobs=lps))
+    return out
+
+
 @dataclass(slots=True)
 class ChoiceDelta:
-    """One engine delta of one choice (its tool calls after the one-call rule) and its slot."""
+    """One engine delta of one choice (its tool calls after the one-call rule) and its slot; on the
+    choice's last delta, ``choice`` is the finished choice (the one result every API's final state is
+    built from, docs/serving.md §10.1)."""
 
     index: int
     prompt_index: int
     delta: OutputDelta
+    choice: Choice | None = None
 
     def pieces(self) -> list[Piece]:
-        """The one stream split: reasoning, content, tool calls, then leftover logprobs; the delta's
-        logprobs ride on the first piece."""
-        d, lps, out = self.delta, self.delta.logprobs, []
-        for kind, text in (("reasoning", d.reasoning), ("content", d.content)):
-            if text:
-                out.append(Piece(kind, text, logprobs=lps))
-                lps = None
-        if d.tool_calls:
-            out.append(Piece("tool_calls", tool_calls=d.tool_calls, logprobs=lps))
-            lps = None
-        if lps:
-            out.append(Piece("logprobs", logprobs=lps))
-        return out
+        """:func:`pieces` of this delta."""
+        return pieces(self.delta)
 
 
 @dataclass(slots=True)
 class ToolCallResult:
-    """One returned tool call: id ``call_<24 hex>``, function name, arguments as a JSON string."""
+    """One tool call of a finished choice: id ``call_<24 hex>``, function name, arguments as a JSON
+    string. ``complete`` False: a cut call, whose invoke never closed (generation stopped inside it);
+    its ``arguments`` are the JSON prefix streamed so far (P24) and its raw text follows as content
+    (P18)."""
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
+
+
+OutputKind = Literal["reasoning", "content", "tool_call"]
+
+
+@dataclass(slots=True)
+class OutputPart:
+    """One run of a finished choice's output, in stream order: ``reasoning`` or ``content`` text
+    (adjacent pieces of one kind joined), or one tool ``call``."""
+
+    kind: OutputKind
+    text: str = ""
+    call: ToolCallResult | None = None
 
 
 @dataclass(slots=True)
@@ -238,8 +278,10 @@ class CompletionOutput:
     """One choice of a finished request.
 
     text: raw generated text (stop string excluded); reasoning / content / tool_calls: the
-    parser's result (chat; without a parser content == text); token_ids: generated ids;
-    logprobs: one TokenLogprobs per generated token when requested.
+    parser's result (chat; without a parser content == text), tool_calls the complete calls only;
+    parts: the same output in stream order, cut calls included (:meth:`returned_parts` gives what an
+    API returns); token_ids: generated ids; logprobs: one TokenLogprobs per generated token when
+    requested.
     """
 
     index: int
@@ -251,17 +293,48 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_reasoning_tokens: int = 0
+    parts: list[OutputPart] = field(default_factory=list)
+
+    def returned_parts(self, streamed: bool) -> list[OutputPart]:
+        """The parts an API returns (docs/serving.md §10.1). Not streamed: a cut call is no call, its
+        raw text is the content that follows it (P18), so it is left out and the content around it
+        joined. Streamed: a cut call's header already went out and cannot be taken back (P26), so the
+        stream's final state keeps it, marked ``complete=False``."""
+        if streamed:
+            return list(self.parts)
+        out: list[OutputPart] = []
+        for part in self.parts:
+            if part.call is not None and not part.call.complete:
+                continue
+            if out and part.kind == out[-1].kind and part.kind != "tool_call":
+                out[-1] = OutputPart(part.kind, out[-1].text + part.text)
+            else:
+                out.append(part)
+        return out
+
+    def history_message(self) -> dict[str, Any]:
+        """The choice as the assistant message of a later request's history (``content``,
+        ``reasoning_content``, ``tool_calls`` in OpenAI form): the complete calls only, streamed or not
+        (a cut call's raw text is in ``content``)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or ""}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in self.tool_calls]
+        return msg
 
 
 class ChoiceAccumulator:
-    """Collects the :class:`OutputDelta` stream of one choice into a :class:`CompletionOutput`."""
+    """Collects the :class:`OutputDelta` stream of one choice into a :class:`CompletionOutput`, the
+    finished-choice result every API translates (docs/serving.md §10.1)."""
 
     def __init__(self, index: int) -> None:
         self.out = CompletionOutput(index=index)
         self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._content: list[str] = []
-        self._calls: dict[int, list[Any]] = {}
+        self._parts: list[list[Any]] = []  # [kind, text pieces] or ["tool_call", call index]
+        self._calls: dict[int, list[Any]] = {}  # call index -> [id, name, argument pieces]
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -269,15 +342,22 @@ class ChoiceAccumulator:
     def add(self, d: OutputDelta) -> None:
         """Append one delta (in stream order)."""
         self._text.append(d.text)
-        self._reasoning.append(d.reasoning)
-        self._content.append(d.content)
-        for tc in d.tool_calls:
-            slot = self._calls.setdefault(tc.index, [None, None, []])
-            if tc.id is not None:
-                slot[0] = tc.id
-            if tc.name is not None:
-                slot[1] = tc.name
-            slot[2].append(tc.arguments)
+        for piece in pieces(d):
+            if piece.kind in ("reasoning", "content"):
+                if self._parts and self._parts[-1][0] == piece.kind:
+                    self._parts[-1][1].append(piece.text)
+                else:
+                    self._parts.append([piece.kind, [piece.text]])
+            for tc in piece.tool_calls:
+                if tc.index not in self._calls:
+                    self._calls[tc.index] = [None, None, []]
+                    self._parts.append(["tool_call", tc.index])
+                slot = self._calls[tc.index]
+                if tc.id is not None:
+                    slot[0] = tc.id
+                if tc.name is not None:
+                    slot[1] = tc.name
+                slot[2].append(tc.arguments)
         self.out.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
             if self.out.logprobs is None:
@@ -292,18 +372,19 @@ class ChoiceAccumulator:
             self.out.finish_reason = d.finish_reason
 
     def result(self) -> CompletionOutput:
-        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7). Only closed
-        calls are calls: a call whose invoke never closed (generation stopped inside it) streamed its
-        header and an arguments prefix that cannot be taken back (P26), but its raw text is already
-        content (P18), so the collected result leaves it out. Arguments are a JSON object only once
-        ``}`` arrives at ``</invoke>`` (P24), which is how a closed call is told apart."""
+        """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7). A call whose
+        invoke never closed is a cut call (``complete`` False): its raw text is already content (P18),
+        so ``tool_calls`` leaves it out. Arguments are a JSON object only once ``}`` arrives at
+        ``</invoke>`` (P24), which is how a closed call is told apart."""
         o = self.out
         o.text = "".join(self._text)
-        o.reasoning = "".join(self._reasoning) or None
-        o.content = "".join(self._content) or None
-        calls = [ToolCallResult(id=s[0], name=s[1], arguments="".join(s[2]))
-                 for _, s in sorted(self._calls.items())]
-        o.tool_calls = [c for c in calls if _closed_arguments(c.arguments)]
+        calls = {i: ToolCallResult(s[0], s[1], "".join(s[2]), _closed_arguments("".join(s[2])))
+                 for i, s in self._calls.items()}
+        o.parts = [OutputPart("tool_call", call=calls[p[1]]) if p[0] == "tool_call"
+                   else OutputPart(p[0], "".join(p[1])) for p in self._parts]
+        o.reasoning = "".join(p.text for p in o.parts if p.kind == "reasoning") or None
+        o.content = "".join(p.text for p in o.parts if p.kind == "content") or None
+        o.tool_calls = [c for _, c in sorted(calls.items()) if c.complete]
         return o
 
 
@@ -318,8 +399,10 @@ def _closed_arguments(arguments: str) -> bool:
 
 @dataclass(slots=True)
 class Choice:
-    """One finished choice: the accumulated output (tool calls after the one-call rule), its slot,
-    the prompt's logprobs when requested, and the stop string that ended it (None: another reason)."""
+    """One finished choice, the API-neutral result every API's non-streamed object and final stream
+    state are built from (docs/serving.md §10.1): the accumulated output (tool calls after the
+    one-call rule), its slot, the prompt's logprobs when requested, and the stop string that ended it
+    (None: another reason)."""
 
     index: int
     prompt_index: int
@@ -557,6 +640,24 @@ def check_token_ids(ctx: AnyContext, ids: list[int], param: str, what: str = "to
                        param=param)
 
 
+# OpenAI's reasoning effort levels (Chat ``reasoning_effort``, Responses ``reasoning.effort``; the openai
+# SDK's ReasoningEffort) as reasoning budgets in tokens: ``</think>`` is forced after that many reasoning
+# tokens, the mechanism of Anthropic's ``thinking.budget_tokens`` (docs/serving.md §10). None: no budget.
+REASONING_BUDGETS: dict[str, int | None] = {
+    "none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None,
+}
+
+
+def effort_budget(effort: Any, param: str) -> int | None:
+    """The reasoning budget (tokens, None = none) of an OpenAI reasoning effort level; None when the
+    request sent none. Raises APIError 400 naming ``param`` for a value not in :data:`REASONING_BUDGETS`."""
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in REASONING_BUDGETS:
+        raise APIError(400, f"{param}: {effort!r} is not one of {', '.join(REASONING_BUDGETS)}", param=param)
+    return REASONING_BUDGETS[effort]
+
+
 def sampling_params(
     ctx: AnyContext, renames: dict[str, str] | None = None, **fields: Any
 ) -> SamplingParams:
@@ -569,7 +670,8 @@ def sampling_params(
     except ValueError as e:  # "invalid sampling parameter <field>...": the field is the param
         m = re.match(r"invalid sampling parameter (\w+)", str(e))
         param = (renames or {}).get(m.group(1), m.group(1)) if m else None
-        raise APIError(400, str(e), param=param) from e
+        message = str(e) if m is None else str(e).replace(m.group(1), param, 1)  # the wire name
+        raise APIError(400, message, param=param) from e
     return p
 
 
@@ -748,12 +850,17 @@ def engine_error(e: BaseException) -> APIError:
 
 
 async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelta]:
-    """The submission's deltas as they come. An engine failure is raised as an APIError (the caller
+    """The submission's deltas as they come, each choice's last one carrying the finished
+    :class:`Choice` (docs/serving.md §10.1). An engine failure is raised as an APIError (the caller
     sends it in its API's stream shape); leaving the loop early aborts what is still running."""
     try:
         async for d in ctx.engine.stream(sub.request_ids, sub.queue):
             sub._count(d.request_id, d)
-            yield choice_delta(sub.slots, sub.one_call, d)
+            cd = choice_delta(sub.slots, sub.one_call, d)
+            sub.collector.add(cd)
+            if d.finished:
+                cd.choice = sub.collector.choice(ctx, d.request_id, sub.stops)
+            yield cd
     except (ValueError, EngineDeadError, ServerClosing) as e:
         err = engine_error(e)
         sub.record.error = err.message
@@ -816,21 +923,23 @@ class ChoiceCollector:
         """Prompt tokens served from the prefix cache (the most of any choice)."""
         return max((a.num_cached_tokens for a in self.accs.values()), default=0)
 
+    def choice(self, ctx: AnyContext, rid: str, stops: tuple[str, ...]) -> Choice:
+        """The choice of engine request ``rid`` as collected so far (finished: the final result);
+        ``stop_sequence``: which of ``stops`` ended it."""
+        acc = self.accs[rid]
+        o = acc.result()
+        stop = matched_stop(ctx, o.text, o.token_ids, stops) if rid in self.stopped else None
+        return Choice(o.index, self.slots[rid][0], o, acc.prompt_logprobs, stop)
+
     def choices(self, ctx: AnyContext, stops: tuple[str, ...]) -> list[Choice]:
-        """Every choice, in choice order; ``stop_sequence``: which of ``stops`` ended it."""
-        out = []
-        for rid, acc in self.accs.items():
-            o = acc.result()
-            stop = matched_stop(ctx, o.text, o.token_ids, stops) if rid in self.stopped else None
-            out.append(Choice(o.index, self.slots[rid][0], o, acc.prompt_logprobs, stop))
-        return sorted(out, key=lambda c: c.index)
+        """Every choice, in choice order (:meth:`choice`)."""
+        return sorted((self.choice(ctx, rid, stops) for rid in self.accs), key=lambda c: c.index)
 
 
 async def collect(ctx: ServeContext, request: Request, sub: Submission) -> list[Choice]:
-    """Every choice of ``sub`` once finished, in choice order."""
-    collector = ChoiceCollector(sub.slots)
-    await consume(ctx, request, sub, collector.add)
-    return collector.choices(ctx, sub.stops)
+    """Every choice of ``sub`` once finished, in choice order (collected by :func:`stream`)."""
+    await consume(ctx, request, sub, lambda d: None)
+    return sub.collector.choices(ctx, sub.stops)
 
 
 def matched_stop(ctx: AnyContext, text: str, token_ids: list[int], stops: tuple[str, ...]) -> str | None:

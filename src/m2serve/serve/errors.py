@@ -56,3 +56,29 @@ def anthropic_error_body(e: APIError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}`` with Anthropic's type for the status."""
     type_ = _ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": type_, "message": _utf8(e.message)}}
+
+
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+               dict: "an object", type(None): "null"}
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed JSON value, for error messages (``an integer``, ``null`` ...)."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def typed_field(obj: dict[str, Any], key: str, kind: type, at: str, required: bool = True) -> Any:
+    """``obj[key]`` when it has the JSON type ``kind`` (``str``, ``bool``, ``dict``, ``list``; a boolean
+    is not a number); absent or null is allowed (returned as None) unless ``required``.
+
+    Raises APIError 400 naming ``<at>.<key>``, e.g. ``input.3.output: must be a string (got an
+    integer)``: the checks of the free-form JSON the request models keep as dicts (content blocks,
+    input items), so that a mistyped value is a 400 and never a server error.
+    """
+    value = obj.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        got = "missing" if key not in obj else f"got {json_type(value)}"
+        raise APIError(400, f"{at}.{key}: must be {_JSON_TYPES[kind]} ({got})", param=f"{at}.{key}")
+    return value

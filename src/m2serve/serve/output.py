@@ -43,7 +43,9 @@ class OutputDelta:
     text: raw new text after stop-string handling (what /v1/completions returns);
     reasoning / content / tool_calls: the parser's split of that text (chat only; without a
     parser ``content == text``); token_ids / logprobs: the new tokens (logprobs None unless
-    requested); prompt_logprobs: once, in the first delta of a request that asked for them.
+    requested); prompt_logprobs: once, in the first delta of a request that asked for them;
+    tail: the end of ``content`` that the parser's finish step added (held-back text, the raw text of
+    a call cut by the limit, P18): it follows this delta's tool-call fragments in the stream.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class OutputDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     num_reasoning_tokens: int = 0
+    tail: str = ""
 
 
 class OutputProcessor:
@@ -147,6 +150,7 @@ class OutputProcessor:
         deltas = [self.parser.feed(text)] if text else []
         if finished:
             deltas.append(self.parser.finish())
+            out.tail = deltas[-1].content
         for d in deltas:
             out.reasoning += d.reasoning
             out.content += d.content

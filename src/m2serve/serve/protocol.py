@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response types (docs/serving.md §10, docs/parsers.md §3).
 
-Pydantic lives only here, at the HTTP edge. Requests forbid unknown fields, so a misspelt field
-is a 400 naming it rather than a silently ignored option, and are validated strictly: ``"10"`` is not
+Pydantic lives only here, at the HTTP edge. A request's top level accepts and ignores the fields
+m2serve has no use for (``store``, ``metadata``, ``service_tier``, ``verbosity`` ... and whatever a
+newer SDK adds), each request logging one DEBUG line naming them (:class:`APIRequest`): a client must
+never fail on a field its SDK sends. The fields m2serve uses are validated strictly: ``"10"`` is not
 an integer, ``"yes"`` not a boolean and ``true`` not a token id or a count (each a 400 naming the
 field). Responses mirror the OpenAI shapes the
 official ``openai`` client parses; extensions (``reasoning_content``, ``top_k`` ...) are listed in
@@ -11,15 +13,34 @@ docs/serving.md §10.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from m2serve.engine.sampling import MAX_REPETITION_PENALTY
+
+log = logging.getLogger(__name__)
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class APIRequest(BaseModel):
+    """Base of every API's request body: declared fields strict, others accepted and ignored, with one
+    DEBUG line per request naming them (``m2serve.serve.protocol``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> APIRequest:
+        if self.model_extra:
+            log.debug("%s: ignoring fields m2serve has no use for: %s", type(self).__name__,
+                      ", ".join(sorted(self.model_extra)))
+        return self
 
 
 class _Response(BaseModel):
@@ -29,7 +50,8 @@ class _Response(BaseModel):
 # --------------------------------------------------------------------------- requests
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # include_obfuscation ...: ignored
     include_usage: bool = False
 
 
@@ -67,7 +89,7 @@ MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
 MAX_SEQUENCES = 1024  # prompts x n of one /v1/completions request (each is an engine request)
 
 
-class _SamplingFields(OpenAIModel):
+class _SamplingFields(APIRequest):
     """Fields shared by chat and completions requests: the OpenAI ones and docs/serving.md §10 extensions."""
 
     model: str | None = None
@@ -86,7 +108,7 @@ class _SamplingFields(OpenAIModel):
     # extensions (docs/serving.md §10)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -132,6 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_split: bool | None = None
     thinking_temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    reasoning_effort: str | None = None  # a reasoning budget: chat_pipeline.REASONING_BUDGETS
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

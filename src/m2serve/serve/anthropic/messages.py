@@ -7,7 +7,8 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   ``text``; ``thinking`` (its ``signature`` checked against this server's key: one that does not verify
   is still used and a warning is logged) and ``redacted_thinking`` (not produced here: dropped);
   ``tool_use`` -> the assistant's ``tool_calls``; ``tool_result`` (string or text blocks, ``is_error``
-  -> the text is prefixed ``Error: ``) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
+  -> the text is prefixed ``Error: ``; its ``tool_use_id`` must name a ``tool_use`` of an earlier
+  assistant message) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
   model). Thinking blocks sent back become the assistant's ``reasoning_content``, so the template keeps
   the current tool loop's reasoning (interleaved thinking, docs/parsers.md §2).
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
@@ -18,17 +19,22 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   "Tool-call cap").
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
-  ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens.
+  ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens
+  (at most the context; OpenAI's reasoning effort levels map to the same budgets,
+  ``chat_pipeline.REASONING_BUDGETS``).
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``): the text after the reasoning
   is JSON matching the schema; ``output_config.effort``, ``metadata``, ``cache_control`` and unknown
   fields are ignored.
 
-Pipeline deltas -> Anthropic content blocks (:class:`MessageBuilder`), one code path for both the
-stream (``message_start``, ``ping``, ``content_block_start`` / ``_delta`` (``thinking_delta``,
-``signature_delta``, ``text_delta``, ``input_json_delta``) / ``_stop``, ``message_delta``,
-``message_stop``) and the non-streamed message, so the two agree by construction. Thinking blocks are
-signed (serve/sealing.py); tool_use ids are ``toolu_`` + the parser's 24 hex digits; ``stop_reason``
-``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``; usage: input (not from the prefix
+The finished choice of the pipeline -> the non-streamed message (:func:`message`): its returned parts
+as ``thinking`` (signed, serve/sealing.py), ``text`` and ``tool_use`` blocks (docs/serving.md §10.1:
+a call cut by the token limit is text, never a ``tool_use``). Pipeline deltas -> stream events
+(:class:`MessageStream`: ``message_start``, ``ping``, ``content_block_start`` / ``_delta``
+(``thinking_delta``, ``signature_delta``, ``text_delta``, ``input_json_delta``) / ``_stop``,
+``message_delta``, ``message_stop``), the stop reason from the same finished choice; the events
+assemble to the non-streamed message except for a cut call whose block already started. tool_use ids
+are ``toolu_`` + the parser's 24 hex digits; ``stop_reason`` ``end_turn`` / ``max_tokens`` /
+``stop_sequence`` / ``tool_use``; usage: input (not from the prefix
 cache), output and cache-read tokens.
 """
 
@@ -48,7 +54,7 @@ from starlette.concurrency import run_in_threadpool
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.anthropic.protocol import CountTokensRequest, MessagesRequest
 from m2serve.serve.context import ServeContext
-from m2serve.serve.errors import APIError, anthropic_error_body
+from m2serve.serve.errors import APIError, anthropic_error_body, json_type, typed_field
 from m2serve.serve.protocol import new_id, sse
 from m2serve.serve.sealing import Sealer
 
@@ -66,31 +72,27 @@ def _text_of(blocks: Any, where: str) -> str:
     """The text of a string or a list of text blocks (tool_result content, system)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where}: must be a string or a list of text blocks, got "
+                            f"{json_type(blocks)}", param=where)
     parts = []
-    for j, b in enumerate(blocks or []):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+    for j, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else json_type(b)
             raise APIError(400, f"{where}.{j}: a {kind!r} block is not supported here; the served model is "
                                 "text-only (send text blocks)", param=f"{where}.{j}")
-        parts.append(b["text"])
+        parts.append(typed_field(b, "text", str, f"{where}.{j}"))
     return "".join(parts)
 
 
-def _block(b: Any, where: str, *keys: str) -> dict[str, Any]:
-    if not isinstance(b, dict):
-        raise APIError(400, f"{where}: a content block must be an object", param=where)
-    missing = [k for k in keys if k not in b]
-    if missing:
-        raise APIError(400, f"{where}: a {b.get('type')!r} block needs {', '.join(missing)}",
-                       param=f"{where}.{missing[0]}")
-    return b
-
-
 def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any]]:
-    """The template-ready history of an Anthropic request (see the module docstring)."""
+    """The template-ready history of an Anthropic request (see the module docstring). Each block's
+    fields are checked (a 400 naming ``messages.<i>.content.<j>.<field>``); a ``tool_result`` must
+    answer a ``tool_use`` of an earlier assistant message."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text_of(req.system, "system")})
+    tool_use_ids: set[str] = set()
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
@@ -104,25 +106,32 @@ def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any
                 raise APIError(400, f"{at}: {kind} content is not supported; the served model is text-only",
                                param=f"{at}.type")
             if kind == "text":
-                texts.append(str(_block(raw, at, "text")["text"]))
+                texts.append(typed_field(raw, "text", str, at))
             elif kind == "thinking" and m.role == "assistant":
-                b = _block(raw, at, "thinking")
-                if not sealer.verify(b["thinking"], b.get("signature")):
+                text = typed_field(raw, "thinking", str, at)
+                if not sealer.verify(text, typed_field(raw, "signature", str, at, required=False)):
                     log.warning("%s: the thinking block's signature does not verify under this server's key "
                                 "(--thinking-signing-key); using its text as reasoning anyway", at)
-                reasoning.append(b["thinking"])
+                reasoning.append(text)
             elif kind == "redacted_thinking" and m.role == "assistant":
                 continue  # never produced by this server: nothing to recover
             elif kind == "tool_use" and m.role == "assistant":
-                b = _block(raw, at, "id", "name", "input")
-                args = json.dumps(b["input"], ensure_ascii=False)
-                fn = {"name": b["name"], "arguments": args}
-                calls.append({"id": b["id"], "type": "function", "function": fn})
+                call_id, name = typed_field(raw, "id", str, at), typed_field(raw, "name", str, at)
+                args = json.dumps(typed_field(raw, "input", dict, at), ensure_ascii=False)
+                fn = {"name": name, "arguments": args}
+                calls.append({"id": call_id, "type": "function", "function": fn})
+                tool_use_ids.add(call_id)
             elif kind == "tool_result" and m.role == "user":
-                b = _block(raw, at, "tool_use_id")
-                text = _text_of(b.get("content") or "", f"{at}.content")
-                results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                                "content": ("Error: " + text) if b.get("is_error") else text})
+                call_id = typed_field(raw, "tool_use_id", str, at)
+                if call_id not in tool_use_ids:
+                    raise APIError(400, f"{at}.tool_use_id: {call_id!r} answers no tool_use block of an "
+                                        "earlier assistant message (each tool_result must follow the "
+                                        "tool_use it answers)", param=f"{at}.tool_use_id")
+                content = raw.get("content")
+                text = _text_of("" if content is None else content, f"{at}.content")
+                error = typed_field(raw, "is_error", bool, at, required=False)
+                results.append({"role": "tool", "tool_call_id": call_id,
+                                "content": ("Error: " + text) if error else text})
             else:
                 raise APIError(400, f"{at}: a {kind!r} block is not supported in a {m.role} message",
                                param=f"{at}.type")
@@ -164,6 +173,9 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     output = cp.output_format(fmt.get("type"), fmt.get("schema"), "output_config.format") if fmt else None
     thinking = req.thinking
     budget = thinking.budget_tokens if thinking is not None and thinking.type != "disabled" else None
+    if budget is not None and budget > ctx.caps.max_length:
+        raise APIError(400, f"thinking.budget_tokens: {budget} is more than the model's context of "
+                            f"{ctx.caps.max_length} tokens", param="thinking.budget_tokens")
     params = cp.sampling_params(
         ctx, {"stop": "stop_sequences"}, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_tokens, stop=tuple(s for s in req.stop_sequences or () if s),
@@ -182,126 +194,135 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     return job, thinking is None or thinking.type != "disabled"
 
 
-# --------------------------------------------------------------------------- deltas -> blocks
+# --------------------------------------------------------------------------- choice -> message
+
+
+def stop_reason(choice: cp.Choice) -> str:
+    """The Anthropic ``stop_reason`` of a finished choice: ``stop_sequence`` when a stop string ended
+    it, ``max_tokens`` at the token limit, ``tool_use`` with complete calls, else ``end_turn``."""
+    if choice.stop_sequence is not None:
+        return "stop_sequence"
+    return _STOP_REASONS.get(choice.output.finish_reason or "stop", "end_turn")
+
+
+def message_usage(usage: cp.TokenUsage) -> dict[str, int]:
+    """Anthropic usage: input tokens not served from the prefix cache, output and cache-read tokens."""
+    return {"input_tokens": usage.prompt - usage.cached, "output_tokens": usage.output,
+            "cache_read_input_tokens": usage.cached, "cache_creation_input_tokens": 0}
+
+
+def content_blocks(choice: cp.Choice, thinking: bool, sealer: Sealer) -> list[dict[str, Any]]:
+    """The content blocks of a non-streamed message: the finished choice's returned parts
+    (docs/serving.md §10.1: a call cut by the limit is no ``tool_use``, its raw text is text) as
+    ``thinking`` (signed; left out when thinking is disabled), ``text`` and ``tool_use`` blocks."""
+    blocks: list[dict[str, Any]] = []
+    for part in choice.output.returned_parts(streamed=False):
+        if part.kind == "reasoning" and thinking:
+            blocks.append({"type": "thinking", "thinking": part.text, "signature": sealer.sign(part.text)})
+        elif part.kind == "content":
+            blocks.append({"type": "text", "text": part.text})
+        elif part.call is not None:
+            blocks.append({"type": "tool_use", "id": _tool_use_id(part.call.id), "name": part.call.name,
+                           "input": json.loads(part.call.arguments)})
+    return blocks
+
+
+def _tool_use_id(call_id: str | None) -> str:
+    """``toolu_`` + the parser's 24 hex digits."""
+    return "toolu_" + (call_id or "").removeprefix("call_")
+
+
+def message(id_: str, model: str, choice: cp.Choice | None, usage: cp.TokenUsage, thinking: bool,
+            sealer: Sealer) -> dict[str, Any]:
+    """The Messages API object of a finished choice (None: the empty message ``message_start`` sends)."""
+    return {
+        "id": id_,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(choice, thinking, sealer) if choice is not None else [],
+        "stop_reason": stop_reason(choice) if choice is not None else None,
+        "stop_sequence": choice.stop_sequence if choice is not None else None,
+        "usage": message_usage(usage),
+    }
+
+
+# --------------------------------------------------------------------------- deltas -> stream events
 
 
 @dataclass(slots=True)
-class MessageBuilder:
-    """Turns one choice's pipeline deltas into Anthropic stream events and the final message.
+class MessageStream:
+    """Turns one choice's pipeline deltas into Anthropic stream events: ``feed`` returns the events of
+    one delta (a block opens when the kind of piece changes or a call starts; a thinking block is
+    signed as it closes), ``finish`` those that end the message, from the finished choice.
 
-    ``feed`` returns the events of one delta, ``finish`` those that end the message; ``message`` is
-    the message the events assemble to (what the non-streamed call returns).
+    A ``tool_use`` block starts with the call's name and streams its arguments as ``input_json_delta``;
+    if the limit cuts the call it cannot be taken back (docs/serving.md §10.1): the block stops as it
+    stands and the call's raw text follows as a text block, with stop_reason ``max_tokens``.
     """
 
     id: str
     model: str
     sealer: Sealer
     thinking: bool
-    stops: tuple[str, ...] = ()
-    content: list[dict[str, Any]] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # the type of each block started
     open: bool = False
-    stop_reason: str | None = None
-    stop_sequence: str | None = None
-    _args: str = ""
-    _text: list[str] = field(default_factory=list)
-    _ids: list[int] = field(default_factory=list)
+    _thinking: list[str] = field(default_factory=list)  # the open thinking block's text
 
     def start(self, usage: cp.TokenUsage) -> list[tuple[str, dict]]:
-        msg = {**self.message(usage), "content": [], "stop_reason": None, "stop_sequence": None}
+        msg = message(self.id, self.model, None, usage, self.thinking, self.sealer)
         return [("message_start", {"type": "message_start", "message": msg}), ("ping", {"type": "ping"})]
 
     def feed(self, d: cp.ChoiceDelta) -> list[tuple[str, dict]]:
         ev: list[tuple[str, dict]] = []
-        self._text.append(d.delta.text)
-        self._ids += d.delta.token_ids
         for piece in d.pieces():
             if piece.kind == "reasoning" and self.thinking:
-                ev += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
-                                  {"type": "thinking_delta", "thinking": piece.text})
+                ev += self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                self._thinking.append(piece.text)
+                ev.append(self._event({"type": "thinking_delta", "thinking": piece.text}))
             elif piece.kind == "content":
-                ev += self._delta("text", {"type": "text", "text": ""},
-                                  {"type": "text_delta", "text": piece.text})
+                ev += self._ensure("text", {"type": "text", "text": ""})
+                ev.append(self._event({"type": "text_delta", "text": piece.text}))
             elif piece.kind == "tool_calls":
                 for tc in piece.tool_calls:
                     if tc.name is not None:  # a new call: a new block
                         ev += self._close()
-                        call_id = "toolu_" + (tc.id or "").removeprefix("call_")
-                        ev += self._open({"type": "tool_use", "id": call_id, "name": tc.name, "input": {}})
-                        self._args = ""
+                        ev += self._open({"type": "tool_use", "id": _tool_use_id(tc.id), "name": tc.name,
+                                          "input": {}})
                     if tc.arguments:
-                        self._args += tc.arguments
                         ev.append(self._event({"type": "input_json_delta", "partial_json": tc.arguments}))
         return ev
 
-    def finish(self, ctx: ServeContext, d: cp.ChoiceDelta, usage: cp.TokenUsage) -> list[tuple[str, dict]]:
-        """Close the last block and end the message (``d``: the choice's finished delta)."""
-        ev = self._close()
-        if d.delta.stop_hit:
-            self.stop_sequence = cp.matched_stop(ctx, "".join(self._text), self._ids, self.stops)
-        reason = d.delta.finish_reason or "stop"
-        self.stop_reason = "stop_sequence" if self.stop_sequence else _STOP_REASONS.get(reason, "end_turn")
-        delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
-        ev.append(("message_delta", {"type": "message_delta", "delta": delta,
-                                     "usage": {"output_tokens": usage.output}}))
-        ev.append(("message_stop", {"type": "message_stop"}))
-        return ev
-
-    def message(self, usage: cp.TokenUsage) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": self.content,
-            "stop_reason": self.stop_reason,
-            "stop_sequence": self.stop_sequence,
-            "usage": {"input_tokens": usage.prompt - usage.cached, "output_tokens": usage.output,
-                      "cache_read_input_tokens": usage.cached, "cache_creation_input_tokens": 0},
-        }
+    def finish(self, choice: cp.Choice, usage: cp.TokenUsage) -> list[tuple[str, dict]]:
+        """Close the last block and end the message with the finished choice's stop reason."""
+        delta = {"stop_reason": stop_reason(choice), "stop_sequence": choice.stop_sequence}
+        end = {"type": "message_delta", "delta": delta, "usage": {"output_tokens": usage.output}}
+        return self._close() + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
 
     def _event(self, delta: dict) -> tuple[str, dict]:
-        b = self.content[-1]
-        if delta["type"] == "thinking_delta":
-            b["thinking"] += delta["thinking"]
-        elif delta["type"] == "text_delta":
-            b["text"] += delta["text"]
-        index = len(self.content) - 1
+        index = len(self.kinds) - 1
         return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
-    def _delta(self, kind: str, empty: dict, delta: dict) -> list[tuple[str, dict]]:
-        ev = []
-        if not (self.open and self.content[-1]["type"] == kind):
-            ev += self._close() + self._open(empty)
-        return ev + [self._event(delta)]
+    def _ensure(self, kind: str, empty: dict) -> list[tuple[str, dict]]:
+        if self.open and self.kinds[-1] == kind:
+            return []
+        return self._close() + self._open(empty)
 
     def _open(self, block: dict) -> list[tuple[str, dict]]:
-        self.content.append(block)
+        self.kinds.append(block["type"])
         self.open = True
-        return [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
-                                         "content_block": dict(block)})]
+        return [("content_block_start", {"type": "content_block_start", "index": len(self.kinds) - 1,
+                                         "content_block": block})]
 
     def _close(self) -> list[tuple[str, dict]]:
         if not self.open:
             return []
         self.open = False
-        b, ev, index = self.content[-1], [], len(self.content) - 1
-        if b["type"] == "thinking":
-            b["signature"] = self.sealer.sign(b["thinking"])
-            delta = {"type": "signature_delta", "signature": b["signature"]}
-            ev.append(("content_block_delta",
-                       {"type": "content_block_delta", "index": index, "delta": delta}))
-        elif b["type"] == "tool_use":
-            b["input"] = _arguments(self._args)
+        ev, index = [], len(self.kinds) - 1
+        if self.kinds[-1] == "thinking":
+            text, self._thinking = "".join(self._thinking), []
+            ev.append(self._event({"type": "signature_delta", "signature": self.sealer.sign(text)}))
         return ev + [("content_block_stop", {"type": "content_block_stop", "index": index})]
-
-
-def _arguments(text: str) -> dict[str, Any]:
-    """A call's arguments JSON as an object (the parser emits a JSON object; {} if it did not)."""
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 # --------------------------------------------------------------------------- routes
@@ -315,28 +336,23 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
     prepared = await cp.prepare(ctx, job)
     sub = cp.submit(ctx, request, new_id("msg"), [prepared.ids], prepared.params, prepared.new_parser,
                     one_call=job.one_call, new_constraint=prepared.new_constraint)
-    builder = MessageBuilder("msg_" + uuid.uuid4().hex[:24], ctx.settings.served_model_name, ctx.sealer,
-                             thinking, stops=prepared.params.stop)
+    msg_id, model = "msg_" + uuid.uuid4().hex[:24], ctx.settings.served_model_name
     if not req.stream:
-        def add(d: cp.ChoiceDelta) -> None:
-            builder.feed(d)
-            if d.delta.finished:
-                builder.finish(ctx, d, sub.usage())
-
-        await cp.consume(ctx, request, sub, add)
-        return JSONResponse(builder.message(sub.usage()))
-    return StreamingResponse(_stream(ctx, sub, builder), media_type="text/event-stream")
+        choice = (await cp.collect(ctx, request, sub))[0]
+        return JSONResponse(message(msg_id, model, choice, sub.usage(), thinking, ctx.sealer))
+    events = MessageStream(msg_id, model, ctx.sealer, thinking)
+    return StreamingResponse(_stream(ctx, sub, events), media_type="text/event-stream")
 
 
-async def _stream(ctx: ServeContext, sub: cp.Submission, builder: MessageBuilder) -> AsyncIterator[str]:
-    for ev in builder.start(sub.usage()):
+async def _stream(ctx: ServeContext, sub: cp.Submission, events: MessageStream) -> AsyncIterator[str]:
+    for ev in events.start(sub.usage()):
         yield sse(ev[1], ev[0])
     try:
         async for d in cp.stream(ctx, sub):
-            events = builder.feed(d)
-            if d.delta.finished:
-                events += builder.finish(ctx, d, sub.usage())
-            for ev in events:
+            out = events.feed(d)
+            if d.choice is not None:
+                out += events.finish(d.choice, sub.usage())
+            for ev in out:
                 yield sse(ev[1], ev[0])
     except APIError as e:
         yield sse(anthropic_error_body(e), "error")

@@ -6,8 +6,9 @@ runtime dependency of the server would tie m2serve's releases to an SDK's. The t
 against the server, so the shapes here are checked against it.
 
 Unknown top-level fields (``container``, ``diagnostics``, ``inference_geo``, ``service_tier``, ``speed``,
-``user_profile_id``, ``workspace_id``, ``metadata`` ...) are accepted and ignored: the SDK sends fields a
-server has no use for, and they must never be a 400. Declared fields are validated strictly (``"10"``
+``user_profile_id``, ``workspace_id``, ``metadata`` ...) are accepted and ignored (one DEBUG line naming
+them, :class:`~m2serve.serve.protocol.APIRequest`): the SDK sends fields a server has no use for, and
+they must never be a 400. Declared fields are validated strictly (``"10"``
 is not an integer, ``"yes"`` not a boolean). Content blocks stay dicts, checked one by one in
 messages.py so that an error names ``messages.<i>.content.<j>``.
 """
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m2serve.serve.protocol import MAX_STOP_STRINGS
+from m2serve.serve.protocol import MAX_STOP_STRINGS, APIRequest
 
 
 class _Lenient(BaseModel):
@@ -50,7 +51,7 @@ class Thinking(_Lenient):
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
-class CountTokensRequest(_Lenient):
+class CountTokensRequest(APIRequest):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

@@ -34,6 +34,7 @@ def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
         output=output,
         params=params,
         reasoning_split=req.reasoning_split,
+        reasoning_budget=cp.effort_budget(req.reasoning_effort, "reasoning_effort"),
         one_call=req.parallel_tool_calls is False,
         chat_template_kwargs=req.chat_template_kwargs,
         skip_special_tokens=req.skip_special_tokens,
@@ -83,6 +84,8 @@ async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
 
 def chat_response(ctx: ServeContext, base: str, model: str, choices: list[cp.Choice], u: cp.TokenUsage,
                   want_logprobs: bool) -> P.ChatCompletionResponse:
+    """The chat completion of the finished choices: content, reasoning_content and the complete tool
+    calls (docs/serving.md §10.1: a call cut by the limit is content, P18)."""
     out = []
     for c in choices:
         o = c.output
@@ -119,8 +122,8 @@ async def chat_stream(ctx: ServeContext, base: str, model: str, sub: cp.Submissi
                 else:
                     delta = P.DeltaMessage(content="")
                 yield chunk(d.index, delta, lps=piece.logprobs)
-            if d.delta.finished:
-                yield chunk(d.index, P.DeltaMessage(), finish=d.delta.finish_reason)
+            if d.choice is not None:  # the finished choice (docs/serving.md §10.1)
+                yield chunk(d.index, P.DeltaMessage(), finish=d.choice.output.finish_reason)
     except APIError as e:
         yield sse_error(e)
     if include_usage:

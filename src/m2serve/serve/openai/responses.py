@@ -19,13 +19,18 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   json_schema (``schema``) / json_object: the text after the reasoning is JSON matching it
   (docs/constrained-decoding.md).
 - ``include: ["reasoning.encrypted_content"]`` returns the reasoning sealed under the server key
-  (serve/sealing.py) in each reasoning item. ``reasoning``, ``truncation``, ``prompt_cache_key``,
+  (serve/sealing.py) in each reasoning item. ``reasoning.effort`` is a reasoning budget
+  (``chat_pipeline.REASONING_BUDGETS``). ``reasoning.summary``, ``truncation``, ``prompt_cache_key``,
   ``metadata``, ``user``, ``service_tier``, ``text.verbosity`` and unknown fields are accepted and
-  ignored.
+  ignored. ``input: []`` is a 400; every item's fields are type-checked (a 400 naming
+  ``input.<k>.<field>``).
 
-Pipeline deltas -> output items (:class:`ResponseBuilder`), one code path for the stream and the
-non-streamed response: ``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``),
-``function_call`` (``call_id``); streaming events carry ``sequence_number``: ``response.created``,
+The finished choice of the pipeline -> the output items of the response (:func:`output_items`):
+``reasoning`` (``reasoning_text`` content), ``message`` (``output_text``), ``function_call``
+(``call_id``), for the non-streamed response and the final state of the stream alike (docs/serving.md
+§10.1: a call cut by the token limit is no function_call in a non-streamed response; in a stream whose
+item already went out it ends with status ``incomplete``). Pipeline deltas -> stream events
+(:class:`ResponseBuilder`), with ``sequence_number``: ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta`` / ``.done``, ``response.reasoning_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, ``response.content_part.done``,
@@ -47,12 +52,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
-from m2serve.serve.errors import APIError, openai_error_body
-from m2serve.serve.protocol import new_id, sse
+from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
+from m2serve.serve.protocol import APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -62,10 +67,9 @@ router = APIRouter()
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-class ResponsesRequest(BaseModel):
-    """The fields m2serve uses, validated strictly; others are accepted and ignored (``extra="allow"``)."""
+class ResponsesRequest(APIRequest):
+    """The fields m2serve uses, validated strictly; others are accepted and ignored (:class:`APIRequest`)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -81,6 +85,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort: a reasoning budget; summary ... ignored
 
 
 @dataclass(slots=True)
@@ -102,23 +107,34 @@ def _parts_text(content: Any, where: str) -> str:
     """The text of a message's content: a string or ``input_text`` / ``output_text`` parts."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: must be a string or a list of input_text parts (got "
+                            f"{json_type(content)})", param=where)
     texts = []
-    for j, part in enumerate(content or []):
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
+        if kind not in ("input_text", "output_text", "text"):
             raise APIError(
                 400,
                 f"{where}.{j}: {kind!r} content is not supported; the served model is "
                 "text-only (send input_text parts)",
                 param=f"{where}.{j}.type",
             )
+        texts.append(typed_field(part, "text", str, f"{where}.{j}"))
     return "".join(texts)
 
 
 def _reasoning_text(item: dict[str, Any], sealer: Sealer, where: str) -> str:
-    sealed = item.get("encrypted_content")
+    sealed = typed_field(item, "encrypted_content", str, where, required=False)
+    texts = {}
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = typed_field(item, key, list, where, required=False) or []
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict):
+                raise APIError(400, f"{where}.{key}.{j}: must be a {kind} part (an object)",
+                               param=f"{where}.{key}.{j}")
+        texts[key] = [typed_field(p, "text", str, f"{where}.{key}.{j}") for j, p in enumerate(parts)
+                      if p.get("type") == kind]
     if sealed:
         text = sealer.open(sealed)
         if text is not None:
@@ -128,17 +144,12 @@ def _reasoning_text(item: dict[str, Any], sealer: Sealer, where: str) -> str:
             "using the item's readable text instead",
             where,
         )
-    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
-        texts = [
-            p.get("text", "") for p in item.get(key) or () if isinstance(p, dict) and p.get("type") == kind
-        ]
-        if texts:
-            return "".join(texts)
-    return ""
+    return "".join(texts["content"] or texts["summary"])
 
 
 def input_messages(items: str | list[dict[str, Any]], sealer: Sealer) -> list[dict[str, Any]]:
-    """The template-ready messages of ``input`` (see the module docstring)."""
+    """The template-ready messages of ``input`` (see the module docstring). Each item's fields are
+    checked (a 400 naming ``input.<k>.<field>``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -181,23 +192,23 @@ def input_messages(items: str | list[dict[str, Any]], sealer: Sealer) -> list[di
                 msg = assistant()
             msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item, sealer, where)
         elif kind == "function_call":
-            missing = [f for f in ("call_id", "name") if not item.get(f)]
+            call_id, name = typed_field(item, "call_id", str, where), typed_field(item, "name", str, where)
+            missing = [f for f, v in (("call_id", call_id), ("name", name)) if not v]
             if missing:
                 raise APIError(
                     400, f"{where}: a function_call item needs {missing[0]}", param=f"{where}.{missing[0]}"
                 )
-            fn = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
-            assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function", "function": fn}
-            )
+            args = typed_field(item, "arguments", str, where, required=False) or "{}"
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            if not item.get("call_id"):
+            call_id = typed_field(item, "call_id", str, where)
+            if not call_id:
                 raise APIError(
                     400, f"{where}: a function_call_output item needs call_id", param=f"{where}.call_id"
                 )
-            output = item.get("output")
-            text = output if isinstance(output, str) else _parts_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            text = _parts_text(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
             turn = None
         else:
             raise APIError(
@@ -213,13 +224,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     """Responses function tools as chat-completions function tools (the template's form)."""
     out = []
     for i, t in enumerate(tools or []):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else json_type(t)
             raise APIError(
                 400,
                 f"tools.{i}: only function tools (type 'function' with a name) are supported, "
-                f"got type {t.get('type')!r}",
+                f"got type {kind!r}",
                 param=f"tools.{i}.type",
             )
+        typed_field(t, "description", str, f"tools.{i}", required=False)
+        typed_field(t, "parameters", dict, f"tools.{i}", required=False)
+        typed_field(t, "strict", bool, f"tools.{i}", required=False)
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out or None
@@ -256,6 +271,8 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         history = [dict(m) for m in stored.messages]
     if req.input is None and not history:
         raise APIError(400, "input is required (a string or a list of input items)", param="input")
+    if req.input == []:
+        raise APIError(400, "input: an empty list; send at least one input item (or a string)", param="input")
     history += input_messages(req.input or [], ctx.sealer)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     params = cp.sampling_params(
@@ -265,6 +282,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
     )
+    effort = (req.reasoning or {}).get("effort")
     job = cp.ChatJob(
         messages=system + history,
         tools=chat_tools(req.tools),
@@ -275,20 +293,76 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         reasoning_split=True,
         one_call=req.parallel_tool_calls is False,
         max_tool_calls=req.max_tool_calls,
+        reasoning_budget=cp.effort_budget(effort, "reasoning.effort"),
         messages_param="input",
         max_tokens_param="max_output_tokens",
     )
     return job, history
 
 
-# --------------------------------------------------------------------------- deltas -> output items
+# --------------------------------------------------------------------------- choice -> output items
+
+
+def reasoning_item(id_: str, text: str, status: str, encrypted: Sealer | None) -> dict[str, Any]:
+    """A ``reasoning`` output item (``encrypted``: seal the text into ``encrypted_content``)."""
+    item: dict[str, Any] = {"id": id_, "type": "reasoning", "summary": [],
+                            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+    if encrypted is not None:
+        item["encrypted_content"] = encrypted.seal(text)
+    return item
+
+
+def message_item(id_: str, text: str, status: str) -> dict[str, Any]:
+    """An assistant ``message`` output item with one ``output_text`` part."""
+    return {"id": id_, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def function_call_item(id_: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    """A ``function_call`` output item; ``status`` ``incomplete`` for a call cut by the limit."""
+    return {"id": id_, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(choice: cp.Choice, streamed: bool, encrypted: Sealer | None,
+                 sent: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The output items of a finished choice: its returned parts (docs/serving.md §10.1) as reasoning,
+    message and function_call items. Not streamed, a call cut by the limit is no item (its raw text is
+    the message); streamed, its item already went out and stays, with status ``incomplete``. ``sent``:
+    the items the stream sent, in order; the final items keep their ids and sealed reasoning."""
+    sent = list(sent or ())
+    out = []
+    for k, part in enumerate(choice.output.returned_parts(streamed)):
+        kind = "rs" if part.kind == "reasoning" else "msg" if part.kind == "content" else "fc"
+        item_id = sent[k]["id"] if k < len(sent) else _id(kind)
+        if part.kind == "reasoning":
+            sealed = sent[k].get("encrypted_content") if k < len(sent) and encrypted is not None else None
+            item = reasoning_item(item_id, part.text, "completed", None if sealed else encrypted)
+            if sealed:
+                item["encrypted_content"] = sealed  # as the stream sent it (each seal draws a new nonce)
+            out.append(item)
+        elif part.kind == "content":
+            out.append(message_item(item_id, part.text, "completed"))
+        elif part.call is not None:
+            c = part.call
+            status = "completed" if c.complete else "incomplete"
+            out.append(function_call_item(item_id, c.id, c.name, c.arguments, status))
+    return out
+
+
+# --------------------------------------------------------------------------- the response and its stream
 
 
 @dataclass(slots=True)
 class ResponseBuilder:
-    """Turns one choice's pipeline deltas into Responses stream events and the final response object.
+    """The response object of one choice and its stream events.
 
-    ``response`` is the object the events assemble to (what the non-streamed call returns).
+    Not streamed: :meth:`complete` sets the output from the finished choice. Streamed: ``feed`` returns
+    the events of one delta, :meth:`finish` the closing events and ``response.completed`` /
+    ``response.incomplete``, whose response holds the items built from the same finished choice
+    (docs/serving.md §10.1: a function_call item whose call the limit cut ends with status
+    ``incomplete``, no ``function_call_arguments.done``, and the call's raw text follows as a message
+    item).
     """
 
     request: ResponsesRequest
@@ -303,6 +377,19 @@ class ResponseBuilder:
     usage: cp.TokenUsage | None = None
     error: dict[str, str] | None = None
     _text: list[str] = field(default_factory=list)  # the open item's text so far
+    _final: cp.Choice | None = None  # the finished choice, once its last delta arrived
+
+    @property
+    def encrypted(self) -> Sealer | None:
+        """The sealer when the request includes ``reasoning.encrypted_content``, else None."""
+        return self.sealer if ENCRYPTED_REASONING in (self.request.include or ()) else None
+
+    def complete(self, choice: cp.Choice, usage: cp.TokenUsage, streamed: bool = False) -> None:
+        """Set the response's final state from the finished choice (``streamed``: keep the ids of the
+        items the stream sent)."""
+        self.output = output_items(choice, streamed, self.encrypted, self.output if streamed else None)
+        self.usage = usage
+        self.status = "incomplete" if choice.output.finish_reason == "length" else "completed"
 
     def start(self) -> list[dict]:
         return [
@@ -312,78 +399,41 @@ class ResponseBuilder:
 
     def feed(self, d: cp.ChoiceDelta) -> list[dict]:
         ev: list[dict] = []
+        self._final = d.choice or self._final
         for piece in d.pieces():
             if piece.kind == "reasoning":
                 if not self._is_open("reasoning"):
-                    ev += self._close() + self._open(
-                        {
-                            "id": _id("rs"),
-                            "type": "reasoning",
-                            "summary": [],
-                            "content": [],
-                            "status": "in_progress",
-                        }
-                    )
-                    self._text = []
+                    item = {**reasoning_item(_id("rs"), "", "in_progress", None), "content": []}
+                    ev += self._close() + self._open(item)
                 self._text.append(piece.text)
-                ev.append(
-                    self.event(
-                        "response.reasoning_text.delta", **self._where(), content_index=0, delta=piece.text
-                    )
-                )
+                ev.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
+                                     delta=piece.text))
             elif piece.kind == "content":
                 if not self._is_open("message"):
-                    ev += self._close() + self._open(
-                        {
-                            "id": _id("msg"),
-                            "type": "message",
-                            "role": "assistant",
-                            "status": "in_progress",
-                            "content": [],
-                        }
-                    )
-                    self._text = []
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    ev.append(
-                        self.event("response.content_part.added", **self._where(), content_index=0, part=part)
-                    )
+                    item = message_item(_id("msg"), "", "in_progress")
+                    part = item["content"].pop()
+                    ev += self._close() + self._open(item)
+                    ev.append(self.event("response.content_part.added", **self._where(), content_index=0,
+                                         part=part))
                 self._text.append(piece.text)
-                ev.append(
-                    self.event(
-                        "response.output_text.delta",
-                        **self._where(),
-                        content_index=0,
-                        delta=piece.text,
-                        logprobs=[],
-                    )
-                )
+                ev.append(self.event("response.output_text.delta", **self._where(), content_index=0,
+                                     delta=piece.text, logprobs=[]))
             elif piece.kind == "tool_calls":
                 for tc in piece.tool_calls:
                     if tc.name is not None:
                         ev += self._close() + self._open(
-                            {
-                                "id": _id("fc"),
-                                "type": "function_call",
-                                "call_id": tc.id,
-                                "name": tc.name,
-                                "arguments": "",
-                                "status": "in_progress",
-                            }
-                        )
-                        self._text = []
+                            function_call_item(_id("fc"), tc.id or "", tc.name, "", "in_progress"))
                     if tc.arguments:
                         self._text.append(tc.arguments)
-                        ev.append(
-                            self.event(
-                                "response.function_call_arguments.delta", **self._where(), delta=tc.arguments
-                            )
-                        )
+                        ev.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                             delta=tc.arguments))
         return ev
 
-    def finish(self, d: cp.ChoiceDelta, usage: cp.TokenUsage) -> list[dict]:
+    def finish(self, choice: cp.Choice, usage: cp.TokenUsage) -> list[dict]:
+        """Close the last item and end the stream with the response built from the finished choice."""
+        self._final = choice
         ev = self._close()
-        self.usage = usage
-        self.status = "incomplete" if d.delta.finish_reason == "length" else "completed"
+        self.complete(choice, usage, streamed=True)
         return ev + [self.event(f"response.{self.status}", response=self.response())]
 
     def fail(self, e: APIError) -> list[dict]:
@@ -410,7 +460,7 @@ class ResponseBuilder:
             "output": [dict(item) for item in self.output],
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
             "store": r.store,
             "temperature": r.temperature,
             "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
@@ -423,27 +473,12 @@ class ResponseBuilder:
             if u is None
             else {
                 "input_tokens": u.prompt,
-                "input_tokens_details": {"cached_tokens": u.cached},
+                "input_tokens_details": {"cached_tokens": u.cached, "cache_write_tokens": 0},
                 "output_tokens": u.output,
                 "output_tokens_details": {"reasoning_tokens": u.reasoning},
                 "total_tokens": u.prompt + u.output,
             },
         }
-
-    def assistant_message(self) -> dict[str, Any]:
-        """The output as the chat message a following request's history holds."""
-        msg: dict[str, Any] = {"role": "assistant", "content": ""}
-        for item in self.output:
-            if item["type"] == "reasoning":
-                msg["reasoning_content"] = "".join(p["text"] for p in item["content"])
-            elif item["type"] == "message":
-                msg["content"] += "".join(p["text"] for p in item["content"])
-            else:
-                fn = {"name": item["name"], "arguments": item["arguments"]}
-                msg.setdefault("tool_calls", []).append(
-                    {"id": item["call_id"], "type": "function", "function": fn}
-                )
-        return msg
 
     def event(self, type_: str, **fields: Any) -> dict:
         self.seq += 1
@@ -457,42 +492,38 @@ class ResponseBuilder:
 
     def _open(self, item: dict[str, Any]) -> list[dict]:
         self.output.append(item)
-        self.open = True
+        self.open, self._text = True, []
         return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
+
+    def _cut(self, call_id: str) -> bool:
+        """Whether the call ``call_id`` was cut by the limit (known from the finished choice only: an
+        invoke that never closed is the choice's last call)."""
+        parts = self._final.output.parts if self._final is not None else ()
+        return any(p.call is not None and p.call.id == call_id and not p.call.complete for p in parts)
 
     def _close(self) -> list[dict]:
         if not self.open:
             return []
         self.open = False
-        item, text, ev = self.output[-1], "".join(self._text), []
-        if item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-            if ENCRYPTED_REASONING in (self.request.include or ()):
-                item["encrypted_content"] = self.sealer.seal(text)
-            ev.append(self.event("response.reasoning_text.done", **self._where(), content_index=0, text=text))
-        elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
-            item["content"] = [part]
-            ev.append(
-                self.event(
-                    "response.output_text.done", **self._where(), content_index=0, text=text, logprobs=[]
-                )
-            )
-            ev.append(self.event("response.content_part.done", **self._where(), content_index=0, part=part))
+        at, text, ev = self._where(), "".join(self._text), []
+        old = self.output[-1]
+        if old["type"] == "reasoning":
+            item = reasoning_item(old["id"], text, "completed", self.encrypted)
+            ev.append(self.event("response.reasoning_text.done", **at, content_index=0, text=text))
+        elif old["type"] == "message":
+            item = message_item(old["id"], text, "completed")
+            part = item["content"][0]
+            ev.append(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
+            ev.append(self.event("response.content_part.done", **at, content_index=0, part=part))
+        elif self._cut(old["call_id"]):  # its header went out: it ends incomplete (docs/serving.md §10.1)
+            item = function_call_item(old["id"], old["call_id"], old["name"], text, "incomplete")
         else:
-            item["arguments"] = text
-            ev.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    **self._where(),
-                    arguments=text,
-                    name=item["name"],
-                )
-            )
-        item["status"] = "completed"
-        return ev + [
-            self.event("response.output_item.done", output_index=len(self.output) - 1, item=dict(item))
-        ]
+            item = function_call_item(old["id"], old["call_id"], old["name"], text, "completed")
+            ev.append(self.event("response.function_call_arguments.done", **at, arguments=text,
+                                 name=old["name"]))
+        self.output[-1] = item
+        done = self.event("response.output_item.done", output_index=at["output_index"], item=dict(item))
+        return ev + [done]
 
 
 # --------------------------------------------------------------------------- routes
@@ -516,36 +547,30 @@ async def create_response(req: ResponsesRequest, request: Request) -> Response:
     )
     builder = ResponseBuilder(req, ctx.settings.served_model_name, ctx.sealer)
 
-    def finish(d: cp.ChoiceDelta) -> list[dict]:
-        ev = builder.finish(d, sub.usage())
+    def store(choice: cp.Choice) -> None:
         if req.store:
-            ctx.responses.put(
-                builder.id, StoredResponse(builder.response(), history + [builder.assistant_message()])
-            )
-        return ev
+            ctx.responses.put(builder.id, StoredResponse(builder.response(),
+                                                         history + [choice.output.history_message()]))
 
     if not req.stream:
-
-        def add(d: cp.ChoiceDelta) -> None:
-            builder.feed(d)
-            if d.delta.finished:
-                finish(d)
-
-        await cp.consume(ctx, request, sub, add)
+        choice = (await cp.collect(ctx, request, sub))[0]
+        builder.complete(choice, sub.usage())
+        store(choice)
         return JSONResponse(builder.response())
-    return StreamingResponse(_stream(ctx, sub, builder, finish), media_type="text/event-stream")
+    return StreamingResponse(_stream(ctx, sub, builder, store), media_type="text/event-stream")
 
 
 async def _stream(
-    ctx: ServeContext, sub: cp.Submission, builder: ResponseBuilder, finish: Any
+    ctx: ServeContext, sub: cp.Submission, builder: ResponseBuilder, store: Any
 ) -> AsyncIterator[str]:
     for ev in builder.start():
         yield sse(ev, ev["type"])
     try:
         async for d in cp.stream(ctx, sub):
             events = builder.feed(d)
-            if d.delta.finished:
-                events += finish(d)
+            if d.choice is not None:
+                events += builder.finish(d.choice, sub.usage())
+                store(d.choice)
             for ev in events:
                 yield sse(ev, ev["type"])
     except APIError as e:
