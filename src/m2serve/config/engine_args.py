@@ -34,6 +34,11 @@ def dtype_bytes(field: str, name: str) -> int:
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
 
+#: Every accepted ``EngineArgs.attention_backend`` value (``--attention-backend``, vLLM's and
+#: SGLang's flag name; docs/kernels.md §4): "torch" the reference and the CPU default, "triton" the
+#: paged attention kernel (kernels/triton/attention.py), "auto" triton on a GPU where Triton imports.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -54,6 +59,8 @@ class EngineArgs:
     strict_tool_format: refuse to start when the chat template writes tool calls the tool parser
         cannot read (text/tool_format.py); without it that is a warning.
     threads: intra-op CPU threads per process (None = :func:`choose_num_threads`'s rule).
+    attention_backend: one of ATTENTION_BACKENDS, chosen once when the model is built
+        (model/attention.py ``resolve_attention_backend``).
     """
 
     model: str | None = None
@@ -76,6 +83,7 @@ class EngineArgs:
     strict_tool_format: bool = False
     seed: int = 0
     threads: int | None = None
+    attention_backend: str = "auto"
 
 
 def rank_devices(devices: str) -> list[str]:

@@ -37,7 +37,7 @@ from m2serve.engine.sampling import (
     compute_logprobs,
 )
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler, choose_replica
-from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
 
@@ -133,7 +133,7 @@ class LLMEngine:
             model = start_distributed_model(args)
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
-                               weight_dequant=args.weight_dequant)
+                               weight_dequant=args.weight_dequant, attention_backend=args.attention_backend)
         return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod
@@ -170,7 +170,8 @@ class LLMEngine:
         schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
                                 args.max_batch_input_tokens, args.max_batch_size, penalties)
                       for _ in range(getattr(model, "data_parallel_degree", 1))]
-        return cls(config=config, schedulers=schedulers, runner=ModelRunner(model, storage, device),
+        return cls(config=config, schedulers=schedulers, runner=ModelRunner(model, storage, device,
+                                                                            buffers=StepBuffers(torch.device(device))),
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------

@@ -10,10 +10,11 @@ replica's scheduled requests in turn), each request's page ids index its own rep
 ``data_parallel_splits`` (prefix sums of requests per replica) comes from the same host lists
 (docs/serving.md §6).
 
-The batch is built once per step on the host from the scheduler's Python lists: the tensors are
-copied to the device through pinned memory with ``non_blocking=True`` on CUDA, and the same
-lists travel with the batch (model/batch.py ``StepHost``), so the model sizes and indexes the
-step without reading anything back from the device.
+The batch is built once per step on the host from the scheduler's Python lists, written into the
+runner's persistent buffers (model/batch.py ``StepBuffers``: one int64 host buffer, pinned on CUDA)
+and copied to the device in one copy (``non_blocking`` on CUDA); the same lists travel with the
+batch (model/batch.py ``StepHost``), so the model sizes and indexes the step without reading
+anything back from the device, and the forward has no per-request work (docs/serving.md §6.1).
 
 Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
 """
@@ -28,7 +29,7 @@ import torch
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.sampling import SamplerOutput, SamplingRows
 from m2serve.engine.scheduler import ScheduledRequest
-from m2serve.model.batch import ForwardBatch, KVStorage, ragged_batch
+from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers, ragged_batch
 
 
 def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
@@ -49,13 +50,15 @@ def logits_rows(s: ScheduledRequest) -> int:
 
 def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
                 device: torch.device | str = "cpu",
-                finished_request_ids: list[str] | None = None) -> ForwardBatch:
+                finished_request_ids: list[str] | None = None,
+                buffers: StepBuffers | None = None) -> ForwardBatch:
     """The `ForwardBatch` of one step (docs/serving.md §6); request order = ``scheduled`` order.
 
     ``kvs[i]`` is replica i's page allocator; a request's pages come from ``kvs[request.replica]``.
     With more than one replica the batch carries ``data_parallel_splits`` [len(kvs)+1]; ValueError
     if ``scheduled`` is not in replica order. The batch's host lists carry the request ids and
-    ``finished_request_ids`` (for the multi-rank step message, parallel/message.py).
+    ``finished_request_ids`` (for the multi-rank step message, parallel/message.py). With
+    ``buffers`` the tensors are views of the persistent step buffers (valid until the next step).
     """
     per_replica = [0] * len(kvs)
     new_tokens: list[list[int]] = []
@@ -77,7 +80,8 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
         for k in per_replica:
             splits.append(splits[-1] + k)
     batch = ragged_batch(new_tokens, context_lens, tables, [logits_rows(s) for s in scheduled],
-                         kvs[0].page_size, device, splits, [s.request.request_id for s in scheduled])
+                         kvs[0].page_size, device, splits, [s.request.request_id for s in scheduled],
+                         buffers)
     batch.host.finished_request_ids = list(finished_request_ids or [])
     return batch
 
@@ -110,12 +114,13 @@ class ModelRunner:
     kv_storage: KVStorage
     device: torch.device | str = "cpu"
     finished_request_ids: list[str] = field(default_factory=list)   # since the last step (engine fills)
+    buffers: StepBuffers | None = None   # persistent step buffers (None: one copy per field)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
         """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
         each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
-        batch = build_batch(scheduled, kvs, self.device, self._take_finished())
+        batch = build_batch(scheduled, kvs, self.device, self._take_finished(), self.buffers)
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)
@@ -140,6 +145,6 @@ class ModelRunner:
         are replica i's rows, the requests of ``scheduled`` whose chunk completes, in order; returns
         each replica's `SamplerOutput`. No logits leave their rank. Only without prompt logprobs
         (every request returns at most its last row)."""
-        batch = build_batch(scheduled, kvs, self.device, self._take_finished())
+        batch = build_batch(scheduled, kvs, self.device, self._take_finished(), self.buffers)
         drawn = self.model(batch, self.kv_storage, rows)
         return [d if d is not None else SamplerOutput([], []) for d in drawn]

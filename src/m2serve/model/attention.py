@@ -43,6 +43,7 @@ model, model/decoder.py).
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m2serve.config.engine_args import ATTENTION_BACKENDS
 from m2serve.model.batch import ForwardBatch, KVStorage
 
 if TYPE_CHECKING:
@@ -215,6 +217,8 @@ class MiniMaxM2Attention(nn.Module):
         write_kv(kv, layer, k, v, step.slot_mapping)
         if step.legacy is not None:
             return self.o_proj(paged_attention(q, kv, layer, step.legacy, self.scale))
+        if step.kernel is not None:
+            return self.o_proj(attend_kernel(q, kv, layer, step, self.scale))
         return self.o_proj(attend(q, kv, layer, step, self.scale))  # [T, Hq·D] -> [T, H]
 
 
@@ -269,6 +273,46 @@ def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale:
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts) if parts else q.new_empty(0, Hq * D)
+
+
+def attend_kernel(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext,
+                  scale: float) -> torch.Tensor:
+    """:func:`attend` through the triton backend's kernel (``step.kernel``, kernels/triton/attention.py
+    ``paged_attention``): one launch for the whole step, reading the block tables, query starts and
+    context lengths of ``step`` (int32, on the device) and the layer's pool directly.
+    q [T, Hq, D] act -> [T, Hq·D] act."""
+    T, Hq, D = q.shape
+    o = step.kernel(q.contiguous(), kv.k[layer], kv.v[layer], step.block_tables, step.query_starts,
+                    step.context_lens, scale, max_query_len=step.max_query_len,
+                    max_context_len=step.max_context_len, k_scale=kv.k_scale[layer],
+                    v_scale=kv.v_scale[layer])
+    return o.view(T, Hq * D)
+
+
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """The attention backend for ``name`` (config/engine_args.py ATTENTION_BACKENDS) on ``device``:
+    "torch" or "triton" (docs/kernels.md §4). "auto" is triton on CUDA where Triton imports, else
+    torch (the CPU default; under the CPU interpreter the kernel is a test path, not a fast one).
+    Raises ValueError naming the choices for an unknown name, and for "triton" where Triton does
+    not import (naming the import error)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not supported; use one of "
+                         f"{list(ATTENTION_BACKENDS)}")
+    if name == "torch" or (name == "auto" and torch.device(device).type != "cuda"):
+        return "torch"
+    try:
+        triton_kernel()
+    except ImportError as e:
+        if name == "triton":
+            raise ValueError(f"attention_backend='triton': Triton does not import ({e})") from e
+        return "torch"
+    return "triton"
+
+
+def triton_kernel() -> Callable[..., torch.Tensor]:
+    """kernels/triton/attention.py ``paged_attention``. Imported by name, here only, when the triton
+    backend is chosen: the CPU engine never imports Triton (docs/kernels.md §1)."""
+    return importlib.import_module("m2serve.kernels.triton.attention").paged_attention
 
 
 def paged_attention(q: torch.Tensor, kv: KVStorage, layer: int, meta: AttentionMetadata,

@@ -14,9 +14,11 @@ from the tensors once, when the batch is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+BUFFER_GROWTH = 1.5  # over-allocation when the persistent step buffers grow
 
 
 def host_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -55,6 +57,7 @@ class StepHost:
     request_ids: list[str] | None = None
     finished_request_ids: list[str] | None = None
     tokens: list[int] | None = None
+    checked_page_size: int | None = None  # set by :meth:`check` (the forward does not check twice)
 
     @classmethod
     def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -82,25 +85,79 @@ class StepHost:
 
     def check(self, page_size: int) -> None:
         """Raise ValueError naming the request if its context is shorter than its new tokens or
-        its block table holds fewer pages than its context needs."""
+        its block table holds fewer pages than its context needs. Runs once per page size: the
+        runner checks while it builds the step, so the forward does not loop over the requests."""
+        if self.checked_page_size == page_size:
+            return
         for b, (n, c) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
             if c < n:
                 raise ValueError(f"request {b}: context_lens={c} is shorter than its {n} new tokens")
             if -(-c // page_size) > len(self.block_tables[b]):
                 raise ValueError(f"request {b}: context_lens={c} needs {-(-c // page_size)} pages of "
                                  f"{page_size}, its block table has {len(self.block_tables[b])}")
+        self.checked_page_size = page_size
+
+
+@dataclass(slots=True)
+class StepBuffers:
+    """Persistent buffers of a step's integer metadata, reused every step (docs/serving.md §6.1).
+
+    ``host``: int64 [capacity], pinned on CUDA; ``dev``: int64 [capacity] on ``device``. A step
+    writes all its fields into ``host`` (through a numpy view: no torch op per field), copies the
+    used prefix to ``dev`` in ONE copy (``non_blocking`` from pinned memory on CUDA) and hands out
+    views of ``dev``; int32 fields get one device-side cast of their section. Both grow by
+    BUFFER_GROWTH when a step needs more. Views are valid until the next :meth:`load`: the engine
+    reads each step's results (sampled tokens) before it builds the next step, so the host buffer
+    is never rewritten while its copy is in flight.
+    """
+
+    device: torch.device
+    host: torch.Tensor | None = None
+    dev: torch.Tensor | None = None
+    loads: int = field(default=0)  # steps loaded (tests)
+
+    def load(self, int64_fields: list[list[int]], int32_fields: list[list[int]]) -> list[torch.Tensor]:
+        """Write ``int64_fields`` then ``int32_fields`` (flat lists) into the host buffer, copy once,
+        return the device views in the same order (int64 then int32, each 1-D of its list's length)."""
+        sizes = [len(f) for f in int64_fields] + [len(f) for f in int32_fields]
+        n = sum(sizes)
+        cuda = torch.device(self.device).type == "cuda"
+        if self.host is None or self.host.numel() < n:
+            cap = max(int(n * BUFFER_GROWTH), 64)
+            self.host = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
+            self.dev = torch.empty(cap, dtype=torch.int64, device=self.device)
+        h = self.host.numpy()
+        o = 0
+        for f in (*int64_fields, *int32_fields):
+            h[o:o + len(f)] = f
+            o += len(f)
+        dev = self.dev[:n]
+        dev.copy_(self.host[:n], non_blocking=cuda)
+        self.loads += 1
+        n64 = sum(sizes[:len(int64_fields)])
+        low = dev[n64:].to(torch.int32)
+        out, o = [], 0
+        for i, k in enumerate(sizes):
+            out.append(dev[o:o + k] if i < len(int64_fields) else low[o - n64:o - n64 + k])
+            o += k
+        return out
 
 
 def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
                  n_logits: list[int], page_size: int, device: torch.device | str = "cpu",
                  data_parallel_splits: list[int] | None = None,
-                 request_ids: list[str] | None = None) -> ForwardBatch:
+                 request_ids: list[str] | None = None, buffers: StepBuffers | None = None) -> ForwardBatch:
     """The `ForwardBatch` of one step from host lists (docs/serving.md §6), request b computing
     ``new_tokens[b]`` at positions [context_lens[b] - n_b, context_lens[b]) into the slots
     ``table[p // S] * S + p % S`` of its ``block_tables[b]``, returning logits for its last
     ``n_logits[b]`` positions. Block tables are padded with page 0 (never read: context_lens bounds
     every read). The one home of the step layout arithmetic (engine/runner.py and the other ranks'
-    parallel/message.py build through it)."""
+    parallel/message.py build through it).
+
+    With ``buffers`` (the runner's :class:`StepBuffers`) every field, the logit rows included, is
+    written into the persistent host buffer and reaches the device in one copy; the host lists are
+    checked here (:meth:`StepHost.check`, ValueError naming the request), not in the forward.
+    Without, each field is its own :func:`host_tensor` copy (other builders, tests)."""
     S = page_size
     tokens: list[int] = []
     positions: list[int] = []
@@ -118,6 +175,17 @@ def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tab
     host = StepHost.build(offsets, context_lens, block_tables, n_logits, splits)
     host.request_ids = list(request_ids) if request_ids is not None else None
     host.tokens = tokens
+    if buffers is not None:
+        host.check(S)
+        flat_tables = [p for t in padded for p in t]
+        tok, pos, slot, rows, n_log, *rest = buffers.load(
+            [tokens, positions, slots, host.logit_rows, list(n_logits), *([splits] if splits else [])],
+            [offsets, list(context_lens), flat_tables])
+        offs, ctx, tables = rest[-3:]
+        return ForwardBatch(tokens=tok, positions=pos, input_row_offsets=offs, slot_mapping=slot,
+                            block_tables=tables.view(len(padded), width), context_lens=ctx,
+                            return_n_logits=n_log, data_parallel_splits=rest[0] if splits else None,
+                            host=host, logit_rows=rows)
     return ForwardBatch(
         tokens=host_tensor(tokens, torch.int64, device),                # [T]
         positions=host_tensor(positions, torch.int64, device),          # [T]
@@ -148,6 +216,8 @@ class ForwardBatch:
                        is ``host.data_parallel_splits``.
     host:              the same layout as Python lists (:class:`StepHost`); read from the tensors
                        at construction when not given (one device read, outside the model).
+    logit_rows:        int64 [N] ``host.logit_rows`` on the device when the builder copied them
+                       (the runner's persistent buffers), else None (the forward copies them).
     """
 
     tokens: torch.Tensor
@@ -159,6 +229,7 @@ class ForwardBatch:
     return_n_logits: int | torch.Tensor = 1
     data_parallel_splits: torch.Tensor | None = None
     host: StepHost | None = None
+    logit_rows: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.host is None:

@@ -31,7 +31,12 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
 from m2serve.formats.fp4 import PackedFP4
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.model.attention import GatherScratch, MiniMaxM2Attention
+from m2serve.model.attention import (
+    GatherScratch,
+    MiniMaxM2Attention,
+    resolve_attention_backend,
+    triton_kernel,
+)
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.collectives import (
     attention_residual,
@@ -154,9 +159,14 @@ class MiniMaxM2ForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: MiniMaxM2Config, parallel: ParallelState | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, attention_backend: str = "auto"):
         super().__init__()
         parallel = parallel or ParallelState()
+        device = torch.get_default_device()
+        # chosen once (docs/kernels.md §4): "torch" (reference, CPU default) or "triton" (one kernel launch)
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.attention_kernel = triton_kernel() if self.attention_backend == "triton" else None
+        self.lower_right_masks = device.type == "cuda"  # torch backend: no materialised [n, L] mask
         self.config, self.parallel = cfg, parallel
         self.dims = local_dims(cfg, parallel)
         self.model = MiniMaxM2Model(cfg, self.dims, parallel, dtype)
@@ -180,7 +190,8 @@ class MiniMaxM2ForCausalLM(nn.Module):
         block table too short for its context.
         """
         step = StepContext.build(batch, kv.page_size, self.rope, self.dtype,
-                                 self.kv_scratch if self.legacy_path else None)
+                                 self.kv_scratch if self.legacy_path else None,
+                                 None if self.legacy_path else self.attention_kernel, self.lower_right_masks)
         x = F.embedding(batch.tokens, self.model.embed_tokens.weight)  # [T, H] act
         for layer, block in enumerate(self.model.layers):
             x = block(x, step, kv, layer)

@@ -42,7 +42,8 @@ def weights_banner(args: EngineArgs) -> str:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
-               progress: bool | None = None, weight_dequant: str = "auto") -> MiniMaxM2ForCausalLM:
+               progress: bool | None = None, weight_dequant: str = "auto",
+               attention_backend: str = "auto") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -58,13 +59,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     on CPU with the kernels built they compute straight from the codes (experts through
     ``pack_for_kernels``, done here once). ``"auto"`` (default) picks one of the two for ``device``
     and ``dtype`` (:func:`resolve_weight_dequant`). Raises ValueError for another value.
+    ``attention_backend`` (EngineArgs.attention_backend): chosen once, for ``device``, by
+    model/attention.py ``resolve_attention_backend`` (ValueError for an unknown name).
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     cfg = MiniMaxM2Config.from_pretrained(path)
     plan = open_checkpoint(path, cfg, checkpoint_copy_check())
     parallel = parallel or ParallelState()
     with torch.device(device):
-        model = MiniMaxM2ForCausalLM(cfg, parallel, dtype)
+        model = MiniMaxM2ForCausalLM(cfg, parallel, dtype, attention_backend)
     for layer in model.model.layers:  # bias = 0 unless the file has one (docs/model.md §1 use_routing_bias)
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:

@@ -6,15 +6,25 @@ n_b / L_b new tokens / context (cached + new) of request b.
 ``MiniMaxM2ForCausalLM.forward`` builds one :class:`StepContext` from the batch's :class:`StepHost`
 lists and hands it to every layer (STYLE.md habit 4: no global context). Sizes, spans and page
 lists come from Python ints; device tensors are made from them by host-to-device copies (pinned,
-``non_blocking`` on CUDA), and the per-request causal masks are built here, once, for all layers.
-Nothing in the forward reads a device value back.
+``non_blocking`` on CUDA). Nothing in the forward reads a device value back.
+
+The attention backend (docs/kernels.md §4) decides what is built. ``triton``: nothing per request;
+the kernel reads the batch's block tables, query starts and context lengths (int32, already on the
+device: with the runner's persistent buffers they arrived in the step's one copy), so the step's
+op count does not depend on the batch. ``torch`` (the reference): each request's page ids,
+concatenated, and per request a causal mask for a prefill chunk after a cached prefix, built here
+once for all layers: an additive [n_b, L_b] mask on CPU, ``causal_lower_right(n_b, L_b)`` (no
+materialised mask) when ``lower_right`` (the model sets it on CUDA).
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from m2serve.model.attention import AttentionMetadata, GatherScratch
 from m2serve.model.batch import ForwardBatch, StepHost, host_tensor
@@ -64,6 +74,11 @@ class StepContext:
                   dtype, 0 where new token i may see key j (j <= L_b - n_b + i), -inf elsewhere.
     legacy:       the padded-gather metadata when the model's ``legacy_path`` is on (benchmark
                   switch, model/decoder.py), else None.
+    kernel:       the triton backend's paged attention launcher (kernels/triton/attention.py
+                  ``paged_attention``), None on the torch backend (then page_ids / masks are set;
+                  under triton they are empty).
+    block_tables, query_starts, context_lens: the batch's int32 [B, W], [B+1], [B] device tensors.
+    max_query_len, max_context_len: host ints (the kernel's tile and split choice).
     """
 
     host: StepHost
@@ -76,40 +91,62 @@ class StepContext:
     page_starts: list[int]
     masks: list[torch.Tensor | None]
     legacy: AttentionMetadata | None = None
+    kernel: Callable[..., torch.Tensor] | None = None
+    block_tables: torch.Tensor | None = None
+    query_starts: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_query_len: int = 0
+    max_context_len: int = 0
 
     @classmethod
     def build(cls, batch: ForwardBatch, page_size: int, rope: RopeCache, dtype: torch.dtype,
-              legacy_scratch: GatherScratch | None = None) -> StepContext:
+              legacy_scratch: GatherScratch | None = None, kernel: Callable[..., torch.Tensor] | None = None,
+              lower_right: bool = False) -> StepContext:
         """The context of ``batch`` with KV pages of ``page_size`` and activations of ``dtype``.
 
+        ``kernel`` (not None = triton backend) skips the per-request pages and masks;
+        ``lower_right`` (torch backend) gives a chunk after a cached prefix a
+        ``torch.nn.attention.bias.causal_lower_right`` bias instead of a materialised mask.
         ``legacy_scratch`` (not None = legacy path) also builds the padded [B, Lk] metadata of the
         previous attention (it reads device values back; benchmark only). Raises ValueError (from
-        :meth:`StepHost.check`) for a context shorter than its new tokens or a block table too
-        short for its context.
+        :meth:`StepHost.check`, a no-op when the runner already checked) for a context shorter than
+        its new tokens or a block table too short for its context.
         """
         host = batch.host
         host.check(page_size)
         dev = batch.tokens.device
+        qs, ctx = host.query_starts, host.context_lens
         pages: list[int] = []
         page_starts = [0]
-        masks: list[torch.Tensor | None] = []
-        for n, L, table in zip(host.query_lens, host.context_lens, host.block_tables, strict=True):
-            pages.extend(table[: -(-L // page_size)])
-            page_starts.append(len(pages))
-            if n <= 1 or n == L:
-                masks.append(None)
-            else:  # -inf strictly above diagonal L - n: key j > (L - n) + i is in the future
-                masks.append(torch.full((n, L), float("-inf"), dtype=dtype, device=dev).triu_(L - n + 1))
-        max_position = max(host.context_lens, default=1) - 1
-        cos, sin = rope.lookup(batch.positions, max(max_position, 0))
+        masks: list[torch.Tensor | CausalBias | None] = []
+        if kernel is None:
+            for n, L, table in zip(host.query_lens, ctx, host.block_tables, strict=True):
+                pages.extend(table[: -(-L // page_size)])
+                page_starts.append(len(pages))
+                if n <= 1 or n == L:
+                    masks.append(None)
+                elif lower_right:
+                    masks.append(causal_lower_right(n, L))
+                else:  # -inf strictly above diagonal L - n: key j > (L - n) + i is in the future
+                    masks.append(torch.full((n, L), float("-inf"), dtype=dtype, device=dev).triu_(L - n + 1))
+        max_context = max(ctx, default=0)
+        cos, sin = rope.lookup(batch.positions, max(max_context - 1, 0))
         legacy = None
         if legacy_scratch is not None:
             inv_freq = rope_inv_freq(rope.rotary_dim, rope.theta, device=dev)
             legacy = AttentionMetadata.from_batch(batch, page_size, inv_freq, legacy_scratch)
-        return cls(host=host, positions=batch.positions, slot_mapping=batch.slot_mapping.to(torch.int64),
-                   cos=cos, sin=sin, logit_rows=host_tensor(host.logit_rows, torch.int64, dev),
-                   page_ids=host_tensor(pages, torch.int64, dev), page_starts=page_starts, masks=masks,
-                   legacy=legacy)
+        rows = batch.logit_rows
+        if rows is None:
+            rows = host_tensor(host.logit_rows, torch.int64, dev)
+        slots = batch.slot_mapping if batch.slot_mapping.dtype == torch.int64 else batch.slot_mapping.long()
+        return cls(host=host, positions=batch.positions, slot_mapping=slots, cos=cos, sin=sin,
+                   logit_rows=rows,
+                   page_ids=host_tensor(pages, torch.int64, dev) if kernel is None else batch.positions[:0],
+                   page_starts=page_starts, masks=masks, legacy=legacy, kernel=kernel,
+                   block_tables=batch.block_tables, query_starts=batch.input_row_offsets,
+                   context_lens=batch.context_lens,
+                   max_query_len=max(map(operator.sub, qs[1:], qs[:-1]), default=0),
+                   max_context_len=max_context)
 
     def request_pages(self, b: int) -> torch.Tensor:
         """int64 [ceil(L_b / S)]: request b's page ids (a view)."""
