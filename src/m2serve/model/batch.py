@@ -163,20 +163,22 @@ def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tab
     positions: list[int] = []
     slots: list[int] = []
     offsets = [0]
+    for new in new_tokens:
+        offsets.append(offsets[-1] + len(new))
+    splits = data_parallel_splits
+    host = StepHost.build(offsets, context_lens, block_tables, n_logits, splits)
+    if buffers is not None:
+        host.check(S)
     for new, L, table in zip(new_tokens, context_lens, block_tables, strict=True):
         pos = range(L - len(new), L)
         tokens.extend(new)
         positions.extend(pos)
         slots.extend(table[p // S] * S + p % S for p in pos)
-        offsets.append(offsets[-1] + len(new))
     width = max(max((len(t) for t in block_tables), default=0), 1)
     padded = [t + [0] * (width - len(t)) for t in block_tables]
-    splits = data_parallel_splits
-    host = StepHost.build(offsets, context_lens, block_tables, n_logits, splits)
     host.request_ids = list(request_ids) if request_ids is not None else None
     host.tokens = tokens
     if buffers is not None:
-        host.check(S)
         flat_tables = [p for t in padded for p in t]
         tok, pos, slot, rows, n_log, *rest = buffers.load(
             [tokens, positions, slots, host.logit_rows, list(n_logits), *([splits] if splits else [])],

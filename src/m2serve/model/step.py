@@ -22,13 +22,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from m2serve.model.attention import AttentionMetadata, GatherScratch
 from m2serve.model.batch import ForwardBatch, StepHost, host_tensor
 from m2serve.model.rope import rope_inv_freq
+
+if TYPE_CHECKING:  # imported where used: torch.nn.attention.bias imports triton, which must not load
+    from torch.nn.attention.bias import CausalBias  # before kernels/triton sets its interpreter flag
 
 ROPE_MIN_POSITIONS = 4096  # smallest RoPE table; it doubles past the largest position seen
 
@@ -119,6 +122,8 @@ class StepContext:
         pages: list[int] = []
         page_starts = [0]
         masks: list[torch.Tensor | CausalBias | None] = []
+        if lower_right:
+            from torch.nn.attention.bias import causal_lower_right
         if kernel is None:
             for n, L, table in zip(host.query_lens, ctx, host.block_tables, strict=True):
                 pages.extend(table[: -(-L // page_size)])
