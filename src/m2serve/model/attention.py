@@ -26,14 +26,12 @@ after 1,024 cached, so SDPA: never clearly slower, one fused op per request. The
 gather took 20-28x SDPA's time on the first case and 1.25-2.4x on the second, 0.82-0.92x on the
 one-request prefill chunk.
 
-GPU choice (documented, not built here; the loop above also runs on CUDA, correct but one SDPA
-launch per request): ``torch.nn.attention.flex_attention`` over the concatenated queries [T]
-and the pool viewed as one key axis, with a ``BlockMask`` built ONCE per step from the page
-ids and context lengths (document mask + causal offset; the paged block mask of torch's
-``PagedAttention`` helper), so every layer reuses it and the step has no per-request launches
-(capturable by CUDA graphs for a fixed padded T). A paged varlen kernel (FlashAttention's
-``flash_attn_varlen_func`` with ``block_table``, or FlashInfer) is the drop-in alternative
-behind the same seam.
+GPU choice: the ``triton`` attention backend (docs/kernels.md §4), chosen once when the model is
+built (:func:`resolve_attention_backend`): :func:`attend_kernel` runs the paged attention kernel
+of kernels/triton/attention.py, one launch per layer over the whole ragged step, reading the
+batch's block tables directly (no per-request work, so a decode step can be captured). The loop
+above stays the ``torch`` backend: the reference and the CPU default (on CUDA a chunk after a
+cached prefix takes ``causal_lower_right`` rather than a materialised mask, model/step.py).
 
 The previous path, :func:`paged_attention` over :class:`AttentionMetadata` (every request's
 context gathered padded to [B, Lk, Hkv, D] into :class:`GatherScratch` buffers, one [B, 1, Tq, Lk]

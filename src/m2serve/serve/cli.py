@@ -26,7 +26,13 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, WEIGHT_DEQUANT_MODES, EngineArgs
+from m2serve.config.engine_args import (
+    ATTENTION_BACKENDS,
+    COMPUTE_DTYPES,
+    KV_CACHE_FORMATS,
+    WEIGHT_DEQUANT_MODES,
+    EngineArgs,
+)
 
 log = logging.getLogger("m2serve")
 
@@ -113,6 +119,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
     a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
+    a("--attention-backend", choices=list(ATTENTION_BACKENDS),
+      help="auto: triton on a GPU where Triton imports, else torch (docs/kernels.md §4)")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -310,13 +318,14 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     pages = stats.replicas[0].kv_pages_total if stats.replicas else stats.kv_pages_total   # per replica
     dp = f" per replica x {len(stats.replicas)} replicas" if len(stats.replicas) > 1 else ""
     url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
+    attention = getattr(llm.engine.runner.model, "attention_backend", llm.args.attention_backend)
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | {weights_banner(llm.args)}{url}"
+        f"max context {llm.max_length} | attention {attention} | {weights_banner(llm.args)}{url}"
     )
 
 
