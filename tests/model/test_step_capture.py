@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import m2serve.kernels.triton  # noqa: F401  (before anything imports triton: docs/kernels.md §1)
 from m2serve.config.engine_args import EngineArgs
 from m2serve.engine.core import LLMEngine
+from m2serve.engine.runner import bucket_for, decode_buckets
 from m2serve.engine.sampling import SamplingParams
 from m2serve.model.attention import attend, resolve_attention_backend
 from m2serve.model.batch import StepBuffers, ragged_batch
@@ -180,3 +181,42 @@ def test_attention_backend_choice():
     assert resolve_attention_backend("torch", "cuda") == "torch"
     with pytest.raises(ValueError, match="attention_backend='flash'.*'auto', 'torch', 'triton'"):
         resolve_attention_backend("flash", "cpu")
+
+
+def test_decode_buckets():
+    assert decode_buckets(256)[:7] == [1, 2, 4, 8, 16, 32, 48] and decode_buckets(256)[-1] == 256
+    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40] and decode_buckets(1) == [1]
+    assert bucket_for(3, decode_buckets(40)) == 4 and bucket_for(33, decode_buckets(40)) == 40
+    assert bucket_for(17, [1, 2, 4, 8, 16, 32]) == 32 and bucket_for(41, decode_buckets(40)) is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_and_unpadded_decode_give_identical_tokens(tiny_random_dir, backend):
+    # issue 29 item 3, eagerly on CPU: all-decode steps padded to their bucket (3 -> 4, 5 -> 8
+    # requests; the padding rows write a page of their own) give the unpadded engine's tokens
+    model = load_model(tiny_random_dir, attention_backend=backend)
+    sizes: list[int] = []
+    real = model.forward
+
+    def forward(batch, kv):
+        sizes.append(batch.num_requests)
+        return real(batch, kv)
+    model.forward = forward
+    runs = []
+    for pad in (False, True):
+        engine = _engine(model, 8)
+        if pad:
+            engine.runner.enable_decode_padding(8)
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        out: dict[str, list[int]] = {}
+        for i in range(5):
+            engine.add_request(str(i), PROMPTS[i] * (1 + i % 2), SamplingParams(
+                temperature=0.0, max_tokens=3 + i, ignore_eos=True) if i < 3 else params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs.append(out)
+        if pad:
+            assert {4, 8} <= set(sizes) and not set(sizes) - {5, 4, 8}, sizes
+        sizes.clear()
+    assert runs[0] == runs[1] and sorted(len(t) for t in runs[0].values()) == [3, 4, 5, 5, 5]

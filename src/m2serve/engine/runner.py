@@ -48,10 +48,27 @@ def logits_rows(s: ScheduledRequest) -> int:
     return 1 if s.completes else 0
 
 
+DECODE_BUCKET_STEP = 16  # decode batch-size buckets: 1, 2, 4, 8, 16, then steps of this
+
+
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """The decode batch sizes a CUDA graph is captured for (docs/serving.md §6.2): 1, 2, 4, 8, 16,
+    then every multiple of DECODE_BUCKET_STEP, up to ``max_batch_size`` (always the last bucket)."""
+    out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    out += list(range(DECODE_BUCKET_STEP, max_batch_size, DECODE_BUCKET_STEP))
+    return out + [max_batch_size]
+
+
+def bucket_for(batch_size: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``batch_size`` (None when the batch exceeds every bucket)."""
+    return next((b for b in buckets if b >= batch_size), None)
+
+
 def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
                 device: torch.device | str = "cpu",
                 finished_request_ids: list[str] | None = None,
-                buffers: StepBuffers | None = None) -> ForwardBatch:
+                buffers: StepBuffers | None = None, pad_to: int | None = None,
+                pad_page: int | None = None) -> ForwardBatch:
     """The `ForwardBatch` of one step (docs/serving.md §6); request order = ``scheduled`` order.
 
     ``kvs[i]`` is replica i's page allocator; a request's pages come from ``kvs[request.replica]``.
@@ -59,6 +76,9 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
     if ``scheduled`` is not in replica order. The batch's host lists carry the request ids and
     ``finished_request_ids`` (for the multi-rank step message, parallel/message.py). With
     ``buffers`` the tensors are views of the persistent step buffers (valid until the next step).
+    ``pad_to`` (a decode bucket, one replica only) appends ``pad_to - len(scheduled)`` padding
+    requests (docs/serving.md §6.2): one token 0 at position 0, its K/V written to page
+    ``pad_page`` (a page no allocator hands out), no logit rows; their request ids are "".
     """
     per_replica = [0] * len(kvs)
     new_tokens: list[list[int]] = []
@@ -74,13 +94,23 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
         new_tokens.append(r.all_token_ids[c:c + n])
         context_lens.append(c + n)
         tables.append(kvs[r.replica].block_table(r.request_id))
+    ids = [s.request.request_id for s in scheduled]
+    n_logits = [logits_rows(s) for s in scheduled]
+    if pad_to is not None and pad_to > len(scheduled):
+        if len(kvs) > 1 or pad_page is None:
+            raise ValueError("decode padding takes one replica and a padding page")
+        k = pad_to - len(scheduled)
+        new_tokens += [[0]] * k
+        context_lens += [1] * k
+        tables += [[pad_page]] * k
+        n_logits += [0] * k
+        ids += [""] * k
     splits = None
     if len(kvs) > 1:
         splits = [0]
         for k in per_replica:
             splits.append(splits[-1] + k)
-    batch = ragged_batch(new_tokens, context_lens, tables, [logits_rows(s) for s in scheduled],
-                         kvs[0].page_size, device, splits, [s.request.request_id for s in scheduled],
+    batch = ragged_batch(new_tokens, context_lens, tables, n_logits, kvs[0].page_size, device, splits, ids,
                          buffers)
     batch.host.finished_request_ids = list(finished_request_ids or [])
     return batch
@@ -115,18 +145,37 @@ class ModelRunner:
     device: torch.device | str = "cpu"
     finished_request_ids: list[str] = field(default_factory=list)   # since the last step (engine fills)
     buffers: StepBuffers | None = None   # persistent step buffers (None: one copy per field)
+    buckets: list[int] | None = None     # decode batch-size buckets when decodes are padded, else None
+    pad_page: int | None = None          # the padding rows' KV page (outside every allocator)
+
+    def enable_decode_padding(self, max_batch_size: int) -> None:
+        """Pad every all-decode step of one replica to its bucket (:func:`decode_buckets`), the
+        batch shapes CUDA graphs are captured for (docs/serving.md §6.2). Appends one page to every
+        layer's K/V pool for the padding rows to write into; no allocator hands it out."""
+        kv = self.kv_storage
+        self.pad_page = kv.num_pages
+        for pools in (kv.k, kv.v):
+            for i, t in enumerate(pools):
+                pools[i] = torch.cat([t, torch.zeros_like(t[:1])])
+        self.buckets = decode_buckets(max_batch_size)
+
+    def _pad_to(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> int | None:
+        if self.buckets is None or len(kvs) > 1 or any(s.num_new_tokens != 1 for s in scheduled):
+            return None
+        return bucket_for(len(scheduled), self.buckets)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
         """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
         each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
-        batch = build_batch(scheduled, kvs, self.device, self._take_finished(), self.buffers)
+        batch = build_batch(scheduled, kvs, self.device, self._take_finished(), self.buffers,
+                            self._pad_to(scheduled, kvs), self.pad_page)
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)
             return [torch.empty(0) for _ in scheduled]
         logits = self.model(batch, self.kv_storage).float()   # [N, V]
-        return list(torch.split(logits, counts))
+        return list(torch.split(logits, counts))[:len(scheduled)]   # padding rows return none
 
     def _take_finished(self) -> list[str]:
         finished, self.finished_request_ids = self.finished_request_ids, []
