@@ -106,10 +106,14 @@ def test_triton_backend_decode_ops_do_not_grow_with_the_batch(tiny_random_dir):
 def _greedy_tokens(model, buffers: bool) -> dict[str, list[int]]:
     engine = _engine(model, 8)
     if not buffers:
-        engine.runner.buffers = None
+        engine.runner.buffers = engine.runner.sampling_buffers = None
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i in range(5):
         engine.add_request(str(i), PROMPTS[i] * (i + 1), params)
+    # and the sampler's inputs: seeded draws with top-k / top-p / min-p, penalties, logit bias, min_tokens
+    engine.add_request("seeded", [4, 5, 6], SamplingParams(
+        temperature=0.9, top_k=20, top_p=0.9, min_p=0.01, seed=7, max_tokens=6, repetition_penalty=1.2,
+        presence_penalty=0.3, frequency_penalty=0.2, logit_bias={11: 2.5}, min_tokens=6))
     out: dict[str, list[int]] = {}
     for o in engine.step():
         out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -118,14 +122,14 @@ def _greedy_tokens(model, buffers: bool) -> dict[str, list[int]]:
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     if buffers:
-        assert engine.runner.buffers.loads >= 6
+        assert engine.runner.buffers.loads >= 6 and engine.runner.sampling_buffers.loads >= 6
     return out
 
 
 def test_greedy_tokens_identical_with_and_without_persistent_buffers(tiny_random_dir):
     model = load_model(tiny_random_dir, attention_backend="torch")
     with_buffers, without = _greedy_tokens(model, True), _greedy_tokens(model, False)
-    assert len(with_buffers) == 6 and all(len(t) == 6 for t in with_buffers.values())
+    assert len(with_buffers) == 7 and all(len(t) == 6 for t in with_buffers.values())
     assert with_buffers == without
 
 
@@ -220,3 +224,25 @@ def test_padded_and_unpadded_decode_give_identical_tokens(tiny_random_dir, backe
             assert {4, 8} <= set(sizes) and not set(sizes) - {5, 4, 8}, sizes
         sizes.clear()
     assert runs[0] == runs[1] and sorted(len(t) for t in runs[0].values()) == [3, 4, 5, 5, 5]
+
+
+def test_sampling_batch_from_buffers_equals_per_field_copies():
+    from m2serve.engine.sampling import SamplingBatch, SamplingState
+
+    states = [SamplingState.new(SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, min_tokens=m,
+                                               logit_bias=b, repetition_penalty=1.1, presence_penalty=0.2),
+                                [2], torch.Generator().manual_seed(0))
+              for t, k, p, s, m, b in ((0.0, 0, 1.0, None, 0, None), (0.7, 5, 0.8, 3, 4, {7: -1.5, 9: 0.25}),
+                                       (1.3, 0, 0.95, 2 ** 63 + 5, 0, {1: 3.0}))]
+    buffers = StepBuffers(torch.device("cpu"))
+    a = SamplingBatch.build(states, [0, 1, 2], 64, "cpu", (), buffers)
+    b = SamplingBatch.build(states, [0, 1, 2], 64, "cpu")
+    assert buffers.loads == 1
+    for name in SamplingBatch.__slots__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        elif isinstance(x, tuple):
+            assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y, strict=True)), name
+        else:
+            assert x == y, name

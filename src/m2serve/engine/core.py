@@ -170,8 +170,9 @@ class LLMEngine:
         schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
                                 args.max_batch_input_tokens, args.max_batch_size, penalties)
                       for _ in range(getattr(model, "data_parallel_degree", 1))]
-        return cls(config=config, schedulers=schedulers, runner=ModelRunner(model, storage, device,
-                                                                            buffers=StepBuffers(torch.device(device))),
+        runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),
+                             sampling_buffers=StepBuffers(torch.device(device)))
+        return cls(config=config, schedulers=schedulers, runner=runner,
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------
@@ -320,7 +321,8 @@ class LLMEngine:
         out = []
         for r in rows:
             mine, last = last[:r.num_rows], last[r.num_rows:]
-            out.append(r.sample(torch.stack(mine), self.scheduler.penalties) if mine
+            out.append(r.sample(torch.stack(mine), self.scheduler.penalties, self.runner.sampling_buffers)
+                       if mine
                        else SamplerOutput([], []))
         return out
 

@@ -145,6 +145,7 @@ class ModelRunner:
     device: torch.device | str = "cpu"
     finished_request_ids: list[str] = field(default_factory=list)   # since the last step (engine fills)
     buffers: StepBuffers | None = None   # persistent step buffers (None: one copy per field)
+    sampling_buffers: StepBuffers | None = None   # the sampler's inputs, likewise
     buckets: list[int] | None = None     # decode batch-size buckets when decodes are padded, else None
     pad_page: int | None = None          # the padding rows' KV page (outside every allocator)
 

@@ -26,6 +26,7 @@ import torch
 
 from m2serve.config.model_config import GenerationDefaults
 from m2serve.engine.constraint import BITMASK_WORD_BITS, bitmask_words
+from m2serve.model.batch import StepBuffers
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` count accepted (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
@@ -416,11 +417,14 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, states: Sequence[SamplingState], num_output_tokens: Sequence[int], vocab_size: int,
-              device: torch.device | str = "cpu", end_of_turn: Sequence[bool] = ()) -> SamplingBatch:
+              device: torch.device | str = "cpu", end_of_turn: Sequence[bool] = (),
+              buffers: StepBuffers | None = None) -> SamplingBatch:
         """Inputs for rows ``states`` whose requests have generated ``num_output_tokens[b]`` tokens
         (the output position of this draw). A top_k >= vocab_size is off. ``end_of_turn[b]`` True:
         row b's constraint allows only the end of turn, so its min_tokens mask yields (masking the
-        only allowed tokens would leave nothing to draw). Host lists only."""
+        only allowed tokens would leave nothing to draw). Host lists only. With ``buffers`` (the
+        runner's persistent :class:`~m2serve.model.batch.StepBuffers` for the sampler) every input
+        reaches the device in one copy (docs/serving.md §6.1); without, one copy per input."""
         temps = [s.temperature for s in states]
         greedy = [t < GREEDY_EPS for t in temps]
         ks = [s.params.top_k if 0 < s.params.top_k < vocab_size and not g else 0  # type: ignore[operator]
@@ -444,18 +448,24 @@ class SamplingBatch:
             return torch.tensor(v, dtype=torch.int64, device=device)
 
         sampled = [not g for g in greedy]
+        i64s = [[int(g) for g in greedy], ks, [s.penalty_row for s in states],
+                [_i64(s.seed % 2 ** 64) for s in states], list(num_output_tokens), brows, bcols, mrows, mcols]
+        f32s = [[1.0 if g else t for g, t in zip(greedy, temps)], [s.params.top_p for s in states],
+                [s.params.min_p for s in states], [s.params.repetition_penalty for s in states],
+                [s.params.presence_penalty for s in states], [s.params.frequency_penalty for s in states],
+                bvals]
+        if buffers is not None:
+            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc,
+             temperature, top_p, min_p, rep, pres, freq, bv) = buffers.load(i64s, [], f32s)
+        else:
+            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc) = map(i64, i64s)
+            temperature, top_p, min_p, rep, pres, freq, bv = map(f32, f32s)
         return cls(
-            temperature=f32([1.0 if g else t for g, t in zip(greedy, temps)]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=i64(ks), top_p=f32([s.params.top_p for s in states]),  # type: ignore[misc]
-            min_p=f32([s.params.min_p for s in states]),
-            repetition=f32([s.params.repetition_penalty for s in states]),
-            presence=f32([s.params.presence_penalty for s in states]),
-            frequency=f32([s.params.frequency_penalty for s in states]),
-            penalty_rows=i64([s.penalty_row for s in states]),
-            seeds=i64([_i64(s.seed % 2 ** 64) for s in states]), positions=i64(list(num_output_tokens)),
-            bias=(i64(brows), i64(bcols), f32(bvals)) if brows else None,
-            eos_mask=(i64(mrows), i64(mcols)) if mrows else None,
+            temperature=temperature, greedy=greedy_t.to(torch.bool), top_k=top_k, top_p=top_p,
+            min_p=min_p, repetition=rep, presence=pres, frequency=freq, penalty_rows=penalty_rows,
+            seeds=seeds, positions=positions,
+            bias=(br, bc, bv) if brows else None,
+            eos_mask=(mr, mc) if mrows else None,
             num_logprobs=[s.params.logprobs for s in states],
             kmax=max(ks, default=0),
             all_top_k=all(k > 0 for k, q in zip(ks, sampled) if q) and any(sampled),
@@ -491,10 +501,12 @@ class SamplingRows:
         """Whether a row asks for penalties (their counts live in rank 0's `PenaltyState`)."""
         return any(s.needs_penalties for s in self.states)
 
-    def sample(self, logits: torch.Tensor, penalties: PenaltyState | None = None) -> SamplerOutput:
-        """:func:`sample` of ``logits`` [B, V] f32 with these rows (inputs built on its device)."""
+    def sample(self, logits: torch.Tensor, penalties: PenaltyState | None = None,
+               buffers: StepBuffers | None = None) -> SamplerOutput:
+        """:func:`sample` of ``logits`` [B, V] f32 with these rows (inputs built on its device, in
+        one copy through ``buffers`` when given: :meth:`SamplingBatch.build`)."""
         batch = SamplingBatch.build(self.states, self.num_output_tokens, self.vocab_size, logits.device,
-                                    self.end_of_turn)
+                                    self.end_of_turn, buffers)
         allowed = self.allowed.to(logits.device) if self.allowed is not None else None
         return sample(logits, batch, penalties, allowed)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 BUFFER_GROWTH = 1.5  # over-allocation when the persistent step buffers grow
@@ -116,11 +117,15 @@ class StepBuffers:
     dev: torch.Tensor | None = None
     loads: int = field(default=0)  # steps loaded (tests)
 
-    def load(self, int64_fields: list[list[int]], int32_fields: list[list[int]]) -> list[torch.Tensor]:
-        """Write ``int64_fields`` then ``int32_fields`` (flat lists) into the host buffer, copy once,
-        return the device views in the same order (int64 then int32, each 1-D of its list's length)."""
+    def load(self, int64_fields: list[list[int]], int32_fields: list[list[int]],
+             f32_fields: tuple[list[float], ...] | list[list[float]] = ()) -> list[torch.Tensor]:
+        """Write ``int64_fields``, ``int32_fields`` and ``f32_fields`` (flat lists) into the host
+        buffer, copy once, return the device views in the same order (int64, int32, then float32,
+        each 1-D of its list's length). float32 values sit two to an int64 slot (a view, no cast)."""
         sizes = [len(f) for f in int64_fields] + [len(f) for f in int32_fields]
-        n = sum(sizes)
+        n_flat = sum(sizes)
+        n_f32 = sum(len(f) for f in f32_fields)
+        n = n_flat + (n_f32 + 1) // 2
         cuda = torch.device(self.device).type == "cuda"
         if self.host is None or self.host.numel() < n:
             cap = max(int(n * BUFFER_GROWTH), 64)
@@ -131,15 +136,24 @@ class StepBuffers:
         for f in (*int64_fields, *int32_fields):
             h[o:o + len(f)] = f
             o += len(f)
+        hf = h[n_flat:n].view(np.float32)
+        o = 0
+        for f in f32_fields:
+            hf[o:o + len(f)] = f
+            o += len(f)
         dev = self.dev[:n]
         dev.copy_(self.host[:n], non_blocking=cuda)
         self.loads += 1
         n64 = sum(sizes[:len(int64_fields)])
-        low = dev[n64:].to(torch.int32)
+        low = dev[n64:n_flat].to(torch.int32)
         out, o = [], 0
         for i, k in enumerate(sizes):
             out.append(dev[o:o + k] if i < len(int64_fields) else low[o - n64:o - n64 + k])
             o += k
+        floats, o = dev[n_flat:].view(torch.float32), 0
+        for f in f32_fields:
+            out.append(floats[o:o + len(f)])
+            o += len(f)
         return out
 
 
