@@ -30,6 +30,16 @@ CUDA device (and without --cpu-smoke) it prints that and exits 0.
 ``--part attention`` runs instead the check of the Triton paged attention kernel
 (benchmarks/gpu_attention.py: correctness against ``attend`` and decode time against the
 bandwidth bound; < 6 min on one H200; needs triton 3.6, no more).
+
+``--part engine`` (issue 29 item 4) times the engine's decode step on the bench config in bf16:
+the step built as the runner builds it (``ragged_batch`` into persistent ``StepBuffers``, one
+host-to-device copy), the attention backend ``auto`` chose (triton on a GPU), at batch 1, 32 and
+128 with 128 tokens of context each: eager (host build + forward per step) and replaying a CUDA
+graph of the forward captured on that batch (the buffers' layout fixed), each as tokens/s and as
+a ratio to the bandwidth bound measured in the same run (every weight byte the step needs — the
+experts counted as min(E, batch · top-k) of E — and every KV byte read once, at the device's
+copy rate measured in the same run). Written to ``$OUT/gpu_check_engine.json``.
+Not yet run on a GPU. ``--cpu-smoke`` runs it on tiny dims on CPU, eager only (no graphs on CPU).
 """
 
 from __future__ import annotations
@@ -305,6 +315,108 @@ def check(device: str, smoke: bool) -> dict:
     return out
 
 
+def copy_rate(device: str, nbytes: int) -> float:
+    """Device copy rate in bytes/s (read + written) of ``dst.copy_(src)`` over ``nbytes``, best of 5."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def engine_decode(model, cfg, batch: int, context: int, dtype, device: str, steps: int, rate: float,
+                  graphs: bool) -> dict:
+    """Decode tokens/s of ``batch`` requests at ``context`` tokens, eager (the runner's host build
+    into persistent buffers + forward, per step) and, on CUDA, replaying a CUDA graph of the
+    forward; and the bandwidth bound: (weight bytes + KV bytes of the step) / copy rate."""
+    from m2serve.model.batch import StepBuffers, ragged_batch
+
+    pages_per = -(-(context + steps + 2) // PAGE)
+    cache = SimpleKVCache.create(cfg, num_pages=batch * pages_per, page_size=PAGE, dtype=dtype, device=device)
+    tables = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(batch)]
+    buffers = StepBuffers(torch.device(device))
+    model(ragged_batch([[(i + j) % cfg.vocab_size for j in range(context)] for i in range(batch)],
+                       [context] * batch, tables, [1] * batch, PAGE, device, buffers=buffers), cache.storage)
+
+    def step(k: int):
+        b = ragged_batch([[1]] * batch, [context + k] * batch, tables, [1] * batch, PAGE, device,
+                         buffers=buffers)
+        return model(b, cache.storage)
+    step(1)
+    sync(device)
+    t = time.perf_counter()
+    for k in range(steps):
+        step(2 + k)
+    sync(device)
+    eager = batch * steps / (time.perf_counter() - t)
+    experts = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n}
+    touched = min(cfg.num_local_experts, batch * cfg.num_experts_per_tok) / cfg.num_local_experts
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(experts.values()) * \
+        (1 - touched)
+    kv_bytes = 2 * batch * context * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * \
+        torch.empty(0, dtype=dtype).element_size()
+    bound = batch / ((weight_bytes + kv_bytes) / rate)
+    out = {"eager_tok_s": eager, "bound_tok_s": bound, "eager_over_bound": eager / bound}
+    if graphs:
+        try:
+            b = ragged_batch([[1]] * batch, [context + 1] * batch, tables, [1] * batch, PAGE, device,
+                             buffers=buffers)
+            model(b, cache.storage)  # warm (kernels compiled, RoPE table sized)
+            sync(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(b, cache.storage)
+            graph.replay()
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                graph.replay()
+            sync(device)
+            g = batch * steps / (time.perf_counter() - t)
+            out |= {"graph_tok_s": g, "graph_over_bound": g / bound}
+        except Exception as e:  # reported, not fatal: the point is to learn what does not capture
+            out["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def engine_part(device: str, smoke: bool) -> int:
+    """``--part engine`` (module docstring)."""
+    t = time.perf_counter()
+    cfg = config(TINY if smoke else BENCH)
+    with torch.device("meta"):
+        shape_model = MiniMaxM2ForCausalLM(cfg, attention_backend="torch")
+    dtype = torch.bfloat16
+    with torch.device(device):
+        model = MiniMaxM2ForCausalLM(cfg, dtype=dtype)
+    state = random_state(shape_model, seed=1)
+    for name, p in model.named_parameters():
+        p.data.copy_(state[name])
+    model.eval()
+    rate = copy_rate(device, 2**20 if smoke else 2**31)
+    out = {"torch": torch.__version__, "device": device, "attention_backend": model.attention_backend,
+           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+           "copy_rate_gb_s": rate / 1e9, "decode": {}}
+    for b in ((1, 4) if smoke else (1, 32, 128)):
+        r = engine_decode(model, cfg, b, 128, dtype, device, 2 if smoke else 20, rate,
+                          graphs=device.startswith("cuda"))
+        out["decode"][f"b{b}"] = r
+        print(f"[engine] batch {b}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in r.items()))
+    out["wall_s"] = time.perf_counter() - t
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "gpu_check_engine.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+    print(f"gpu_check --part engine: done in {out['wall_s']:.0f} s")
+    return 0
+
+
 def attention_part(device: str, smoke: bool) -> int:
     """``--part attention``: benchmarks/gpu_attention.py (imported here: it needs triton)."""
     from gpu_attention import check_attention
@@ -326,9 +438,10 @@ def attention_part(device: str, smoke: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-runnable parts on tiny dims")
-    ap.add_argument("--part", choices=("model", "attention"), default="model",
+    ap.add_argument("--part", choices=("model", "attention", "engine"), default="model",
                     help="model: the forward (this module's docstring); attention: the Triton paged "
-                    "attention kernel (benchmarks/gpu_attention.py)")
+                    "attention kernel (benchmarks/gpu_attention.py); engine: decode steps with and "
+                    "without CUDA graphs against the bandwidth bound")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
         device = "cuda"
@@ -340,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.part == "attention":
         return attention_part(device, smoke=args.cpu_smoke and device == "cpu")
+    if args.part == "engine":
+        return engine_part(device, smoke=args.cpu_smoke and device == "cpu")
     t = time.perf_counter()
     out = check(device, smoke=args.cpu_smoke and device == "cpu")
     out["wall_s"] = time.perf_counter() - t

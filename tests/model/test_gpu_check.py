@@ -77,3 +77,16 @@ def test_dims_are_the_tiny_random_and_bench_dims():
         sys.path.remove(str(SCRIPT.parent))
     assert {k: v for k, v in gpu_check.TINY.items() if k != "vocab_size"} == TINY_DIMS
     assert {k: v for k, v in gpu_check.BENCH.items() if k != "max_position_embeddings"} == forward.BENCH_DIMS
+
+
+def test_engine_part_cpu_smoke_times_decode_against_the_bound(tmp_path):
+    # --part engine (issue 29 item 4): eager decode steps built into the persistent buffers; no
+    # graphs on CPU (the GPU run adds graph_tok_s), each figure next to its bandwidth bound
+    r = _run("--part", "engine", "--cpu-smoke", out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "gpu_check_engine.json").read_text())
+    assert res["device"] == "cpu" and res["attention_backend"] == "torch" and res["copy_rate_gb_s"] > 0
+    assert set(res["decode"]) == {"b1", "b4"}
+    for d in res["decode"].values():
+        assert d["eager_tok_s"] > 0 and d["eager_over_bound"] == d["eager_tok_s"] / d["bound_tok_s"]
+        assert "graph_tok_s" not in d
