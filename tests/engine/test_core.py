@@ -196,14 +196,16 @@ def test_pool_pages_are_zero_from_the_start(toy_model, toy_config):
     assert (k[2:] == 0).all()                          # never handed out: zero
 
 
-def test_multi_rank_model_sets_kv_heads_and_dp_turns_prefix_caching_off(toy_model, toy_config):
-    # parallel/worker.py DistributedModel: rank 0's pool holds Hkv / tp heads; DP replicas split the
-    # batch, so a shared prefix page would live on one replica only (serving.md §6).
+def test_multi_rank_model_sets_kv_heads_and_dp_gets_a_pool_per_replica(toy_model, toy_config):
+    # parallel/worker.py DistributedModel: rank 0's pool holds Hkv / tp heads; DP replicas each get a
+    # scheduler over their own pool of num_kv_pages pages, prefix caching on (serving.md §8)
     toy_model.num_kv_heads = 1
-    toy_model.splits_batch = True
+    toy_model.data_parallel_degree = 2
     eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=4)
     assert eng.runner.kv_storage.k[0].shape == (4, 4, 1, toy_config.head_dim)
-    assert not eng.scheduler.kv.enable_prefix_caching
+    assert len(eng.schedulers) == 2 and eng.schedulers[0].kv is not eng.schedulers[1].kv
+    assert all(s.kv.enable_prefix_caching and s.kv.num_pages == 4 for s in eng.schedulers)
+    assert eng.stats.kv_pages_total == 8 and [r.kv_pages_total for r in eng.stats.replicas] == [4, 4]
 
 
 @pytest.mark.parametrize("max_length", [0, -3])

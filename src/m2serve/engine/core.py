@@ -1,6 +1,8 @@
 """`LLMEngine`: the step loop over scheduler, runner and sampler (token ids only).
 
-``step()`` = apply queued adds/aborts → ``Scheduler.schedule`` → ``ModelRunner.run`` → prompt
+``step()`` = apply queued adds/aborts (an add picks its data-parallel replica,
+``choose_replica``) → ``Scheduler.schedule`` of every replica → ``ModelRunner.run`` (one batch,
+replica by replica) → prompt
 logprobs → sample the requests whose chunk completed their sequence (constraint bitmasks filled
 first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
 request that produced something. The engine is driven by one thread calling
@@ -35,7 +37,7 @@ from m2serve.engine.sampling import (
     compute_logprobs,
     sample,
 )
-from m2serve.engine.scheduler import Scheduler
+from m2serve.engine.scheduler import Scheduler, choose_replica
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
@@ -51,7 +53,9 @@ class EngineStats:
     prefix_cache_queries / prefix_cache_hits count prompt tokens looked up / found in the prefix
     cache, prefix_cache_requests / prefix_cache_requests_hit the lookups / lookups that found at least
     one page; preemptions counts requests preempted (recomputed); chunked_prefill_steps counts steps
-    in which some prompt was split; generated_tokens counts sampled tokens.
+    in which some prompt was split; generated_tokens counts sampled tokens. Gauges and counters are
+    summed over the data-parallel replicas (kv_pages_total: the deployment's pages, dp x the pages
+    of one replica); ``replicas`` holds each replica's own gauges.
     """
 
     running: int
@@ -68,6 +72,19 @@ class EngineStats:
     preemptions: int
     generated_tokens: int
     steps: int
+    replicas: list[ReplicaStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """One data-parallel replica's gauges: requests running and waiting in its scheduler (queued adds
+    not yet drained count on no replica), and its KV pool's pages."""
+
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_free: int
 
 
 def kv_cache_dtype(name: str) -> torch.dtype:
@@ -78,18 +95,20 @@ def kv_cache_dtype(name: str) -> torch.dtype:
 
 @dataclass(slots=True)
 class LLMEngine:
-    """Token-ids-in, token-ids-out engine over one model replica.
+    """Token-ids-in, token-ids-out engine over one model (one or more data-parallel replicas).
 
     Build with :meth:`from_args` (loads the checkpoint) or :meth:`from_model` (an already built
     ``model(batch, kv) -> logits [N, V] fp32``). ``max_length`` is the max context in tokens.
 
+    schedulers: one `Scheduler` (each over its own `KVCacheManager`) per data-parallel replica,
+    replica i's at index i (docs/serving.md §8); one when the model has no DP replicas.
     requests: the one table of requests added and not finished, keyed by id (filled by
     ``add_request``, so an id is in use from then until its final output); inbox: the one queue of
     adds and aborts into the step loop; both guarded by ``lock``.
     """
 
     config: MiniMaxM2Config
-    scheduler: Scheduler
+    schedulers: list[Scheduler]
     runner: ModelRunner
     max_length: int
     generator: torch.Generator
@@ -97,6 +116,7 @@ class LLMEngine:
     inbox: list[tuple[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrivals: int = 0
+    steps: int = 0
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -125,9 +145,11 @@ class LLMEngine:
         by default taken from ``model.kv_scales`` when the model has it, else 1.0.
 
         A multi-rank model (parallel/worker.py ``DistributedModel``) tells the pool's KV heads per
-        rank (``num_kv_heads``) and whether it splits the batch over DP replicas
-        (``splits_batch``), which turns prefix caching off (a shared page would live on one
-        replica only). Without ``args.num_kv_pages`` the planner sizes the pool from the memory
+        rank (``num_kv_heads``) and its data-parallel replicas (``data_parallel_degree``): the
+        engine then holds one scheduler and one pool of ``num_kv_pages`` pages per replica, each
+        with its own token budget and prefix cache (page ids are replica-local; rank 0's
+        ``runner.kv_storage`` is replica 0's pool). Without ``args.num_kv_pages`` the planner sizes
+        each pool from the memory
         free now (the model already loaded, so this under-counts; :meth:`from_args` plans before
         loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
         capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
@@ -145,11 +167,11 @@ class LLMEngine:
         num_kv_heads = getattr(model, "num_kv_heads", config.num_key_value_heads)
         storage = zeroed_kv_storage(config.num_hidden_layers, num_pages, S, num_kv_heads, config.head_dim,
                                     dtype, device, k_scale, v_scale)
-        caching = args.enable_prefix_caching and not getattr(model, "splits_batch", False)
-        kv = KVCacheManager(num_pages, S, caching)
-        scheduler = Scheduler(kv, args.max_batch_input_tokens, args.max_batch_size,
-                              PenaltyState(config.vocab_size, device))
-        return cls(config=config, scheduler=scheduler, runner=ModelRunner(model, storage, device),
+        penalties = PenaltyState(config.vocab_size, device)   # rank 0 samples every replica's rows
+        schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
+                                args.max_batch_input_tokens, args.max_batch_size, penalties)
+                      for _ in range(getattr(model, "data_parallel_degree", 1))]
+        return cls(config=config, schedulers=schedulers, runner=ModelRunner(model, storage, device),
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------
@@ -211,7 +233,7 @@ class LLMEngine:
         The recovery after a failed ``step()``: the requests of the failed batch may hold half-updated
         state (tokens appended, pages partly written), so they end; waiting requests (no computed
         tokens, no pages) and queued adds are untouched and run in the next steps."""
-        victims = list(self.scheduler.running)
+        victims = [r for s in self.schedulers for r in s.running]
         for r in victims:
             self._finish(r, "abort")
         return [r.request_id for r in victims]
@@ -219,7 +241,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Any request queued, waiting or running."""
         with self.lock:
-            return bool(self.inbox) or self.scheduler.has_unfinished()
+            return bool(self.inbox) or any(s.has_unfinished() for s in self.schedulers)
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` was added and has not finished (its final output not yet returned);
@@ -232,41 +254,62 @@ class LLMEngine:
         """Requests waiting for admission: queued adds + the scheduler's waiting queue; thread-safe
         (the server's queue bound reads it from the event loop)."""
         with self.lock:
-            return sum(kind == "add" for kind, _ in self.inbox) + len(self.scheduler.waiting)
+            return (sum(kind == "add" for kind, _ in self.inbox)
+                    + sum(len(s.waiting) for s in self.schedulers))
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """Replica 0's scheduler (the only one without data parallelism)."""
+        return self.schedulers[0]
 
     @property
     def stats(self) -> EngineStats:
-        """Current gauges and counters."""
-        kv, s = self.scheduler.kv, self.scheduler
+        """Current gauges and counters, summed over the replicas, with each replica's gauges."""
+        ss = self.schedulers
+        kvs = [s.kv for s in ss]
+        replicas = [ReplicaStats(len(s.running), len(s.waiting), s.kv.num_pages, s.kv.num_used_pages,
+                                 s.kv.num_free_pages) for s in ss]
         return EngineStats(
-            running=len(s.running), waiting=self.num_waiting, kv_pages_total=kv.num_pages,
-            kv_pages_used=kv.num_used_pages, kv_pages_free=kv.num_free_pages, kv_page_size=kv.page_size,
-            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-            prefix_cache_requests=kv.stats.requests, prefix_cache_requests_hit=kv.stats.requests_hit,
-            chunked_prefill_steps=s.stats.chunked_prefill_steps, preemptions=s.stats.preemptions,
-            generated_tokens=s.stats.generated_tokens, steps=s.stats.steps)
+            running=sum(r.running for r in replicas), waiting=self.num_waiting,
+            kv_pages_total=sum(r.kv_pages_total for r in replicas),
+            kv_pages_used=sum(r.kv_pages_used for r in replicas),
+            kv_pages_free=sum(r.kv_pages_free for r in replicas), kv_page_size=kvs[0].page_size,
+            prefix_cache_queries=sum(kv.stats.queries for kv in kvs),
+            prefix_cache_hits=sum(kv.stats.hits for kv in kvs),
+            prefix_cache_requests=sum(kv.stats.requests for kv in kvs),
+            prefix_cache_requests_hit=sum(kv.stats.requests_hit for kv in kvs),
+            chunked_prefill_steps=sum(s.stats.chunked_prefill_steps for s in ss),
+            preemptions=sum(s.stats.preemptions for s in ss),
+            generated_tokens=sum(s.stats.generated_tokens for s in ss), steps=self.steps, replicas=replicas)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that produced tokens or finished."""
         outputs = self._drain_inbox()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        parts = [s.schedule().scheduled for s in self.schedulers]   # replica by replica
+        scheduled = [x for part in parts for x in part]
+        if not scheduled:
             return outputs
-        logits = self.runner.run(out.scheduled, self.scheduler.kv)
+        self.steps += 1
+        logits = self.runner.run(scheduled, [s.kv for s in self.schedulers])
         reqs: list[Request] = []
         rows: list[torch.Tensor] = []
-        for s, lg in zip(out.scheduled, logits, strict=True):
+        for s, lg in zip(scheduled, logits, strict=True):
             if wants_prompt_logprobs(s):
                 self._add_prompt_logprobs(s.request, lg)
             if s.completes:
                 reqs.append(s.request)
                 rows.append(lg[-1])
         sampled = self._sample(torch.stack(rows), reqs) if reqs else SamplerOutput([], [])
-        for r in self.scheduler.update_from_output(out.scheduled, sampled):
-            if r.is_finished:
-                self._forget(r)
-            outputs.append(self._output(r))
+        start = 0
+        for sched, part in zip(self.schedulers, parts, strict=True):
+            n = sum(s.completes for s in part)
+            mine = SamplerOutput(sampled.token_ids[start:start + n], sampled.logprobs[start:start + n])
+            start += n
+            for r in sched.update_from_output(part, mine):
+                if r.is_finished:
+                    self._forget(r)
+                outputs.append(self._output(r))
         return outputs
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
@@ -291,7 +334,8 @@ class LLMEngine:
         outputs = []
         for kind, item in inbox:
             if kind == "add":
-                self.scheduler.add(item)
+                item.replica = choose_replica(self.schedulers, item)
+                self.schedulers[item.replica].add(item)
             else:
                 with self.lock:
                     r = self.requests.get(item)
@@ -301,7 +345,7 @@ class LLMEngine:
         return outputs
 
     def _finish(self, r: Request, reason: str) -> None:
-        self.scheduler.finish(r, reason)
+        self.schedulers[r.replica].finish(r, reason)
         self._forget(r)
 
     def _forget(self, r: Request) -> None:

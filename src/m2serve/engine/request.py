@@ -46,7 +46,9 @@ class Request:
     num_cached_tokens: prompt tokens served from the prefix cache at the first admission (-1
     before it); arrival: admission order (the newest running request is preempted
     first); max_length: the max context in tokens; logprobs / prompt_logprobs: accumulated
-    entries; num_sent_tokens: output tokens already returned in a RequestOutput.
+    entries; num_sent_tokens: output tokens already returned in a RequestOutput; replica: the
+    data-parallel replica that owns it (chosen once at admission, kept through preemption;
+    engine/scheduler.py ``choose_replica``; always 0 with one replica).
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Request:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_sent_tokens: int = 0
+    replica: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

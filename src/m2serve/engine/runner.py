@@ -5,6 +5,11 @@ contributes tokens [c_b, c_b + n_b) of its sequence (c_b = num_computed_tokens),
 c_b + i, written to slots ``table[p // S] * S + p % S``; attention sees its cached pages plus the
 causal part of its own chunk (context_lens = c_b + n_b).
 
+With data-parallel replicas the batch is ordered replica by replica (the engine passes each
+replica's scheduled requests in turn), each request's page ids index its own replica's pool, and
+``data_parallel_splits`` (prefix sums of requests per replica) comes from the same host lists
+(docs/serving.md §6).
+
 The batch is built once per step on the host from the scheduler's Python lists: the tensors are
 copied to the device through pinned memory with ``non_blocking=True`` on CUDA, and the same
 lists travel with the batch (model/batch.py ``StepHost``), so the model sizes and indexes the
@@ -15,7 +20,7 @@ Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +46,16 @@ def logits_rows(s: ScheduledRequest) -> int:
     return 1 if s.completes else 0
 
 
-def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
+def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
                 device: torch.device | str = "cpu") -> ForwardBatch:
     """The `ForwardBatch` of one step (docs/serving.md §6); request order = ``scheduled`` order.
 
-    Block tables are padded with page 0 (never read: context_lens bounds every read).
+    ``kvs[i]`` is replica i's page allocator; a request's pages come from ``kvs[request.replica]``.
+    With more than one replica the batch carries ``data_parallel_splits`` [len(kvs)+1]; ValueError
+    if ``scheduled`` is not in replica order. Block tables are padded with page 0 (never read:
+    context_lens bounds every read).
     """
-    S = kv.page_size
+    S = kvs[0].page_size
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -55,10 +63,15 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
     context_lens: list[int] = []
     n_logits: list[int] = []
     tables: list[list[int]] = []
+    per_replica = [0] * len(kvs)
     for s in scheduled:
         r = s.request
+        if any(per_replica[r.replica + 1:]):
+            raise ValueError(f"request {r.request_id!r} of replica {r.replica} follows a later "
+                             "replica's request: pass the scheduled requests replica by replica")
+        per_replica[r.replica] += 1
         c, n = r.num_computed_tokens, s.num_new_tokens
-        table = kv.block_table(r.request_id)
+        table = kvs[r.replica].block_table(r.request_id)
         tokens.extend(r.all_token_ids[c:c + n])
         pos = range(c, c + n)
         positions.extend(pos)
@@ -69,6 +82,11 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
         tables.append(table)
     width = max(max((len(t) for t in tables), default=0), 1)
     padded = [t + [0] * (width - len(t)) for t in tables]
+    splits = None
+    if len(kvs) > 1:
+        splits = [0]
+        for k in per_replica:
+            splits.append(splits[-1] + k)
     return ForwardBatch(
         tokens=host_tensor(tokens, torch.int64, device),                # [T]
         positions=host_tensor(positions, torch.int64, device),          # [T]
@@ -77,7 +95,8 @@ def build_batch(scheduled: list[ScheduledRequest], kv: KVCacheManager,
         block_tables=host_tensor(padded, torch.int32, device),          # [B, max_pages]
         context_lens=host_tensor(context_lens, torch.int32, device),    # [B]
         return_n_logits=host_tensor(n_logits, torch.int64, device),     # [B]
-        host=StepHost.build(offsets, context_lens, tables, n_logits),
+        data_parallel_splits=host_tensor(splits, torch.int64, device) if splits else None,  # [dp+1]
+        host=StepHost.build(offsets, context_lens, tables, n_logits, splits),
     )
 
 
@@ -110,9 +129,10 @@ class ModelRunner:
     device: torch.device | str = "cpu"
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest], kv: KVCacheManager) -> list[torch.Tensor]:
-        """Run one step; returns each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
-        batch = build_batch(scheduled, kv, self.device)
+    def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
+        """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
+        each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
+        batch = build_batch(scheduled, kvs, self.device)
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)

@@ -54,6 +54,23 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def choose_replica(schedulers: list[Scheduler], request: Request) -> int:
+    """The data-parallel replica that admits ``request`` (docs/serving.md §8, replica admission).
+
+    The replica whose prefix cache holds the longest prefix of its tokens, when that replica has
+    room (:meth:`Scheduler.has_room_for`); else the least loaded one by
+    :attr:`Scheduler.load_tokens`; ties go to the lowest index. With one replica: 0.
+    """
+    if len(schedulers) == 1:
+        return 0
+    hits = [s.cached_prefix_pages(request) for s in schedulers]
+    best = max(range(len(schedulers)), key=lambda i: (hits[i], -i))
+    if hits[best] > 0 and schedulers[best].has_room_for(request, hits[best]):
+        return best
+    loads = [s.load_tokens for s in schedulers]
+    return loads.index(min(loads))
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """Counters: steps that split a prompt, preemptions, scheduled steps, generated tokens."""
@@ -103,6 +120,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Any request waiting or running."""
         return bool(self.waiting or self.running)
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens of the requests waiting and running here (prompt + generated so far): the load
+        that :func:`choose_replica` balances."""
+        return sum(r.num_tokens for r in self.waiting) + sum(r.num_tokens for r in self.running)
+
+    def cached_prefix_pages(self, request: Request) -> int:
+        """Pages of ``request``'s tokens this replica's prefix cache holds (0 when the request asks
+        for prompt logprobs: those are computed, never served from the cache)."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0
+        return len(self.kv.find_cached_prefix(request.all_token_ids)[0])
+
+    def has_room_for(self, request: Request, cached_pages: int) -> bool:
+        """Whether this replica could admit ``request`` next to what it holds: fewer requests than
+        ``max_batch_size`` waiting and running, and free pages for the part of its tokens not in the
+        ``cached_pages`` cached pages (docs/serving.md §8, replica admission)."""
+        if len(self.running) + len(self.waiting) >= self.max_batch_size:
+            return False
+        need = self.kv.pages_needed(request.num_tokens) - cached_pages
+        return need <= self.kv.num_free_pages - cached_pages
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's chunks; may preempt (see the module docstring)."""

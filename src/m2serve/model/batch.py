@@ -37,6 +37,8 @@ class StepHost:
     block_tables: [B] lists of page ids (at least ceil(context_lens[b] / S) each).
     logit_rows:   [N] indices into [T] of the returned logit rows, request order.
     logit_counts: [B] how many of those rows each request returns.
+    data_parallel_splits: [dp+1] prefix sums of requests per data-parallel replica (requests in
+                  replica order, docs/serving.md §6), or None when the batch is not split.
     """
 
     query_starts: list[int]
@@ -44,10 +46,11 @@ class StepHost:
     block_tables: list[list[int]]
     logit_rows: list[int]
     logit_counts: list[int]
+    data_parallel_splits: list[int] | None = None
 
     @classmethod
     def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
-              return_n_logits: int | list[int]) -> StepHost:
+              return_n_logits: int | list[int], data_parallel_splits: list[int] | None = None) -> StepHost:
         """From the lists; ``return_n_logits`` per request (or one int for all): the last
         min(n, new tokens) positions of each request return logits."""
         B = len(query_starts) - 1
@@ -59,7 +62,9 @@ class StepHost:
             k = min(int(ns[b]), end - start)
             rows.extend(range(end - k, end))
             counts.append(k)
-        return cls(list(query_starts), list(context_lens), [list(t) for t in block_tables], rows, counts)
+        splits = list(data_parallel_splits) if data_parallel_splits is not None else None
+        return cls(list(query_starts), list(context_lens), [list(t) for t in block_tables], rows, counts,
+                   splits)
 
     @property
     def query_lens(self) -> list[int]:
@@ -91,7 +96,8 @@ class ForwardBatch:
     return_n_logits:   int or int64 [B]: logits are returned for the last min(n, new tokens)
                        positions of each request (default 1 = last token; a large n = every new
                        position, for prompt logprobs). Honoured, unlike MAX (docs/serving.md §11.3).
-    data_parallel_splits: int64 [dp+1] (DP only) prefix sums of requests per replica.
+    data_parallel_splits: int64 [dp+1] (DP only) prefix sums of requests per replica; its host copy
+                       is ``host.data_parallel_splits``.
     host:              the same layout as Python lists (:class:`StepHost`); read from the tensors
                        at construction when not given (one device read, outside the model).
     """
@@ -111,7 +117,8 @@ class ForwardBatch:
             n = self.return_n_logits
             self.host = StepHost.build(
                 self.input_row_offsets.tolist(), self.context_lens.tolist(), self.block_tables.tolist(),
-                n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else int(n))
+                n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else int(n),
+                self.data_parallel_splits.tolist() if self.data_parallel_splits is not None else None)
 
     @property
     def num_requests(self) -> int:

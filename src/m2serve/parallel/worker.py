@@ -6,14 +6,11 @@ sends it as a size broadcast plus a payload broadcast) and, under DP_EP with dp 
 ``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
 the full hidden states (replicated lm_head), so rank 0 already holds all logits.
 
-DP_EP replicas (``data_parallel_splits``, docs/serving.md §6): rank 0 orders the requests replica by
-replica and each rank runs its replica's requests. A request stays on the replica that ran its first token
-(its KV pages live there): replicas are assigned round-robin when a request starts at position
-0 and remembered by the request's first page id (a request keeps its first page until it
-finishes or is preempted; preemption recomputes from position 0 and is assigned afresh). Every
-replica allocates the same page pool and writes only its own requests' pages; pages shared by
-the prefix cache would live on one replica only, so the engine turns prefix caching off when
-the batch is split (``dp_attention``).
+DP_EP replicas (``data_parallel_splits``, docs/serving.md §6): the engine holds one scheduler and one
+KV page allocator per replica (engine/core.py) and hands over a batch ordered replica by replica
+whose page ids are replica-local; rank r runs the contiguous slice of replica r, sized from the
+batch's host lists (no device read), against its own pool (every rank allocates a pool of the
+same geometry, which holds only its replica's pages).
 
 Legend: B requests, T new tokens, N returned logit rows, V vocab.
 """
@@ -21,7 +18,7 @@ Legend: B requests, T new tokens, N returned logit rows, V vocab.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -29,7 +26,7 @@ import torch.distributed as dist
 
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelState, dp_attention
-from m2serve.model.batch import ForwardBatch, KVStorage
+from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
 from m2serve.model.load import load_model
 from m2serve.parallel.launch import WorkerError, WorkerGroup
 from m2serve.parallel.shard import make_shard_plan
@@ -70,25 +67,6 @@ def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.
                       weight_dequant=weight_dequant)
 
 
-def select_requests(batch: ForwardBatch, reqs: list[int]) -> ForwardBatch:
-    """The sub-batch of requests ``reqs`` (indices into ``batch``, in that order), with its own
-    token rows and offsets; ``data_parallel_splits`` is dropped."""
-    offs = batch.input_row_offsets.tolist()
-    dev = batch.tokens.device
-    rows = [i for b in reqs for i in range(offs[b], offs[b + 1])]
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    idx = torch.tensor(reqs, dtype=torch.int64, device=dev)
-    counts = [offs[b + 1] - offs[b] for b in reqs]
-    new_offs = torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()],
-                            dtype=batch.input_row_offsets.dtype, device=dev)
-    n = batch.return_n_logits
-    return ForwardBatch(
-        tokens=batch.tokens[rows_t], positions=batch.positions[rows_t], input_row_offsets=new_offs,
-        slot_mapping=batch.slot_mapping[rows_t], block_tables=batch.block_tables[idx],
-        context_lens=batch.context_lens[idx],
-        return_n_logits=n[idx] if isinstance(n, torch.Tensor) and n.dim() > 0 else n)
-
-
 def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
     """The batch with its tensors on ``device`` (steps travel between ranks on the CPU: a pickled
     CUDA tensor would come back on rank 0's GPU)."""
@@ -102,29 +80,39 @@ def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
         data_parallel_splits=splits.to(device) if splits is not None else None, host=batch.host)
 
 
-def logit_counts(batch: ForwardBatch) -> list[int]:
-    """Logit rows each request returns: min(return_n_logits, new tokens) (docs/serving.md §6)."""
-    offs = batch.input_row_offsets.tolist()
-    n = batch.return_n_logits
-    ns = n.tolist() if isinstance(n, torch.Tensor) and n.dim() > 0 else [int(n)] * (len(offs) - 1)
-    return [min(int(ns[b]), offs[b + 1] - offs[b]) for b in range(len(offs) - 1)]
-
-
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
-    """Replica ``replica``'s requests [splits[r], splits[r+1]) of a DP batch (docs/serving.md §6)."""
-    s = batch.data_parallel_splits.tolist()
-    return select_requests(batch, list(range(s[replica], s[replica + 1])))
+    """Replica ``replica``'s requests [splits[r], splits[r+1]) of a DP batch (docs/serving.md §6):
+    contiguous slices of the tensors, sized from the host lists (no device read). Raises ValueError
+    when the batch carries no ``data_parallel_splits``."""
+    h = batch.host
+    if h.data_parallel_splits is None:
+        raise ValueError("a data-parallel step needs data_parallel_splits (requests ordered replica by "
+                         "replica, docs/serving.md §6); build it with engine/runner.py build_batch")
+    b0, b1 = h.data_parallel_splits[replica], h.data_parallel_splits[replica + 1]
+    t0, t1 = h.query_starts[b0], h.query_starts[b1]
+    starts = [q - t0 for q in h.query_starts[b0:b1 + 1]]
+    counts = h.logit_counts[b0:b1]
+    dev = batch.tokens.device
+    n = batch.return_n_logits
+    return ForwardBatch(
+        tokens=batch.tokens[t0:t1], positions=batch.positions[t0:t1],
+        input_row_offsets=host_tensor(starts, batch.input_row_offsets.dtype, dev),
+        slot_mapping=batch.slot_mapping[t0:t1], block_tables=batch.block_tables[b0:b1],
+        context_lens=batch.context_lens[b0:b1],
+        return_n_logits=n[b0:b1] if isinstance(n, torch.Tensor) and n.dim() > 0 else n,
+        host=StepHost.build(starts, h.context_lens[b0:b1], h.block_tables[b0:b1], counts))
 
 
 def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch,
                   kv: KVStorage) -> torch.Tensor | None:
     """One rank's part of a step. Returns logits [N, V] f32 of the whole batch on rank 0 (None
-    on the other ranks under DP_EP, whose rows went to rank 0 in one gather)."""
+    on the other ranks under DP_EP, whose rows went to rank 0 in one gather). Under DP_EP every
+    rank runs its replica's slice, also an empty one (its model still joins the EP exchange);
+    the gather's sizes come from the host lists."""
     if not dp_attention(state.mode, state.world_size):
         return model(batch, kv)
     logits = model(replica_batch(batch, state.dp_rank), kv)  # [N_r, V]
-    splits = batch.data_parallel_splits.tolist()
-    counts = logit_counts(batch)
+    splits, counts = batch.host.data_parallel_splits, batch.host.logit_counts
     per = [sum(counts[splits[r]:splits[r + 1]]) for r in range(state.world_size)]
     width = max(per)
     if width == 0:
@@ -181,8 +169,6 @@ class DistributedModel:
     state: ParallelState
     workers: WorkerGroup | None = None
     kv_seen: KVStorage | None = None
-    replica_of: dict[int, int] = field(default_factory=dict)
-    next_replica: int = 0
     closed: bool = False
 
     @property
@@ -196,10 +182,10 @@ class DistributedModel:
         return self.model.dims.num_kv_heads
 
     @property
-    def splits_batch(self) -> bool:
-        """True when requests are split across DP replicas (the engine then disables prefix
-        caching: a shared page would live on one replica only)."""
-        return dp_attention(self.state.mode, self.state.world_size)
+    def data_parallel_degree(self) -> int:
+        """Data-parallel replicas the engine schedules for: the world size under DP_EP on more than
+        one rank (each rank one replica with its own KV pool), else 1."""
+        return self.state.world_size if dp_attention(self.state.mode, self.state.world_size) else 1
 
     @property
     def kv_scales(self) -> tuple[list[float], list[float]] | None:
@@ -207,49 +193,29 @@ class DistributedModel:
         return self.model.kv_scales
 
     def __call__(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
-        """Broadcast the step, run rank 0's part, return the logits of all requests in order."""
+        """Broadcast the step, run rank 0's part, return the logits of all requests in order.
+        Under DP_EP ``batch`` must carry ``data_parallel_splits`` (engine/runner.py builds it) and
+        ``kv`` is replica 0's pool; ValueError otherwise."""
         if self.closed:
             raise WorkerError("the distributed model was shut down")
         if self.workers is not None:
             self.workers.check()
+        dp = self.data_parallel_degree
+        splits = batch.host.data_parallel_splits
+        if dp > 1 and (splits is None or len(splits) != dp + 1):
+            raise ValueError(f"this DP_EP model has {dp} replicas: the batch needs data_parallel_splits "
+                             f"of {dp + 1} entries (requests replica by replica, docs/serving.md §6), "
+                             f"got {splits}")
         first = kv is not self.kv_seen  # a new pool: the workers allocate theirs alike
         self.kv_seen = kv
-        order: list[int] | None = None
-        if dp_attention(self.state.mode, self.state.world_size):
-            batch, order = self._split(batch)
         try:
             _send(self.state, {"kind": "step", "batch": batch_to(batch, "cpu"),
                                "kv": KVSpec.of(kv) if first else None})
-            logits = run_rank_step(self.model, self.state, batch, kv)
+            return run_rank_step(self.model, self.state, batch, kv)
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
             raise
-        if order is None:
-            return logits
-        # back from replica order to the caller's request order
-        parts = list(torch.split(logits, logit_counts(batch)))
-        back = [torch.empty(0)] * len(order)
-        for pos, b in enumerate(order):
-            back[b] = parts[pos]
-        return torch.cat(back) if back else logits
-
-    def _split(self, batch: ForwardBatch) -> tuple[ForwardBatch, list[int]]:
-        """Order requests replica by replica; returns the DP batch and the original index of each."""
-        dp = self.state.world_size
-        offs = batch.input_row_offsets.tolist()
-        replicas: list[list[int]] = [[] for _ in range(dp)]
-        for b in range(len(offs) - 1):
-            first_page = int(batch.block_tables[b, 0])
-            if int(batch.positions[offs[b]]) == 0 or first_page not in self.replica_of:
-                self.replica_of[first_page] = self.next_replica
-                self.next_replica = (self.next_replica + 1) % dp
-            replicas[self.replica_of[first_page]].append(b)
-        order = [b for r in replicas for b in r]
-        out = select_requests(batch, order)
-        sizes = torch.tensor([0] + [len(r) for r in replicas], dtype=torch.int64).cumsum(0)
-        out.data_parallel_splits = sizes.to(batch.tokens.device)
-        return out, order
 
     def stop(self) -> None:
         """Tell the workers to leave :func:`worker_loop` (the process group stays up)."""
