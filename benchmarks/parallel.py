@@ -58,18 +58,24 @@ def _bench(rank: int, world: int, path: str, mode: str, dtype_name: str, prefill
     cache = SimpleKVCache.create(cfg, pages, S, dtype=dtype,
                                  num_kv_heads=model.dims.num_kv_heads)
     best = {"prefill": 0.0, "decode": 0.0}
+    dp = getattr(dm, "data_parallel_degree", 1)
+    sizes = [len(range(r, batch, dp)) for r in range(dp)] if dp > 1 else None
     try:
-        dm(cache.batch([("warm", _prompt(16, V, 0))]), cache.storage)
+        dm(cache.batch([("warm", _prompt(16, V, 0))], replica_sizes=[1] + [0] * (dp - 1) if dp > 1 else None),
+           cache.storage)
         cache.free("warm")
         for r in range(repeats):
-            seqs = [(f"{r}-{b}", _prompt(prefill // batch, V, b)) for b in range(batch)]
+            # DP_EP: sequence b on replica b % dp, the batch ordered replica by replica
+            seqs = sorted(((f"{r}-{b}", _prompt(prefill // batch, V, b)) for b in range(batch)),
+                          key=lambda s: int(s[0].split("-")[1]) % dp)
             t = time.perf_counter()
-            logits = dm(cache.batch(seqs), cache.storage)              # [batch, V]
+            logits = dm(cache.batch(seqs, replica_sizes=sizes), cache.storage)   # [batch, V]
             best["prefill"] = max(best["prefill"], prefill / (time.perf_counter() - t))
             toks = logits.argmax(-1).tolist()
             t = time.perf_counter()
             for _ in range(decode):
-                logits = dm(cache.batch([(s, [tok]) for (s, _), tok in zip(seqs, toks)]), cache.storage)
+                logits = dm(cache.batch([(s, [tok]) for (s, _), tok in zip(seqs, toks)], replica_sizes=sizes),
+                            cache.storage)
                 toks = logits.argmax(-1).tolist()
             best["decode"] = max(best["decode"], batch * decode / (time.perf_counter() - t))
             for s, _ in seqs:

@@ -83,7 +83,12 @@ def _run(rank: int, world: int, ckpt: str) -> dict:
             dm = DistributedModel(model, state)
             try:
                 cache = SimpleKVCache.create(cfg, 32, 16, num_kv_heads=dm.num_kv_heads)
-                logits[legacy] = [dm(cache.batch(s, return_n_logits=64), cache.storage) for s in STEPS]
+                # DP_EP: every request on replica 0, replica 1 runs empty steps (its rank still
+                # joins the EP exchange)
+                dp = dm.data_parallel_degree
+                logits[legacy] = [dm(cache.batch(s, return_n_logits=64,
+                                                 replica_sizes=[len(s), 0] if dp > 1 else None),
+                                     cache.storage) for s in STEPS]
             finally:
                 dm.stop()
             if not legacy:

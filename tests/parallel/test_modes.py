@@ -95,8 +95,25 @@ def _greedy(model, cfg: MiniMaxM2Config, ckpt: str) -> dict[str, list[int]]:
     return out
 
 
+REPLICA = {"a": 0, "b": 1, "c": 2, "d": 3}  # DP_EP: sequence -> replica (mod dp), fixed for life
+
+
 def _steps(model, cache) -> list[torch.Tensor]:
-    return [model(cache.batch(step, return_n_logits=64), cache.storage) for step in STEPS]
+    """Logits of STEPS in STEPS' request order; a DP_EP model gets each step replica by replica
+    (REPLICA) with its splits, and its rows are put back in STEPS' order here."""
+    dp = getattr(model, "data_parallel_degree", 1)
+    out = []
+    for step in STEPS:
+        if dp == 1:
+            out.append(model(cache.batch(step, return_n_logits=64), cache.storage))
+            continue
+        order = sorted(range(len(step)), key=lambda i: REPLICA[step[i][0]] % dp)
+        sizes = [sum(REPLICA[s] % dp == r for s, _ in step) for r in range(dp)]
+        batch = cache.batch([step[i] for i in order], return_n_logits=64, replica_sizes=sizes)
+        parts = torch.split(model(batch, cache.storage), batch.host.logit_counts)
+        back = [parts[order.index(i)] for i in range(len(step))]
+        out.append(torch.cat(back))
+    return out
 
 
 def _counting(calls: Counter) -> list:

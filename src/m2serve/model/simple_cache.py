@@ -42,11 +42,24 @@ class SimpleKVCache:
                                      device, k_scale, v_scale)
         return cls(storage, list(range(num_pages)))
 
-    def batch(self, requests: list[tuple[object, list[int]]], return_n_logits: int = 1) -> ForwardBatch:
+    def batch(self, requests: list[tuple[object, list[int]]], return_n_logits: int = 1,
+              replica_sizes: list[int] | None = None) -> ForwardBatch:
         """ForwardBatch appending ``new token ids`` to each ``(sequence id, ids)``, in that order.
 
-        Raises RuntimeError when the pool has too few free pages (naming both counts).
+        ``replica_sizes`` (a DP_EP step): how many of ``requests``, in order, each data-parallel
+        replica runs; the batch then carries ``data_parallel_splits`` (docs/serving.md §6). Page ids
+        come from this one pool either way (each rank writes only its own requests' pages).
+        Raises RuntimeError when the pool has too few free pages (naming both counts), ValueError
+        when ``replica_sizes`` does not add up to the requests.
         """
+        splits = None
+        if replica_sizes is not None:
+            if sum(replica_sizes) != len(requests):
+                raise ValueError(f"replica_sizes {replica_sizes} add up to {sum(replica_sizes)}, "
+                                 f"not the {len(requests)} requests")
+            splits = [0]
+            for k in replica_sizes:
+                splits.append(splits[-1] + k)
         S = self.storage.page_size
         device = self.storage.k[0].device
         tokens, positions, slots, offsets, ctx = [], [], [], [0], []
@@ -75,7 +88,9 @@ class SimpleKVCache:
             block_tables=host_tensor(table, torch.int32, device),
             context_lens=host_tensor(ctx, torch.int32, device),
             return_n_logits=return_n_logits,
-            host=StepHost.build(offsets, ctx, [self.pages[s] for s, _ in requests], return_n_logits))
+            data_parallel_splits=host_tensor(splits, torch.int64, device) if splits else None,
+            host=StepHost.build(offsets, ctx, [self.pages[s] for s, _ in requests], return_n_logits,
+                                splits))
 
     def free(self, seq: object) -> None:
         """Return a sequence's pages to the pool."""
