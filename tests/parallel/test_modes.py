@@ -10,7 +10,8 @@ each configuration:
   the torch.distributed functions themselves;
 - each rank's resident weight bytes equal a hand-derived 1/P figure (within 1%);
 - the engine (LLMEngine over the DistributedModel) generates greedy tokens identical to the
-  single-process engine for 32 steps.
+  single-process engine: 16 concurrent requests, 24 tokens each, with preemption and prefix-cache
+  hits (DP_EP: on its replicas' own pools and caches).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ STEPS = [  # (sequence, new tokens) per step: ragged prefill, then prefill mixed
     [("a", [11]), ("d", [7, 7, 7, 300, 12, 1]), ("b", [4])],
     [("c", [200]), ("a", [9]), ("d", [64]), ("b", [5])],
 ]
-PROMPTS = [[5, 17, 33, 2, 8, 90, 1], list(range(40, 75)), [99, 3], [7, 7, 7, 300]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+# 16 concurrent requests (issue 27 item 6): two groups share a 32-token prefix (2 pages of 16),
+# so the later ones hit the prefix cache; 10 pages per pool (4 per request) cannot hold them all:
+# preemption, also with 4 replicas
+SHARED = [list(range(40, 72)), [(7 * i + 3) % 500 for i in range(32)]]
+PROMPTS = ([SHARED[i % 2] + [100 + i, 5, 17] for i in range(10)]
+           + [[5, 17, 33, 2, 8, 90, 1], [99, 3], [7, 7, 7, 300], list(range(300, 340)), [11], [9, 8, 7]])
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def hand_bytes(cfg: MiniMaxM2Config, name: str, P: int) -> int:
@@ -79,20 +85,28 @@ def hand_bytes(cfg: MiniMaxM2Config, name: str, P: int) -> int:
 
 
 def _engine_args(ckpt: str) -> EngineArgs:
-    return EngineArgs(model=ckpt, dtype="float32", kv_cache_format="float32", num_kv_pages=64,
-                      kv_cache_page_size=16, max_batch_input_tokens=24, max_batch_size=8)
+    return EngineArgs(model=ckpt, dtype="float32", kv_cache_format="float32", num_kv_pages=10,
+                      kv_cache_page_size=16, max_batch_input_tokens=48, max_batch_size=16)
 
 
-def _greedy(model, cfg: MiniMaxM2Config, ckpt: str) -> dict[str, list[int]]:
-    """32 greedy tokens per prompt through the engine (chunked prefill: 24-token step budget)."""
+def _greedy(model, cfg: MiniMaxM2Config, ckpt: str) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """24 greedy tokens per prompt through the engine (chunked prefill: 48-token step budget per
+    replica); the first two requests run two steps ahead so the others can hit their prefix.
+    Returns the tokens and the engine's preemption / prefix-hit / replica counts."""
     engine = LLMEngine.from_model(model, cfg, _engine_args(ckpt))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, GREEDY)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+        if i == 1:
+            for _ in range(2):
+                for o in engine.step():
+                    out[o.request_id].extend(o.new_token_ids)
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
-    return out
+    st = engine.stats
+    return out, {"preemptions": st.preemptions, "prefix_hits": st.prefix_cache_hits,
+                 "replicas": len(st.replicas)}
 
 
 REPLICA = {"a": 0, "b": 1, "c": 2, "d": 3}  # DP_EP: sequence -> replica (mod dp), fixed for life
@@ -158,7 +172,8 @@ def _one(rank: int, P: int, group, ckpt: str, name: str, cfg: MiniMaxM2Config, r
             for p in patches:
                 p.stop()
         res["calls"] = dict(calls)
-        res["greedy_equal"] = _greedy(dm, cfg, ckpt) == ref["greedy"]
+        greedy, res["engine"] = _greedy(dm, cfg, ckpt)
+        res["greedy_equal"] = greedy == ref["greedy"]
     finally:
         dm.stop()
     res["shapes"] = [tuple(g.shape) for g in got] == [tuple(r.shape) for r in ref["logits"]]
@@ -179,9 +194,10 @@ def _all_configs(rank: int, world: int, ckpts: dict[str, str]) -> dict:
         try:
             for v, c in ckpts.items():
                 full = load_model(c)
-                refs[v] = {"logits": _steps(full, SimpleKVCache.create(cfgs[v], 32, 16)),
-                           "greedy": _greedy(full, cfgs[v], c)}
-                assert all(len(t) == 32 for t in refs[v]["greedy"].values())
+                greedy, counts = _greedy(full, cfgs[v], c)
+                refs[v] = {"logits": _steps(full, SimpleKVCache.create(cfgs[v], 32, 16)), "greedy": greedy}
+                assert all(len(t) == 24 for t in greedy.values())
+                assert counts["preemptions"] > 0 and counts["prefix_hits"] > 0, counts
         finally:
             for p in patches:
                 p.stop()
@@ -210,7 +226,10 @@ def test_mode_equals_one_process(results, tiny_random_dir, name, P, variant):
     r0 = results[0][f"{name}-{P}-{variant}"]
     assert r0["shapes"]
     assert r0["err"] <= 1e-5, r0["err"]  # 1e-5 · max(1, |logit|), fp32
-    assert r0["greedy_equal"]            # engine greedy, 32 steps, token-identical
+    assert r0["greedy_equal"]            # engine greedy, 16 requests x 24 tokens, token-identical
+    e = r0["engine"]                     # with preemption and prefix hits; DP_EP: one pool per rank
+    assert e["preemptions"] > 0 and e["prefix_hits"] > 0, e
+    assert e["replicas"] == (P if name in ("DP_EP", "DP") else 1)
     per = cfg.num_hidden_layers * len(STEPS)
     assert {k: v / per for k, v in r0["calls"].items()} == TABLE[name]
     for rank in range(P):  # fp32 resident: FP8 weights are dequantised at load
