@@ -146,3 +146,15 @@ def test_unreadable_recipe_names_the_file(tmp_path):
     p.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(RecipeError, match=rf"--config-file {p}: cannot read it as a YAML text file"):
         load_recipe(p)
+
+
+def test_plan_prints_pages_per_replica_and_the_deployment_total(capsys):
+    # issue 27 "must show": the DP8+EP8 recipe at 141 GiB per device; each replica (device) has its
+    # own pool, the deployment holds 8 of them
+    assert main(["plan", "--config-file", str(RECIPES / "minimax_m2_8x_b200.yaml"),
+                 "--device-memory-gib", "141"]) == 0
+    lines = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines() if "  " in line)
+    per = lines["KV pages / replica"].strip()
+    pages = int(per.split(" x ")[0].replace(",", ""))
+    assert pages > 0
+    assert lines["KV pages, deployment"].strip().startswith(f"8 replica(s) x {pages:,} = {8 * pages:,} pages")

@@ -62,7 +62,9 @@ class MemoryPlan:
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
     kv_bytes_per_token: K and V of all layers for the KV heads this device holds.
     kv_source: how kv_budget_bytes was chosen (CPU: --kv-cache-memory-gib or its default rule).
-    num_pages x page_size = kv_tokens: the longest context one replica can hold.
+    num_pages x page_size = kv_tokens: the pool of one data-parallel replica (each replica's engine
+      scheduler has its own, docs/serving.md §8), so the longest context one replica can hold; the
+      deployment holds data_parallel_degree x num_pages pages.
     max_length: the context limit requests get (max_position_embeddings or EngineArgs.max_length,
       lowered to kv_tokens with a warning when the default does not fit).
     """
@@ -399,7 +401,10 @@ def format_plan(plan: MemoryPlan) -> str:
         ("memory utilization", f"{plan.device_memory_utilization:g}"),
         ("KV budget / device", f"{gib(plan.kv_budget_bytes)} [{plan.kv_source}]"),
         ("KV bytes / token / device", f"{plan.kv_bytes_per_token:,} B ({plan.kv_cache_format})"),
-        ("KV pages", f"{plan.num_pages:,} x {plan.page_size} tokens = {plan.kv_tokens:,} tokens"),
+        ("KV pages / replica", f"{plan.num_pages:,} x {plan.page_size} tokens = {plan.kv_tokens:,} tokens"),
+        ("KV pages, deployment", f"{plan.data_parallel_degree} replica(s) x {plan.num_pages:,} = "
+                                 f"{plan.data_parallel_degree * plan.num_pages:,} pages "
+                                 f"({plan.data_parallel_degree * plan.kv_tokens:,} tokens)"),
         ("max context (max_length)", f"{plan.max_length:,} tokens"),
     ]
     w = max(len(k) for k, _ in rows)
