@@ -379,3 +379,24 @@ def test_forbidden_tokens_are_never_drawn_whatever_the_sampling_parameters(toy_m
     for i, c in enumerate(cs):
         toks = [t for o in outs[f"c{i}"] for t in o.new_token_ids]
         assert set(toks[:12]) <= {3, 5, 7} and toks[12:] == [63] and c.accepted == toks
+
+
+def test_metrics_have_one_labelled_series_per_replica(toy_model, toy_config):
+    # /metrics (serve/metrics.py): KV usage, running and waiting per replica, labelled
+    from m2serve.serve.metrics import ServerMetrics
+
+    toy_model.data_parallel_degree = 2
+    engine = make_engine(toy_model, toy_config, num_kv_pages=8, kv_cache_page_size=4)
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", [6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    m = ServerMetrics()
+    m.set_engine(engine.stats)
+    text = m.render().decode()
+    assert [engine.requests[r].replica for r in ("a", "b")] == [0, 1]
+    for replica, used in (("0", 2), ("1", 1)):   # pages of 4 tokens: 5 + 1 and 2 + 1 tokens
+        assert f'm2serve_replica_kv_pages_used{{replica="{replica}"}} {used:.1f}' in text
+        assert f'm2serve_replica_kv_pages_free{{replica="{replica}"}} {8 - used:.1f}' in text
+        assert f'm2serve_replica_num_requests_running{{replica="{replica}"}} 1.0' in text
+        assert f'm2serve_replica_num_requests_waiting{{replica="{replica}"}} 0.0' in text
+    assert "m2serve_kv_pages_used 3.0" in text

@@ -250,3 +250,4 @@ def test_an_empty_replica_still_joins_the_ep_exchange(results):
     steps = results[1]["steps"]
     assert any(s["requests"] == 0 for s in steps) and any(s["requests"] > 0 for s in steps)
     assert all(s["all_to_all"] == 3 * L for s in steps), steps
+

@@ -307,13 +307,15 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     world = max(num_devices(llm.args.devices), torchrun_world_size())
     mode = select_parallelism_mode(world, llm.args.data_parallel_degree, llm.args.ep_size)
     stats = llm.engine.stats
+    pages = stats.replicas[0].kv_pages_total if stats.replicas else stats.kv_pages_total   # per replica
+    dp = f" per replica x {len(stats.replicas)} replicas" if len(stats.replicas) > 1 else ""
     url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
-        f"({llm.threads.rule}) | KV {stats.kv_pages_total} pages x {stats.kv_page_size} tokens "
+        f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
-        f"{kv_pool_bytes(llm.config, llm.args, stats.kv_pages_total, world) / GiB:.2f} GiB) | "
+        f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
         f"max context {llm.max_length} | {weights_banner(llm.args)}{url}"
     )
 

@@ -21,7 +21,10 @@ class ServerMetrics:
     - ``m2serve_prompt_tokens_total``, ``m2serve_generation_tokens_total``;
     - ``m2serve_time_to_first_token_seconds``, ``m2serve_inter_token_latency_seconds`` (histograms);
     - ``m2serve_num_requests_running`` / ``_waiting``, ``m2serve_kv_pages_used`` / ``_free``,
-      ``m2serve_prefix_cache_hit_rate`` (hits / queried tokens) (gauges);
+      ``m2serve_prefix_cache_hit_rate`` (hits / queried tokens) (gauges, the deployment's totals);
+    - ``m2serve_replica_num_requests_running{replica}`` / ``_waiting{replica}``,
+      ``m2serve_replica_kv_pages_used{replica}`` / ``_free{replica}``: the same gauges, one series per
+      data-parallel replica (one replica, "0", without data parallelism; docs/serving.md §8);
     - ``m2serve_tool_calls_rejected_total{reason}``, ``m2serve_parser_errors_total``;
     - ``m2serve_requests_aborted_total`` (client disconnects, shutdown, stop strings excluded);
     - the engine's counters under vLLM's names (v1 ``PrometheusStatLogger``):
@@ -61,6 +64,16 @@ class ServerMetrics:
         self.kv_free = Gauge(
             "m2serve_kv_pages_free", "KV cache pages free (including evictable cached pages)", registry=r
         )
+        self.replica_gauges = {
+            name: Gauge(f"m2serve_replica_{metric}", f"{text}, per data-parallel replica", ["replica"],
+                        registry=r)
+            for name, metric, text in (
+                ("running", "num_requests_running", "Requests in the running batch"),
+                ("waiting", "num_requests_waiting", "Requests waiting for admission in the scheduler"),
+                ("kv_pages_used", "kv_pages_used", "KV cache pages held by requests"),
+                ("kv_pages_free", "kv_pages_free", "KV cache pages free (including evictable cached pages)"),
+            )
+        }
         self.prefix_hit_rate = Gauge(
             "m2serve_prefix_cache_hit_rate",
             "Prefix-cache hit tokens / queried prompt tokens since start",
@@ -107,6 +120,9 @@ class ServerMetrics:
         self.waiting.set(g.waiting)
         self.kv_used.set(g.kv_pages_used)
         self.kv_free.set(g.kv_pages_free)
+        for i, rep in enumerate(g.replicas):
+            for name, gauge in self.replica_gauges.items():
+                gauge.labels(replica=str(i)).set(getattr(rep, name))
         self.prefix_hit_rate.set(
             g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0
         )
