@@ -352,6 +352,7 @@ class LLMEngine:
         """Drop a finished request from the request table (its id becomes free again)."""
         with self.lock:
             del self.requests[r.request_id]
+        self.runner.finished_request_ids.append(r.request_id)   # the other ranks forget its pages
 
     def _output(self, r: Request) -> RequestOutput:
         new = r.output_token_ids[r.num_sent_tokens:]

@@ -21,13 +21,13 @@ Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.scheduler import ScheduledRequest
-from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
+from m2serve.model.batch import ForwardBatch, KVStorage, ragged_batch
 
 
 def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
@@ -47,23 +47,19 @@ def logits_rows(s: ScheduledRequest) -> int:
 
 
 def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
-                device: torch.device | str = "cpu") -> ForwardBatch:
+                device: torch.device | str = "cpu",
+                finished_request_ids: list[str] | None = None) -> ForwardBatch:
     """The `ForwardBatch` of one step (docs/serving.md §6); request order = ``scheduled`` order.
 
     ``kvs[i]`` is replica i's page allocator; a request's pages come from ``kvs[request.replica]``.
     With more than one replica the batch carries ``data_parallel_splits`` [len(kvs)+1]; ValueError
-    if ``scheduled`` is not in replica order. Block tables are padded with page 0 (never read:
-    context_lens bounds every read).
+    if ``scheduled`` is not in replica order. The batch's host lists carry the request ids and
+    ``finished_request_ids`` (for the multi-rank step message, parallel/message.py).
     """
-    S = kvs[0].page_size
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    offsets = [0]
-    context_lens: list[int] = []
-    n_logits: list[int] = []
-    tables: list[list[int]] = []
     per_replica = [0] * len(kvs)
+    new_tokens: list[list[int]] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
     for s in scheduled:
         r = s.request
         if any(per_replica[r.replica + 1:]):
@@ -71,33 +67,18 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
                              "replica's request: pass the scheduled requests replica by replica")
         per_replica[r.replica] += 1
         c, n = r.num_computed_tokens, s.num_new_tokens
-        table = kvs[r.replica].block_table(r.request_id)
-        tokens.extend(r.all_token_ids[c:c + n])
-        pos = range(c, c + n)
-        positions.extend(pos)
-        slots.extend(table[p // S] * S + p % S for p in pos)
-        offsets.append(offsets[-1] + n)
+        new_tokens.append(r.all_token_ids[c:c + n])
         context_lens.append(c + n)
-        n_logits.append(logits_rows(s))
-        tables.append(table)
-    width = max(max((len(t) for t in tables), default=0), 1)
-    padded = [t + [0] * (width - len(t)) for t in tables]
+        tables.append(kvs[r.replica].block_table(r.request_id))
     splits = None
     if len(kvs) > 1:
         splits = [0]
         for k in per_replica:
             splits.append(splits[-1] + k)
-    return ForwardBatch(
-        tokens=host_tensor(tokens, torch.int64, device),                # [T]
-        positions=host_tensor(positions, torch.int64, device),          # [T]
-        input_row_offsets=host_tensor(offsets, torch.int32, device),    # [B+1]
-        slot_mapping=host_tensor(slots, torch.int64, device),           # [T]
-        block_tables=host_tensor(padded, torch.int32, device),          # [B, max_pages]
-        context_lens=host_tensor(context_lens, torch.int32, device),    # [B]
-        return_n_logits=host_tensor(n_logits, torch.int64, device),     # [B]
-        data_parallel_splits=host_tensor(splits, torch.int64, device) if splits else None,  # [dp+1]
-        host=StepHost.build(offsets, context_lens, tables, n_logits, splits),
-    )
+    batch = ragged_batch(new_tokens, context_lens, tables, [logits_rows(s) for s in scheduled],
+                         kvs[0].page_size, device, splits, [s.request.request_id for s in scheduled])
+    batch.host.finished_request_ids = list(finished_request_ids or [])
+    return batch
 
 
 def zeroed_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -127,12 +108,14 @@ class ModelRunner:
     model: Callable[[ForwardBatch, KVStorage], torch.Tensor]
     kv_storage: KVStorage
     device: torch.device | str = "cpu"
+    finished_request_ids: list[str] = field(default_factory=list)   # since the last step (engine fills)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
         """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
         each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
-        batch = build_batch(scheduled, kvs, self.device)
+        finished, self.finished_request_ids = self.finished_request_ids, []
+        batch = build_batch(scheduled, kvs, self.device, finished)
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)

@@ -39,6 +39,11 @@ class StepHost:
     logit_counts: [B] how many of those rows each request returns.
     data_parallel_splits: [dp+1] prefix sums of requests per data-parallel replica (requests in
                   replica order, docs/serving.md §6), or None when the batch is not split.
+    request_ids:  [B] the engine's request ids (None when the builder has none): the multi-rank step
+                  message sends each request's pages once and then only appends
+                  (parallel/message.py); finished_request_ids: requests finished since the previous
+                  step, whose pages the other ranks forget; tokens: [T] the new tokens (None when
+                  the builder did not keep them).
     """
 
     query_starts: list[int]
@@ -47,6 +52,9 @@ class StepHost:
     logit_rows: list[int]
     logit_counts: list[int]
     data_parallel_splits: list[int] | None = None
+    request_ids: list[str] | None = None
+    finished_request_ids: list[str] | None = None
+    tokens: list[int] | None = None
 
     @classmethod
     def build(cls, query_starts: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -81,6 +89,46 @@ class StepHost:
             if -(-c // page_size) > len(self.block_tables[b]):
                 raise ValueError(f"request {b}: context_lens={c} needs {-(-c // page_size)} pages of "
                                  f"{page_size}, its block table has {len(self.block_tables[b])}")
+
+
+def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
+                 n_logits: list[int], page_size: int, device: torch.device | str = "cpu",
+                 data_parallel_splits: list[int] | None = None,
+                 request_ids: list[str] | None = None) -> ForwardBatch:
+    """The `ForwardBatch` of one step from host lists (docs/serving.md §6), request b computing
+    ``new_tokens[b]`` at positions [context_lens[b] - n_b, context_lens[b]) into the slots
+    ``table[p // S] * S + p % S`` of its ``block_tables[b]``, returning logits for its last
+    ``n_logits[b]`` positions. Block tables are padded with page 0 (never read: context_lens bounds
+    every read). The one home of the step layout arithmetic (engine/runner.py and the other ranks'
+    parallel/message.py build through it)."""
+    S = page_size
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    offsets = [0]
+    for new, L, table in zip(new_tokens, context_lens, block_tables, strict=True):
+        pos = range(L - len(new), L)
+        tokens.extend(new)
+        positions.extend(pos)
+        slots.extend(table[p // S] * S + p % S for p in pos)
+        offsets.append(offsets[-1] + len(new))
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    splits = data_parallel_splits
+    host = StepHost.build(offsets, context_lens, block_tables, n_logits, splits)
+    host.request_ids = list(request_ids) if request_ids is not None else None
+    host.tokens = tokens
+    return ForwardBatch(
+        tokens=host_tensor(tokens, torch.int64, device),                # [T]
+        positions=host_tensor(positions, torch.int64, device),          # [T]
+        input_row_offsets=host_tensor(offsets, torch.int32, device),    # [B+1]
+        slot_mapping=host_tensor(slots, torch.int64, device),           # [T]
+        block_tables=host_tensor(padded, torch.int32, device),          # [B, max_pages]
+        context_lens=host_tensor(context_lens, torch.int32, device),    # [B]
+        return_n_logits=host_tensor(n_logits, torch.int64, device),     # [B]
+        data_parallel_splits=host_tensor(splits, torch.int64, device) if splits else None,  # [dp+1]
+        host=host,
+    )
 
 
 @dataclass(slots=True)

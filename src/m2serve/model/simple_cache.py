@@ -80,6 +80,8 @@ class SimpleKVCache:
             self.lengths[seq] = end
         width = max(len(self.pages[s]) for s, _ in requests)
         table = [self.pages[s] + [0] * (width - len(self.pages[s])) for s, _ in requests]
+        host = StepHost.build(offsets, ctx, [self.pages[s] for s, _ in requests], return_n_logits, splits)
+        host.request_ids, host.tokens = [s for s, _ in requests], list(tokens)
         return ForwardBatch(
             tokens=host_tensor(tokens, torch.int64, device),
             positions=host_tensor(positions, torch.int64, device),
@@ -89,8 +91,7 @@ class SimpleKVCache:
             context_lens=host_tensor(ctx, torch.int32, device),
             return_n_logits=return_n_logits,
             data_parallel_splits=host_tensor(splits, torch.int64, device) if splits else None,
-            host=StepHost.build(offsets, ctx, [self.pages[s] for s, _ in requests], return_n_logits,
-                                splits))
+            host=host)
 
     def free(self, seq: object) -> None:
         """Return a sequence's pages to the pool."""

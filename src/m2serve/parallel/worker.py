@@ -1,8 +1,9 @@
 """Rank 0 drives the model on every rank; the other ranks run :func:`worker_loop` (docs/parallelism.md §1, §3;
 docs/serving.md §6).
 
-Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0 (torch
-sends it as a size broadcast plus a payload broadcast) and, under DP_EP with dp > 1 only, ONE
+Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0
+(parallel/message.py: what changed since the previous step; torch sends it as a size broadcast plus
+a payload broadcast) and, under DP_EP with dp > 1 only, ONE
 ``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
 the full hidden states (replicated lm_head), so rank 0 already holds all logits.
 
@@ -18,7 +19,7 @@ Legend: B requests, T new tokens, N returned logit rows, V vocab.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +30,7 @@ from m2serve.config.parallel import ParallelState, dp_attention
 from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
 from m2serve.model.load import load_model
 from m2serve.parallel.launch import WorkerError, WorkerGroup
+from m2serve.parallel.message import MessageDecoder, MessageEncoder
 from m2serve.parallel.shard import make_shard_plan
 
 log = logging.getLogger(__name__)
@@ -65,19 +67,6 @@ def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.
     config = MiniMaxM2Config.from_pretrained(path)
     return load_model(path, dtype=dtype, device=device, parallel=state, shard=make_shard_plan(config, state),
                       weight_dequant=weight_dequant)
-
-
-def batch_to(batch: ForwardBatch, device: torch.device | str) -> ForwardBatch:
-    """The batch with its tensors on ``device`` (steps travel between ranks on the CPU: a pickled
-    CUDA tensor would come back on rank 0's GPU)."""
-    n = batch.return_n_logits
-    splits = batch.data_parallel_splits
-    return ForwardBatch(
-        tokens=batch.tokens.to(device), positions=batch.positions.to(device),
-        input_row_offsets=batch.input_row_offsets.to(device), slot_mapping=batch.slot_mapping.to(device),
-        block_tables=batch.block_tables.to(device), context_lens=batch.context_lens.to(device),
-        return_n_logits=n.to(device) if isinstance(n, torch.Tensor) else n,
-        data_parallel_splits=splits.to(device) if splits is not None else None, host=batch.host)
 
 
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
@@ -129,16 +118,19 @@ def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch,
 
 def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "cpu") -> None:
     """Serve steps from rank 0 until it sends "stop" (ranks 1…P−1). Allocates the rank's KV pool
-    from the first step's :class:`KVSpec`."""
+    from the first step's :class:`KVSpec` and rebuilds each step's batch from its
+    :class:`~m2serve.parallel.message.StepMessage` (a new pool starts a new decoder)."""
     kv: KVStorage | None = None
     cfg: MiniMaxM2Config = model.config
+    decoder = MessageDecoder()
     while True:
         msg = _receive(state)
         if msg["kind"] == "stop":
             return
         if msg["kv"] is not None:
             kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
-        run_rank_step(model, state, batch_to(msg["batch"], device), kv)
+            decoder = MessageDecoder()
+        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv)
 
 
 def _receive(state: ParallelState) -> dict[str, Any]:
@@ -170,6 +162,8 @@ class DistributedModel:
     workers: WorkerGroup | None = None
     kv_seen: KVStorage | None = None
     closed: bool = False
+    encoder: MessageEncoder = field(default_factory=MessageEncoder)
+    message_bytes: int = 0   # size of the last step message (benchmarks/parallel.py reports it)
 
     @property
     def config(self) -> MiniMaxM2Config:
@@ -208,9 +202,12 @@ class DistributedModel:
                              f"got {splits}")
         first = kv is not self.kv_seen  # a new pool: the workers allocate theirs alike
         self.kv_seen = kv
+        if first:
+            self.encoder = MessageEncoder()
+        step = self.encoder.encode(batch)
+        self.message_bytes = step.nbytes
         try:
-            _send(self.state, {"kind": "step", "batch": batch_to(batch, "cpu"),
-                               "kv": KVSpec.of(kv) if first else None})
+            _send(self.state, {"kind": "step", "step": step, "kv": KVSpec.of(kv) if first else None})
             return run_rank_step(self.model, self.state, batch, kv)
         except RuntimeError:
             if self.workers is not None:

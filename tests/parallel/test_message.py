@@ -1,0 +1,67 @@
+"""The per-step message to the other ranks carries what changed (issue 27 item 5, parallel/message.py).
+
+- Its size does not grow with context: the same 4-request decode batch at contexts of 100 and
+  10,000 tokens (block tables built directly, as already sent) gives messages of equal size, when no
+  page is appended; the first message of a request (its whole table) does grow.
+- The other ranks rebuild exactly rank 0's batch (every tensor and host list) over new requests,
+  chunked prefill, decodes with page appends, a finished request whose id is reused, and a
+  preempted request re-allocated from position 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from m2serve.model.batch import ForwardBatch, ragged_batch
+from m2serve.parallel.message import MessageDecoder, MessageEncoder
+
+S = 16
+
+
+def _decode_step(context: int, encoder: MessageEncoder) -> int:
+    """Message bytes of one decode step of 4 requests reaching ``context`` tokens, their tables
+    (ceil(context / S) pages each) already on the other ranks."""
+    pages = -(-context // S)
+    tables = [list(range(b * pages, (b + 1) * pages)) for b in range(4)]
+    ids = [f"req-{b}" for b in range(4)]
+    for rid, t in zip(ids, tables):
+        encoder.sent[rid] = list(t)
+    batch = ragged_batch([[7 + b] for b in range(4)], [context] * 4, tables, [1] * 4, S, request_ids=ids)
+    return encoder.encode(batch).nbytes
+
+
+def test_message_size_does_not_grow_with_context():
+    assert (-(-99 // S), -(-9999 // S)) == (-(-100 // S), -(-10000 // S))  # no page appended at 100 / 10,000
+    short, long = _decode_step(100, MessageEncoder()), _decode_step(10_000, MessageEncoder())
+    assert short == long
+    # the first step of a request sends its whole table: that one grows (625 vs 7 pages of int64)
+    first = [MessageEncoder().encode(ragged_batch([[1]], [c], [list(range(-(-c // S)))], [1], S,
+                                                  request_ids=["x"])).nbytes for c in (100, 10_000)]
+    assert 8 * (625 - 7) <= first[1] - first[0] <= 8 * (625 - 7) + 8   # + the length field of pickle bytes
+
+
+def _same(a: ForwardBatch, b: ForwardBatch) -> None:
+    for name in ("tokens", "positions", "input_row_offsets", "slot_mapping", "block_tables", "context_lens",
+                 "return_n_logits"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    for name in ("query_starts", "context_lens", "block_tables", "logit_rows", "logit_counts",
+                 "data_parallel_splits", "request_ids", "tokens"):
+        assert getattr(a.host, name) == getattr(b.host, name), name
+
+
+def test_other_ranks_rebuild_rank0_batch_step_by_step():
+    enc, dec = MessageEncoder(), MessageDecoder()
+    steps = [  # (ids, new tokens, contexts, tables, logits rows, splits, finished)
+        (["a", "b"], [[1, 2, 3, 4, 5], list(range(20))], [5, 20], [[3], [0, 1]], [1, 0], [0, 1, 2], []),
+        (["a", "b"], [[6], list(range(20, 30))], [6, 30], [[3], [0, 1]], [1, 1], [0, 1, 2], []),
+        (["a", "b"], [[7] * 11, [31]], [17, 31], [[3, 9], [0, 1]], [1, 1], [0, 1, 2], []),   # a appends
+        (["b", "a"], [[32], [8]], [32, 18], [[0, 1], [3, 9]], [1, 1], [0, 2, 2], []),        # one replica
+        (["a", "b"], [[1, 2], [33]], [2, 33], [[5], [0, 1, 4]], [1, 1], [0, 1, 2], ["a"]),  # id reused
+        (["b"], list([[1] * 16]), [16], [[6]], [1], [0, 0, 1], []),                          # preempted b
+    ]
+    for ids, new, ctx, tables, nl, splits, finished in steps:
+        batch = ragged_batch(new, ctx, tables, nl, S, data_parallel_splits=splits, request_ids=ids)
+        batch.host.finished_request_ids = finished
+        msg = enc.encode(batch)
+        _same(dec.decode(msg, S), batch)
