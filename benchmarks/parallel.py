@@ -9,7 +9,13 @@ rotary_dim 64, intermediate 1536, 2 layers, 32 experts top-8, bf16; ~2.4 GB) is 
 a temp dir; 4 ranks hold about a quarter of the sharded tensors each, so it fits 24 GB.
 
 On a 2-core CPU box these figures show the overhead of the collectives and of P processes
-sharing 2 cores, not speedups.
+sharing 2 cores, not speedups. The last two columns are the bytes of the step message rank 0
+sent the other ranks (parallel/message.py, pickled) for the last prefill and the last decode step.
+DP_EP puts sequence b on replica b % P, each replica with its own pages.
+
+Issue 27's DP_EP row (2 replicas vs 1 process at concurrency 32, same run):
+
+    python benchmarks/parallel.py --worlds 2 --modes DP_EP --batch 32 --prefill 512
 
     python benchmarks/parallel.py [--config bench|tiny] [--worlds 2,4] [--modes TP_TP,TP_EP,...]
 """
@@ -58,6 +64,7 @@ def _bench(rank: int, world: int, path: str, mode: str, dtype_name: str, prefill
     cache = SimpleKVCache.create(cfg, pages, S, dtype=dtype,
                                  num_kv_heads=model.dims.num_kv_heads)
     best = {"prefill": 0.0, "decode": 0.0}
+    msg = {"prefill": 0, "decode": 0}   # bytes of the last step message (parallel/message.py)
     dp = getattr(dm, "data_parallel_degree", 1)
     sizes = [len(range(r, batch, dp)) for r in range(dp)] if dp > 1 else None
     try:
@@ -71,6 +78,7 @@ def _bench(rank: int, world: int, path: str, mode: str, dtype_name: str, prefill
             t = time.perf_counter()
             logits = dm(cache.batch(seqs, replica_sizes=sizes), cache.storage)   # [batch, V]
             best["prefill"] = max(best["prefill"], prefill / (time.perf_counter() - t))
+            msg["prefill"] = getattr(dm, "message_bytes", 0)
             toks = logits.argmax(-1).tolist()
             t = time.perf_counter()
             for _ in range(decode):
@@ -78,12 +86,13 @@ def _bench(rank: int, world: int, path: str, mode: str, dtype_name: str, prefill
                             cache.storage)
                 toks = logits.argmax(-1).tolist()
             best["decode"] = max(best["decode"], batch * decode / (time.perf_counter() - t))
+            msg["decode"] = getattr(dm, "message_bytes", 0)
             for s, _ in seqs:
                 cache.free(s)
     finally:
         if world > 1:
             dm.stop()
-    return {**best, "weight_bytes": weight_bytes}
+    return {**best, "weight_bytes": weight_bytes, "msg_prefill": msg["prefill"], "msg_decode": msg["decode"]}
 
 
 def main() -> None:
@@ -123,11 +132,11 @@ def main() -> None:
     print(f"\n{a.config}: prefill {a.prefill} tokens in {a.batch} sequences, decode {a.batch} sequences x "
           f"{a.decode} steps, {a.dtype}, 1 torch thread per rank, gloo")
     print(f"{'mode':10} {'P':>2} {'weights/rank':>13} {'prefill tok/s':>14} {'ratio':>6} "
-          f"{'decode tok/s':>13} {'ratio':>6}")
+          f"{'decode tok/s':>13} {'ratio':>6} {'msg B prefill':>14} {'msg B decode':>13}")
     for mode, world, r in rows:
         pre, dec = r["prefill"] / base["prefill"], r["decode"] / base["decode"]
         print(f"{mode:10} {world:>2} {r['weight_bytes'] / 2**30:>9.2f} GiB {r['prefill']:>14.1f} "
-              f"{pre:>6.2f} {r['decode']:>13.1f} {dec:>6.2f}")
+              f"{pre:>6.2f} {r['decode']:>13.1f} {dec:>6.2f} {r['msg_prefill']:>14,} {r['msg_decode']:>13,}")
 
 
 if __name__ == "__main__":
