@@ -11,7 +11,8 @@
   layer), patching ``Tensor.tolist`` / ``item`` (they dispatch no aten op) and counting
   ``bincount`` / ``_local_scalar_dense`` with a dispatch mode;
 - a step in which replica 1 has no request still runs the EP exchange on its rank (3 all_to_all
-  per layer, docs/parallelism.md §3).
+  per layer, docs/parallelism.md §3);
+- each replica draws its own rows: no logits gather runs, only the draws travel to rank 0.
 
 Greedy token identity of every mode with one process (16 requests, preemption, prefix hits) is in
 test_modes.py.
@@ -67,10 +68,13 @@ def _where() -> str:
     f = sys._getframe(2)
     caller = f.f_code.co_name
     while f is not None:
-        if f.f_code.co_name == "ep_moe":
+        name = f.f_code.co_name
+        if name == "ep_moe":
             return "ep_moe"
-        if f.f_code.co_name == "broadcast_object_list":
+        if name in ("broadcast_object_list", "gather_object"):
             return "message"
+        if name == "sample" and f.f_code.co_filename.endswith("engine/sampling.py"):
+            return "sampler"
         f = f.f_back
     return caller
 
@@ -119,13 +123,14 @@ def _rank0(dm: DistributedModel, cfg: MiniMaxM2Config, ckpt: str) -> dict:
     steps: list[dict] = []
     real = engine.runner.model
 
-    def recorded(batch, kv):  # the multi-rank step, audited on rank 0
+    def recorded(batch, kv, *sampling):  # the multi-rank step, audited on rank 0
         audit = ReadBacks()
         h = batch.host
         with audited(audit):
-            out = real(batch, kv)
+            out = real(batch, kv, *sampling)
         steps.append({"splits": h.data_parallel_splits, "lens": h.query_lens, "reads": audit.found})
         return out
+    recorded.samples_on_replicas = dm.samples_on_replicas
     engine.runner.model = recorded
 
     # replica 1 idle: its rank runs empty steps
@@ -183,22 +188,28 @@ def _scenario(rank: int, world: int, ckpt: str) -> dict:
     steps: list[dict] = []
     real_step = worker_mod.run_rank_step
     calls: Counter = Counter()
-    real_a2a = dist.all_to_all_single
+    real_a2a, real_gather = dist.all_to_all_single, dist.gather
 
     def a2a(*a, **k):
         calls["all_to_all"] += 1
         return real_a2a(*a, **k)
 
-    def step(m, st, batch, kv):
+    def gather(*a, **k):  # the logits gather: not run when the replicas draw their own rows
+        calls["gather"] += 1
+        return real_gather(*a, **k)
+
+    def step(m, st, batch, kv, *sampling):
         s = batch.host.data_parallel_splits
         calls.clear()
-        out = real_step(m, st, batch, kv)
-        steps.append({"requests": s[st.dp_rank + 1] - s[st.dp_rank], "all_to_all": calls["all_to_all"]})
+        out = real_step(m, st, batch, kv, *sampling)
+        steps.append({"requests": s[st.dp_rank + 1] - s[st.dp_rank], "all_to_all": calls["all_to_all"],
+                      "logits_gathered": calls["gather"], "sampled_here": bool(sampling and sampling[0])})
         return out
 
     audit = ReadBacks()
     with mock.patch.object(worker_mod, "run_rank_step", step), \
-            mock.patch.object(dist, "all_to_all_single", a2a), audited(audit):
+            mock.patch.object(dist, "all_to_all_single", a2a), mock.patch.object(dist, "gather", gather), \
+            audited(audit):
         worker_loop(model, state)
     return {"steps": steps, "reads": audit.found}
 
@@ -231,18 +242,22 @@ def test_prefix_in_replica_1_is_admitted_there_and_a_full_replica_0_sends_to_1(r
     assert r0["q_cached"] == [3 * S, 3 * S, 0]       # replica 1 has no copy of Q's pages
 
 
+def _outside(reads: list[str]) -> Counter:
+    """Reads outside the step message (torch's broadcast_object_list / gather_object read their
+    size tensors on the receiving side: CPU tensors under gloo) and the sampler's one copy of the
+    drawn token ids (engine/sampling.py ``sample``)."""
+    kinds = {"item", "tolist", "aten::_local_scalar_dense"}
+    assert {r.split("@")[0] for r in reads if r.endswith(("@message", "@sampler"))} <= kinds, reads
+    return Counter(r for r in reads if not r.endswith(("@message", "@sampler")))
+
+
 def test_multi_rank_step_reads_back_only_in_the_ep_counts_exchange(results):
     L = results[0]["layers"]
-    per_step = ["aten::bincount@ep_moe", "tolist@ep_moe", "tolist@ep_moe"] * L
+    per_step = Counter(["aten::bincount@ep_moe", "tolist@ep_moe", "tolist@ep_moe"] * L)
     for s in results[0]["steps"]:
-        assert sorted(s["reads"]) == sorted(per_step), s["reads"]
-    # the worker: the same, plus the step message's size (torch's broadcast_object_list reads its
-    # size tensor on the receiving ranks: a CPU tensor under gloo; see the report of issue 27)
+        assert _outside(s["reads"]) == per_step, s["reads"]
     w = results[1]
-    reads = Counter(w["reads"])
-    message = {k: v for k, v in reads.items() if k.endswith("@message")}
-    assert {k: v for k, v in reads.items() if k not in message} == Counter(per_step * len(w["steps"]))
-    assert set(message) <= {"item@message", "aten::_local_scalar_dense@message"}, message
+    assert _outside(w["reads"]) == Counter({k: v * len(w["steps"]) for k, v in per_step.items()})
 
 
 def test_an_empty_replica_still_joins_the_ep_exchange(results):
@@ -250,4 +265,11 @@ def test_an_empty_replica_still_joins_the_ep_exchange(results):
     steps = results[1]["steps"]
     assert any(s["requests"] == 0 for s in steps) and any(s["requests"] > 0 for s in steps)
     assert all(s["all_to_all"] == 3 * L for s in steps), steps
+
+
+def test_replicas_draw_their_rows_and_no_logits_travel(results):
+    # issue 27 item 4: every step of this scenario (no prompt logprobs, no penalties) drew on the
+    # replicas; the worker never joined a logits gather
+    steps = results[1]["steps"]
+    assert all(s["sampled_here"] and s["logits_gathered"] == 0 for s in steps), steps
 

@@ -68,6 +68,9 @@ SHARED = [list(range(40, 72)), [(7 * i + 3) % 500 for i in range(32)]]
 PROMPTS = ([SHARED[i % 2] + [100 + i, 5, 17] for i in range(10)]
            + [[5, 17, 33, 2, 8, 90, 1], [99, 3], [7, 7, 7, 300], list(range(300, 340)), [11], [9, 8, 7]])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# two of the 16 draw (seeded, counter-based: the same token wherever the row is drawn) with logprobs
+SAMPLED = {14: SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
+           15: SamplingParams(temperature=1.0, top_p=0.9, seed=9, max_tokens=24, ignore_eos=True)}
 
 
 def hand_bytes(cfg: MiniMaxM2Config, name: str, P: int) -> int:
@@ -96,7 +99,7 @@ def _greedy(model, cfg: MiniMaxM2Config, ckpt: str) -> tuple[dict[str, list[int]
     engine = LLMEngine.from_model(model, cfg, _engine_args(ckpt))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, GREEDY)
+        engine.add_request(str(i), p, SAMPLED.get(i, GREEDY))
         if i == 1:
             for _ in range(2):
                 for o in engine.step():
@@ -106,7 +109,7 @@ def _greedy(model, cfg: MiniMaxM2Config, ckpt: str) -> tuple[dict[str, list[int]
             out[o.request_id].extend(o.new_token_ids)
     st = engine.stats
     return out, {"preemptions": st.preemptions, "prefix_hits": st.prefix_cache_hits,
-                 "replicas": len(st.replicas)}
+                 "replicas": len(st.replicas), "replica_sampled": getattr(model, "replica_sampled_steps", 0)}
 
 
 REPLICA = {"a": 0, "b": 1, "c": 2, "d": 3}  # DP_EP: sequence -> replica (mod dp), fixed for life
@@ -230,6 +233,8 @@ def test_mode_equals_one_process(results, tiny_random_dir, name, P, variant):
     e = r0["engine"]                     # with preemption and prefix hits; DP_EP: one pool per rank
     assert e["preemptions"] > 0 and e["prefix_hits"] > 0, e
     assert e["replicas"] == (P if name in ("DP_EP", "DP") else 1)
+    # DP_EP: every step drew its rows on the replicas (no logits gathered); TP: on rank 0
+    assert (e["replica_sampled"] > 0) == (name in ("DP_EP", "DP")), e
     per = cfg.num_hidden_layers * len(STEPS)
     assert {k: v / per for k, v in r0["calls"].items()} == TABLE[name]
     for rank in range(P):  # fp32 resident: FP8 weights are dequantised at load

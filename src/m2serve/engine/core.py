@@ -31,13 +31,12 @@ from m2serve.engine.runner import ModelRunner, wants_prompt_logprobs, zeroed_kv_
 from m2serve.engine.sampling import (
     PenaltyState,
     SamplerOutput,
-    SamplingBatch,
     SamplingParams,
+    SamplingRows,
     SamplingState,
     compute_logprobs,
-    sample,
 )
-from m2serve.engine.scheduler import Scheduler, choose_replica
+from m2serve.engine.scheduler import ScheduledRequest, Scheduler, choose_replica
 from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
@@ -291,42 +290,51 @@ class LLMEngine:
         if not scheduled:
             return outputs
         self.steps += 1
-        logits = self.runner.run(scheduled, [s.kv for s in self.schedulers])
-        reqs: list[Request] = []
-        rows: list[torch.Tensor] = []
-        for s, lg in zip(scheduled, logits, strict=True):
-            if wants_prompt_logprobs(s):
-                self._add_prompt_logprobs(s.request, lg)
-            if s.completes:
-                reqs.append(s.request)
-                rows.append(lg[-1])
-        sampled = self._sample(torch.stack(rows), reqs) if reqs else SamplerOutput([], [])
-        start = 0
-        for sched, part in zip(self.schedulers, parts, strict=True):
-            n = sum(s.completes for s in part)
-            mine = SamplerOutput(sampled.token_ids[start:start + n], sampled.logprobs[start:start + n])
-            start += n
+        kvs = [s.kv for s in self.schedulers]
+        rows = [self._sampling_rows([s.request for s in part if s.completes]) for part in parts]
+        if self.runner.samples_on_replicas and not any(
+                wants_prompt_logprobs(s) for s in scheduled) and not any(r.needs_penalties for r in rows):
+            # each replica draws its own rows; only token ids and logprobs come back
+            drawn = self.runner.run_sampled(scheduled, kvs, rows)
+        else:
+            drawn = self._run_and_sample(scheduled, kvs, rows)
+        for sched, part, mine in zip(self.schedulers, parts, drawn, strict=True):
             for r in sched.update_from_output(part, mine):
                 if r.is_finished:
                     self._forget(r)
                 outputs.append(self._output(r))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """Draw the next token of ``reqs`` from their rows ``logits`` [B, V]; constraints fill the
-        allowed-token bitmask first (all bits set for rows without one)."""
-        B, V = logits.shape
+    def _run_and_sample(self, scheduled: list[ScheduledRequest], kvs: list[KVCacheManager],
+                        rows: list[SamplingRows]) -> list[SamplerOutput]:
+        """Run the step, record prompt logprobs and draw every replica's rows here, from the
+        logits (on rank 0 for a multi-rank model); one `SamplerOutput` per replica."""
+        logits = self.runner.run(scheduled, kvs)
+        last: list[torch.Tensor] = []
+        for s, lg in zip(scheduled, logits, strict=True):
+            if wants_prompt_logprobs(s):
+                self._add_prompt_logprobs(s.request, lg)
+            if s.completes:
+                last.append(lg[-1])
+        out = []
+        for r in rows:
+            mine, last = last[:r.num_rows], last[r.num_rows:]
+            out.append(r.sample(torch.stack(mine), self.scheduler.penalties) if mine
+                       else SamplerOutput([], []))
+        return out
+
+    def _sampling_rows(self, reqs: list[Request]) -> SamplingRows:
+        """The sampler's rows for ``reqs``; constraints fill the allowed-token bitmask first (all
+        bits set for rows without one)."""
+        B, V = len(reqs), self.config.vocab_size
         allowed, ends = None, [False] * B
         if any(r.constraint is not None for r in reqs):
-            bitmask = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
+            allowed = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
             for b, r in enumerate(reqs):
                 if r.constraint is not None:
-                    r.constraint.fill_bitmask(bitmask, b)
+                    r.constraint.fill_bitmask(allowed, b)
                     ends[b] = r.constraint.only_end_of_turn()
-            allowed = bitmask.to(logits.device)
-        batch = SamplingBatch.build([r.state for r in reqs], [r.num_output_tokens for r in reqs], V,
-                                    logits.device, ends)
-        return sample(logits, batch, self.scheduler.penalties, allowed)
+        return SamplingRows([r.state for r in reqs], [r.num_output_tokens for r in reqs], ends, allowed, V)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self.lock:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from m2serve.engine.kv_cache import KVCacheManager
+from m2serve.engine.sampling import SamplerOutput, SamplingRows
 from m2serve.engine.scheduler import ScheduledRequest
 from m2serve.model.batch import ForwardBatch, KVStorage, ragged_batch
 
@@ -114,11 +115,31 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
         """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
         each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
-        finished, self.finished_request_ids = self.finished_request_ids, []
-        batch = build_batch(scheduled, kvs, self.device, finished)
+        batch = build_batch(scheduled, kvs, self.device, self._take_finished())
         counts = batch.host.logit_counts
         if sum(counts) == 0:
             self.model(batch, self.kv_storage)
             return [torch.empty(0) for _ in scheduled]
         logits = self.model(batch, self.kv_storage).float()   # [N, V]
         return list(torch.split(logits, counts))
+
+    def _take_finished(self) -> list[str]:
+        finished, self.finished_request_ids = self.finished_request_ids, []
+        return finished
+
+    @property
+    def samples_on_replicas(self) -> bool:
+        """Whether the model draws each data-parallel replica's rows where its logits are (its
+        ``samples_on_replicas``: a multi-rank DP_EP model), so :meth:`run_sampled` applies."""
+        return bool(getattr(self.model, "samples_on_replicas", False))
+
+    @torch.inference_mode()
+    def run_sampled(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
+                    rows: list[SamplingRows]) -> list[SamplerOutput]:
+        """Run one step and draw on the replicas: ``rows[i]`` (engine/sampling.py `SamplingRows`)
+        are replica i's rows, the requests of ``scheduled`` whose chunk completes, in order; returns
+        each replica's `SamplerOutput`. No logits leave their rank. Only without prompt logprobs
+        (every request returns at most its last row)."""
+        batch = build_batch(scheduled, kvs, self.device, self._take_finished())
+        drawn = self.model(batch, self.kv_storage, rows)
+        return [d if d is not None else SamplerOutput([], []) for d in drawn]

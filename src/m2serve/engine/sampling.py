@@ -465,6 +465,40 @@ class SamplingBatch:
             any_penalty=any(s.needs_penalties for s in states))
 
 
+@dataclass(slots=True)
+class SamplingRows:
+    """What a draw needs besides the logits, as host data: rows' states, their output positions
+    (``num_output_tokens``), ``end_of_turn`` flags (a constraint allows only the end of turn) and
+    the constraint bitmask ``allowed`` (int32 [B, ceil(V/32)] on the host, None = no constraint).
+
+    Picklable, so under data parallelism rank 0 sends each replica its rows and the replica's rank
+    draws from its own logits (docs/serving.md §10, "where the logits are").
+    """
+
+    states: list[SamplingState]
+    num_output_tokens: list[int]
+    end_of_turn: list[bool]
+    allowed: torch.Tensor | None
+    vocab_size: int
+
+    @property
+    def num_rows(self) -> int:
+        """B."""
+        return len(self.states)
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Whether a row asks for penalties (their counts live in rank 0's `PenaltyState`)."""
+        return any(s.needs_penalties for s in self.states)
+
+    def sample(self, logits: torch.Tensor, penalties: PenaltyState | None = None) -> SamplerOutput:
+        """:func:`sample` of ``logits`` [B, V] f32 with these rows (inputs built on its device)."""
+        batch = SamplingBatch.build(self.states, self.num_output_tokens, self.vocab_size, logits.device,
+                                    self.end_of_turn)
+        allowed = self.allowed.to(logits.device) if self.allowed is not None else None
+        return sample(logits, batch, penalties, allowed)
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_top: Sequence[int]) -> list[TokenLogprobs]:
     """Log-softmax of ``logits`` [N, V] f32 at ``token_ids`` [N] int64, with each row's top

@@ -92,15 +92,26 @@ def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
         host=StepHost.build(starts, h.context_lens[b0:b1], h.block_tables[b0:b1], counts))
 
 
-def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch,
-                  kv: KVStorage) -> torch.Tensor | None:
+def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch, kv: KVStorage,
+                  sampling: list[Any] | None = None) -> Any:
     """One rank's part of a step. Returns logits [N, V] f32 of the whole batch on rank 0 (None
     on the other ranks under DP_EP, whose rows went to rank 0 in one gather). Under DP_EP every
     rank runs its replica's slice, also an empty one (its model still joins the EP exchange);
-    the gather's sizes come from the host lists."""
+    the gather's sizes come from the host lists.
+
+    ``sampling`` (DP_EP only): per replica, an object whose ``sample(logits [N_r, V])`` draws the
+    replica's rows (engine/sampling.py `SamplingRows`, handed down by the engine); each rank draws
+    its own and rank 0 returns the list of every replica's draws (one ``gather_object``: token ids
+    and logprobs, no logits), None elsewhere."""
     if not dp_attention(state.mode, state.world_size):
         return model(batch, kv)
     logits = model(replica_batch(batch, state.dp_rank), kv)  # [N_r, V]
+    if sampling is not None:
+        rows = sampling[state.dp_rank]
+        drawn = rows.sample(logits.float()) if rows.num_rows else None
+        bins = [None] * state.world_size if state.rank == 0 else None
+        dist.gather_object(drawn, bins, dst=0, group=state.group)
+        return bins
     splits, counts = batch.host.data_parallel_splits, batch.host.logit_counts
     per = [sum(counts[splits[r]:splits[r + 1]]) for r in range(state.world_size)]
     width = max(per)
@@ -130,7 +141,7 @@ def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "
         if msg["kv"] is not None:
             kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
             decoder = MessageDecoder()
-        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv)
+        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv, msg["sampling"])
 
 
 def _receive(state: ParallelState) -> dict[str, Any]:
@@ -164,6 +175,7 @@ class DistributedModel:
     closed: bool = False
     encoder: MessageEncoder = field(default_factory=MessageEncoder)
     message_bytes: int = 0   # size of the last step message (benchmarks/parallel.py reports it)
+    replica_sampled_steps: int = 0   # steps whose rows were drawn on the replicas (tests read it)
 
     @property
     def config(self) -> MiniMaxM2Config:
@@ -182,14 +194,22 @@ class DistributedModel:
         return self.state.world_size if dp_attention(self.state.mode, self.state.world_size) else 1
 
     @property
+    def samples_on_replicas(self) -> bool:
+        """True with data-parallel replicas: a call with ``sampling`` draws each replica's rows on its
+        rank (:func:`run_sampled_step`)."""
+        return self.data_parallel_degree > 1
+
+    @property
     def kv_scales(self) -> tuple[list[float], list[float]] | None:
         """Checkpoint fp8 KV scales (as the single-process model)."""
         return self.model.kv_scales
 
-    def __call__(self, batch: ForwardBatch, kv: KVStorage) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, kv: KVStorage, sampling: list[Any] | None = None) -> Any:
         """Broadcast the step, run rank 0's part, return the logits of all requests in order.
         Under DP_EP ``batch`` must carry ``data_parallel_splits`` (engine/runner.py builds it) and
-        ``kv`` is replica 0's pool; ValueError otherwise."""
+        ``kv`` is replica 0's pool; ValueError otherwise. With ``sampling`` (DP_EP, one entry per
+        replica, see :func:`run_rank_step`) the replicas draw their rows and the call returns each
+        replica's draws (None for a replica without rows) instead of logits."""
         if self.closed:
             raise WorkerError("the distributed model was shut down")
         if self.workers is not None:
@@ -205,10 +225,12 @@ class DistributedModel:
         if first:
             self.encoder = MessageEncoder()
         step = self.encoder.encode(batch)
+        self.replica_sampled_steps += sampling is not None
         self.message_bytes = step.nbytes
         try:
-            _send(self.state, {"kind": "step", "step": step, "kv": KVSpec.of(kv) if first else None})
-            return run_rank_step(self.model, self.state, batch, kv)
+            _send(self.state, {"kind": "step", "step": step, "sampling": sampling,
+                               "kv": KVSpec.of(kv) if first else None})
+            return run_rank_step(self.model, self.state, batch, kv, sampling)
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
