@@ -472,7 +472,7 @@ class SamplingRows:
     the constraint bitmask ``allowed`` (int32 [B, ceil(V/32)] on the host, None = no constraint).
 
     Picklable, so under data parallelism rank 0 sends each replica its rows and the replica's rank
-    draws from its own logits (docs/serving.md §10, "where the logits are").
+    draws from its own logits (docs/serving.md §6, "sampling where the logits are").
     """
 
     states: list[SamplingState]

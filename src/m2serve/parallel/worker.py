@@ -3,9 +3,10 @@ docs/serving.md §6).
 
 Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0
 (parallel/message.py: what changed since the previous step; torch sends it as a size broadcast plus
-a payload broadcast) and, under DP_EP with dp > 1 only, ONE
-``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
-the full hidden states (replicated lm_head), so rank 0 already holds all logits.
+a payload broadcast) and, under DP_EP with dp > 1 only, ONE gather to rank 0: of the replicas'
+draws (``gather_object`` of token ids and logprobs, when the engine hands down each replica's
+sampler rows) or else of their logit rows (``gather``). Under TP_TP / TP_EP every rank ends the step
+with the full hidden states (replicated lm_head), so rank 0 already holds all logits.
 
 DP_EP replicas (``data_parallel_splits``, docs/serving.md §6): the engine holds one scheduler and one
 KV page allocator per replica (engine/core.py) and hands over a batch ordered replica by replica
