@@ -165,8 +165,29 @@ def _rank0(dm: DistributedModel, cfg: MiniMaxM2Config, ckpt: str) -> dict:
     res["q_replicas"] = [engine.requests[f"q{i}"].replica for i in range(3)]
     res["q_cached"] = [engine.requests[f"q{i}"].num_cached_tokens for i in range(3)]
     _drive(engine, {"q0", "q1", "q2"})
+    # fallback: a penalised row and a prompt-logprobs request gather their logit rows to rank 0
+    res["fallback"] = _fallback(engine)
     res["steps"] = steps
     return res
+
+
+FALLBACK = {"pen": ([4, 4, 9, 4, 2, 4], dict(temperature=0.8, seed=3, repetition_penalty=1.3,
+                                              frequency_penalty=0.5)),
+            "plp": ([30, 31, 32, 33, 34], dict(temperature=0.0, prompt_logprobs=1))}
+
+
+def _fallback(engine: LLMEngine) -> dict:
+    """Tokens and prompt-logprob token ids / values of FALLBACK's requests (6 tokens each)."""
+    out: dict = {rid: [] for rid in FALLBACK}
+    plp: dict = {}
+    for rid, (prompt, kw) in FALLBACK.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=6, ignore_eos=True, **kw))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+            if o.prompt_logprobs:
+                plp[o.request_id] = [(e.token_id, e.logprob) if e else None for e in o.prompt_logprobs]
+    return {"tokens": out, "prompt_logprobs": plp}
 
 
 def _scenario(rank: int, world: int, ckpt: str) -> dict:
@@ -182,6 +203,7 @@ def _scenario(rank: int, world: int, ckpt: str) -> dict:
             dm.stop()
         single = LLMEngine.from_model(load_model(ckpt), cfg, _args(ckpt))
         res["single_pages"] = single.stats.kv_pages_total
+        res["fallback_ref"] = _fallback(single)
         res["layers"] = L
         return res
     # the worker: every step audited, with its replica's request count and its collectives
@@ -268,8 +290,24 @@ def test_an_empty_replica_still_joins_the_ep_exchange(results):
 
 
 def test_replicas_draw_their_rows_and_no_logits_travel(results):
-    # issue 27 item 4: every step of this scenario (no prompt logprobs, no penalties) drew on the
-    # replicas; the worker never joined a logits gather
+    # issue 27 item 4: the steps without prompt logprobs or penalties drew on the replicas and the
+    # worker joined no logits gather; the fallback steps gathered logit rows (one gather each)
     steps = results[1]["steps"]
-    assert all(s["sampled_here"] and s["logits_gathered"] == 0 for s in steps), steps
+    drawn = [s for s in steps if s["sampled_here"]]
+    gathered = [s for s in steps if not s["sampled_here"]]
+    assert drawn and gathered, steps
+    assert all(s["logits_gathered"] == 0 for s in drawn) and all(s["logits_gathered"] == 1 for s in gathered)
+
+
+def _token_ids(entries):
+    return [e if e is None else e[0] for e in entries]
+
+
+def test_fallback_with_penalties_and_prompt_logprobs_equals_one_process(results):
+    got, ref = results[0]["fallback"], results[0]["fallback_ref"]
+    assert got["tokens"] == ref["tokens"] and all(len(t) == 6 for t in got["tokens"].values())
+    g, r = got["prompt_logprobs"]["plp"], ref["prompt_logprobs"]["plp"]
+    assert _token_ids(g) == _token_ids(r) and len(g) == 5
+    for a, b in zip(g[1:], r[1:], strict=True):
+        assert a[1] == pytest.approx(b[1], abs=1e-5)
 

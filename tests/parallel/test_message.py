@@ -46,7 +46,7 @@ def _same(a: ForwardBatch, b: ForwardBatch) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
     for name in ("query_starts", "context_lens", "block_tables", "logit_rows", "logit_counts",
-                 "data_parallel_splits", "request_ids", "tokens"):
+                 "data_parallel_splits", "request_ids", "tokens", "finished_request_ids"):
         assert getattr(a.host, name) == getattr(b.host, name), name
 
 
@@ -65,3 +65,31 @@ def test_other_ranks_rebuild_rank0_batch_step_by_step():
         batch.host.finished_request_ids = finished
         msg = enc.encode(batch)
         _same(dec.decode(msg, S), batch)
+
+
+def test_sampling_fields_travel_once():
+    # issue 27 item 5 for the replicas' draws (engine/sampling.py SamplingRows): a request's
+    # sampling state goes to its replica once; later steps carry only per-row fixed fields, and a
+    # row drawn from the held state equals the sampler run on the request's own state
+    import pickle
+
+    from m2serve.engine.sampling import SamplingBatch, SamplingParams, SamplingRows, SamplingState, sample
+
+    V = 64
+    params = [SamplingParams(temperature=0.9, top_k=10, top_p=0.9, min_p=0.0, seed=s, max_tokens=8)
+              for s in (1, 2, 3)]
+    states = [SamplingState.new(p) for p in params]
+    ids = ["x", "y", "z"]
+    held_ids: set[str] = set()
+    first = SamplingRows.of(ids, states, [0, 0, 0], [False] * 3, None, V, held_ids)
+    later = [SamplingRows.of(ids, states, [n] * 3, [False] * 3, None, V, held_ids) for n in (1, 1000)]
+    assert set(first.new_states) == set(ids) and all(not r.new_states for r in later)
+    sizes = [len(pickle.dumps(r)) for r in (first, *later)]
+    # no state after the first step: only pickle's int width grows with the output position
+    assert abs(sizes[2] - sizes[1]) <= 3 and sizes[2] < sizes[0] - 3 * 40
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    replica: dict = {}   # the drawing rank's held states, filled from the first message (pickled)
+    for r in (first, *later):
+        got = pickle.loads(pickle.dumps(r)).sample(logits, held=replica)
+        want = sample(logits, SamplingBatch.build(states, r.num_output_tokens, V))
+        assert got.token_ids == want.token_ids

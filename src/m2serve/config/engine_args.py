@@ -48,7 +48,9 @@ class EngineArgs:
     dtype: compute ("activation") dtype name: "bfloat16" (default) or "float32".
     devices: "cpu", "cpu:N" (N CPU ranks), "gpu", "gpu:0,1,...".
     kv_cache_format: "bfloat16" | "float32" | "float8_e4m3fn".
-    num_kv_pages: override the planner's page count (tests use tiny pools to force preemption).
+    num_kv_pages: override the planner's page count (tests use tiny pools to force preemption). Like
+        the planner's count, max_batch_input_tokens and max_batch_size, it is per data-parallel
+        replica (docs/serving.md §8).
     weight_dequant: "auto" (default: "runtime" where the packed-weight kernels run the activations on
         the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
         "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them

@@ -101,6 +101,8 @@ class LLMEngine:
 
     schedulers: one `Scheduler` (each over its own `KVCacheManager`) per data-parallel replica,
     replica i's at index i (docs/serving.md §8); one when the model has no DP replicas.
+    replica_held: per replica, the ids of the requests whose sampling state its rank holds (sent
+    once, docs/serving.md §6).
     requests: the one table of requests added and not finished, keyed by id (filled by
     ``add_request``, so an id is in use from then until its final output); inbox: the one queue of
     adds and aborts into the step loop; both guarded by ``lock``.
@@ -116,6 +118,7 @@ class LLMEngine:
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrivals: int = 0
     steps: int = 0
+    replica_held: list[set[str]] = field(default_factory=list)
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -173,6 +176,7 @@ class LLMEngine:
         runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),
                              sampling_buffers=StepBuffers(torch.device(device)))
         return cls(config=config, schedulers=schedulers, runner=runner,
+                   replica_held=[set() for _ in schedulers],
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------
@@ -293,13 +297,14 @@ class LLMEngine:
             return outputs
         self.steps += 1
         kvs = [s.kv for s in self.schedulers]
-        rows = [self._sampling_rows([s.request for s in part if s.completes]) for part in parts]
-        if self.runner.samples_on_replicas and not any(
-                wants_prompt_logprobs(s) for s in scheduled) and not any(r.needs_penalties for r in rows):
+        completing = [[s.request for s in part if s.completes] for part in parts]
+        if self.runner.samples_on_replicas and not any(wants_prompt_logprobs(s) for s in scheduled) \
+                and not any(r.state.needs_penalties for reqs in completing for r in reqs):
             # each replica draws its own rows; only token ids and logprobs come back
+            rows = [self._sampling_rows(reqs, self.replica_held[i]) for i, reqs in enumerate(completing)]
             drawn = self.runner.run_sampled(scheduled, kvs, rows)
         else:
-            drawn = self._run_and_sample(scheduled, kvs, rows)
+            drawn = self._run_and_sample(scheduled, kvs, [self._sampling_rows(reqs) for reqs in completing])
         for sched, part, mine in zip(self.schedulers, parts, drawn, strict=True):
             for r in sched.update_from_output(part, mine):
                 if r.is_finished:
@@ -321,14 +326,16 @@ class LLMEngine:
         out = []
         for r in rows:
             mine, last = last[:r.num_rows], last[r.num_rows:]
-            out.append(r.sample(torch.stack(mine), self.scheduler.penalties, self.runner.sampling_buffers)
+            out.append(r.sample(torch.stack(mine), self.scheduler.penalties,
+                                buffers=self.runner.sampling_buffers)
                        if mine
                        else SamplerOutput([], []))
         return out
 
-    def _sampling_rows(self, reqs: list[Request]) -> SamplingRows:
+    def _sampling_rows(self, reqs: list[Request], held: set[str] | None = None) -> SamplingRows:
         """The sampler's rows for ``reqs``; constraints fill the allowed-token bitmask first (all
-        bits set for rows without one)."""
+        bits set for rows without one). ``held``: ids of the requests whose state the drawing
+        replica holds already (updated)."""
         B, V = len(reqs), self.config.vocab_size
         allowed, ends = None, [False] * B
         if any(r.constraint is not None for r in reqs):
@@ -337,7 +344,8 @@ class LLMEngine:
                 if r.constraint is not None:
                     r.constraint.fill_bitmask(allowed, b)
                     ends[b] = r.constraint.only_end_of_turn()
-        return SamplingRows([r.state for r in reqs], [r.num_output_tokens for r in reqs], ends, allowed, V)
+        return SamplingRows.of([r.request_id for r in reqs], [r.state for r in reqs],
+                               [r.num_output_tokens for r in reqs], ends, allowed, V, held)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self.lock:
@@ -364,6 +372,8 @@ class LLMEngine:
         with self.lock:
             del self.requests[r.request_id]
         self.runner.finished_request_ids.append(r.request_id)   # the other ranks forget its pages
+        for held in self.replica_held:                            # and its sampling state
+            held.discard(r.request_id)
 
     def _output(self, r: Request) -> RequestOutput:
         new = r.output_token_ids[r.num_sent_tokens:]

@@ -477,35 +477,58 @@ class SamplingBatch:
 
 @dataclass(slots=True)
 class SamplingRows:
-    """What a draw needs besides the logits, as host data: rows' states, their output positions
-    (``num_output_tokens``), ``end_of_turn`` flags (a constraint allows only the end of turn) and
-    the constraint bitmask ``allowed`` (int32 [B, ceil(V/32)] on the host, None = no constraint).
+    """What a draw needs besides the logits, as host data, per row b: ``request_ids[b]``, whether
+    the request is in reasoning (``in_reasoning[b]``, which picks thinking_temperature), its output
+    position (``num_output_tokens[b]``), ``end_of_turn[b]`` (its constraint allows only the end of
+    turn) and the constraint bitmask ``allowed`` (int32 [B, ceil(V/32)] on the host, None = no
+    constraint). ``new_states`` holds the `SamplingState` of the rows whose state the drawing side
+    does not hold yet; the others are looked up in the ``held`` dict given to :meth:`sample`.
 
-    Picklable, so under data parallelism rank 0 sends each replica its rows and the replica's rank
-    draws from its own logits (docs/serving.md §10, "where the logits are").
+    Picklable, so under data parallelism rank 0 sends each replica its rows, a request's state once
+    (its sampling fields; then per step only the fields above), and the replica's rank draws from its
+    own logits (docs/serving.md §6, "sampling where the logits are").
     """
 
-    states: list[SamplingState]
+    request_ids: list[str]
+    new_states: dict[str, SamplingState]
+    in_reasoning: list[bool]
     num_output_tokens: list[int]
     end_of_turn: list[bool]
     allowed: torch.Tensor | None
     vocab_size: int
 
+    @classmethod
+    def of(cls, ids: list[str], states: list[SamplingState], num_output_tokens: list[int],
+           end_of_turn: list[bool], allowed: torch.Tensor | None, vocab_size: int,
+           held: set[str] | None = None) -> SamplingRows:
+        """Rows for requests ``ids`` with ``states``; those in ``held`` (ids whose state the drawing
+        side holds) travel without their state, and the others are added to it."""
+        new = {i: s for i, s in zip(ids, states, strict=True) if held is None or i not in held}
+        if held is not None:
+            held.update(new)
+        return cls(list(ids), new, [s.in_reasoning for s in states], list(num_output_tokens),
+                   list(end_of_turn), allowed, vocab_size)
+
     @property
     def num_rows(self) -> int:
         """B."""
-        return len(self.states)
-
-    @property
-    def needs_penalties(self) -> bool:
-        """Whether a row asks for penalties (their counts live in rank 0's `PenaltyState`)."""
-        return any(s.needs_penalties for s in self.states)
+        return len(self.request_ids)
 
     def sample(self, logits: torch.Tensor, penalties: PenaltyState | None = None,
+               held: dict[str, SamplingState] | None = None,
                buffers: StepBuffers | None = None) -> SamplerOutput:
         """:func:`sample` of ``logits`` [B, V] f32 with these rows (inputs built on its device, in
-        one copy through ``buffers`` when given: :meth:`SamplingBatch.build`)."""
-        batch = SamplingBatch.build(self.states, self.num_output_tokens, self.vocab_size, logits.device,
+        one copy through ``buffers`` when given: :meth:`SamplingBatch.build`).
+        ``held``: the drawing side's states by request id (updated with ``new_states``). Raises
+        KeyError for a row whose state is neither new nor held."""
+        held = {} if held is None else held
+        states = []
+        for rid, reasoning in zip(self.request_ids, self.in_reasoning, strict=True):
+            st = self.new_states[rid] if rid in self.new_states else held[rid]
+            held[rid] = st
+            st.in_reasoning = reasoning
+            states.append(st)
+        batch = SamplingBatch.build(states, self.num_output_tokens, self.vocab_size, logits.device,
                                     self.end_of_turn, buffers)
         allowed = self.allowed.to(logits.device) if self.allowed is not None else None
         return sample(logits, batch, penalties, allowed)

@@ -119,5 +119,7 @@ class MessageDecoder:
             context_lens.append(ctx)
             n_logits.append(nl)
             tables.append(table)
-        return ragged_batch(new_tokens, context_lens, tables, n_logits, page_size, device,
-                            msg.data_parallel_splits, list(msg.request_ids))
+        batch = ragged_batch(new_tokens, context_lens, tables, n_logits, page_size, device,
+                             msg.data_parallel_splits, list(msg.request_ids))
+        batch.host.finished_request_ids = list(msg.finished_request_ids)
+        return batch

@@ -3,9 +3,10 @@ docs/serving.md §6).
 
 Per step, outside the layers: ONE ``broadcast_object_list`` of the step message from rank 0
 (parallel/message.py: what changed since the previous step; torch sends it as a size broadcast plus
-a payload broadcast) and, under DP_EP with dp > 1 only, ONE
-``gather`` of the replicas' logits to rank 0. Under TP_TP / TP_EP every rank ends the step with
-the full hidden states (replicated lm_head), so rank 0 already holds all logits.
+a payload broadcast) and, under DP_EP with dp > 1 only, ONE gather to rank 0: of the replicas'
+draws (``gather_object`` of token ids and logprobs, when the engine hands down each replica's
+sampler rows) or else of their logit rows (``gather``). Under TP_TP / TP_EP every rank ends the step
+with the full hidden states (replicated lm_head), so rank 0 already holds all logits.
 
 DP_EP replicas (``data_parallel_splits``, docs/serving.md §6): the engine holds one scheduler and one
 KV page allocator per replica (engine/core.py) and hands over a batch ordered replica by replica
@@ -19,6 +20,7 @@ Legend: B requests, T new tokens, N returned logit rows, V vocab.
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -94,7 +96,7 @@ def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
 
 
 def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch, kv: KVStorage,
-                  sampling: list[Any] | None = None) -> Any:
+                  sampling: list[Any] | None = None, held: dict | None = None) -> Any:
     """One rank's part of a step. Returns logits [N, V] f32 of the whole batch on rank 0 (None
     on the other ranks under DP_EP, whose rows went to rank 0 in one gather). Under DP_EP every
     rank runs its replica's slice, also an empty one (its model still joins the EP exchange);
@@ -103,13 +105,17 @@ def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch, kv: KVS
     ``sampling`` (DP_EP only): per replica, an object whose ``sample(logits [N_r, V])`` draws the
     replica's rows (engine/sampling.py `SamplingRows`, handed down by the engine); each rank draws
     its own and rank 0 returns the list of every replica's draws (one ``gather_object``: token ids
-    and logprobs, no logits), None elsewhere."""
+    and logprobs, no logits), None elsewhere. ``held``: this rank's sampling states by request id
+    (the rows' ``sample`` adds new ones; the batch's finished requests are dropped first)."""
     if not dp_attention(state.mode, state.world_size):
         return model(batch, kv)
     logits = model(replica_batch(batch, state.dp_rank), kv)  # [N_r, V]
+    held = {} if held is None else held
+    for rid in batch.host.finished_request_ids or []:
+        held.pop(rid, None)
     if sampling is not None:
         rows = sampling[state.dp_rank]
-        drawn = rows.sample(logits.float()) if rows.num_rows else None
+        drawn = rows.sample(logits.float(), held=held) if rows.num_rows else None
         bins = [None] * state.world_size if state.rank == 0 else None
         dist.gather_object(drawn, bins, dst=0, group=state.group)
         return bins
@@ -135,14 +141,16 @@ def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "
     kv: KVStorage | None = None
     cfg: MiniMaxM2Config = model.config
     decoder = MessageDecoder()
+    held: dict = {}   # sampling states of this replica's requests (sent once)
     while True:
         msg = _receive(state)
         if msg["kind"] == "stop":
             return
         if msg["kv"] is not None:
             kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
-            decoder = MessageDecoder()
-        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv, msg["sampling"])
+            decoder, held = MessageDecoder(), {}
+        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv, msg["sampling"],
+                      held)
 
 
 def _receive(state: ParallelState) -> dict[str, Any]:
@@ -177,6 +185,7 @@ class DistributedModel:
     encoder: MessageEncoder = field(default_factory=MessageEncoder)
     message_bytes: int = 0   # size of the last step message (benchmarks/parallel.py reports it)
     replica_sampled_steps: int = 0   # steps whose rows were drawn on the replicas (tests read it)
+    held: dict = field(default_factory=dict)   # sampling states of replica 0's requests
 
     @property
     def config(self) -> MiniMaxM2Config:
@@ -224,14 +233,14 @@ class DistributedModel:
         first = kv is not self.kv_seen  # a new pool: the workers allocate theirs alike
         self.kv_seen = kv
         if first:
-            self.encoder = MessageEncoder()
+            self.encoder, self.held = MessageEncoder(), {}
         step = self.encoder.encode(batch)
         self.replica_sampled_steps += sampling is not None
-        self.message_bytes = step.nbytes
+        self.message_bytes = step.nbytes + (len(pickle.dumps(sampling)) if sampling is not None else 0)
         try:
             _send(self.state, {"kind": "step", "step": step, "sampling": sampling,
                                "kv": KVSpec.of(kv) if first else None})
-            return run_rank_step(self.model, self.state, batch, kv, sampling)
+            return run_rank_step(self.model, self.state, batch, kv, sampling, self.held)
         except RuntimeError:
             if self.workers is not None:
                 self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
