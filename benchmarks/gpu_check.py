@@ -29,7 +29,10 @@ CUDA device (and without --cpu-smoke) it prints that and exits 0.
 
 ``--part attention`` runs instead the check of the Triton paged attention kernel
 (benchmarks/gpu_attention.py: correctness against ``attend`` and decode time against the
-bandwidth bound; < 6 min on one H200; needs triton 3.6, no more).
+bandwidth bound; < 6 min on one H200; needs triton 3.6, no more). ``--part moe`` runs the check
+of the Triton fused MoE (benchmarks/gpu_moe.py: every stored format at 256 experts top-8 against
+a GPU fp32 reference and the torch grouped_mm path; decode time against the bandwidth bound of
+the expert bytes read; not run on a GPU yet).
 
 ``--part engine`` (issue 29 item 4) times the engine's decode step on the bench config in bf16:
 the step built as the runner builds it (``ragged_batch`` into persistent ``StepBuffers``, one
@@ -435,13 +438,32 @@ def attention_part(device: str, smoke: bool) -> int:
     return 0 if out["ok"] else 1
 
 
+def moe_part(device: str, smoke: bool) -> int:
+    """``--part moe``: benchmarks/gpu_moe.py (imported here: it needs triton)."""
+    from gpu_moe import check_moe
+
+    t = time.perf_counter()
+    out = {"torch": torch.__version__, "device": device,
+           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+           **check_moe(device, smoke)}
+    out["wall_s"] = time.perf_counter() - t
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "gpu_check_moe.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+    print(f"gpu_check --part moe: {'OK' if out['ok'] else 'OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
+    return 0 if out["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-runnable parts on tiny dims")
-    ap.add_argument("--part", choices=("model", "attention", "engine"), default="model",
+    ap.add_argument("--part", choices=("model", "attention", "moe", "engine"), default="model",
                     help="model: the forward (this module's docstring); attention: the Triton paged "
-                    "attention kernel (benchmarks/gpu_attention.py); engine: decode steps with and "
-                    "without CUDA graphs against the bandwidth bound")
+                    "attention kernel (benchmarks/gpu_attention.py); moe: the Triton fused MoE "
+                    "(benchmarks/gpu_moe.py); engine: decode steps with and without CUDA graphs "
+                    "against the bandwidth bound")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
         device = "cuda"
@@ -453,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.part == "attention":
         return attention_part(device, smoke=args.cpu_smoke and device == "cpu")
+    if args.part == "moe":
+        return moe_part(device, smoke=args.cpu_smoke and device == "cpu")
     if args.part == "engine":
         return engine_part(device, smoke=args.cpu_smoke and device == "cpu")
     t = time.perf_counter()

@@ -90,3 +90,25 @@ def test_engine_part_cpu_smoke_times_decode_against_the_bound(tmp_path):
     for d in res["decode"].values():
         assert d["eager_tok_s"] > 0 and d["eager_over_bound"] == d["eager_tok_s"] / d["bound_tok_s"]
         assert "graph_tok_s" not in d
+
+
+def test_moe_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
+    # --part moe (issue 31 item 4): torch and triton only; the smoke runs every format at tiny dims
+    code = (f"import sys; sys.argv = ['gpu_check']; sys.path.insert(0, {str(SCRIPT.parent)!r});"
+            "import gpu_check, gpu_moe, m2serve.kernels.triton.moe; bad = sorted(m for m in "
+            "sys.modules if m.split('.')[0] in ('pydantic', 'fastapi', 'llguidance', 'tokenizers', "
+            "'transformers') or m.startswith(('m2serve.serve', 'm2serve.engine', 'm2serve.text', "
+            "'m2serve.parallel', 'm2serve.checkpoints'))); print(bad)")
+    r = _run(code=code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    r = _run("--part", "moe", "--cpu-smoke", out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "gpu_check_moe.json").read_text())
+    assert res["ok"] and res["device"] == "cpu" and res["copy_rate_gb_s"] > 0
+    assert set(res["correctness"]) == {"bf16", "fp8_block", "nvfp4_modelopt", "nvfp4_ct", "mxfp4"}
+    for c in res["correctness"].values():  # bf16 activations: within bf16 rounding of the fp32 reference
+        assert c["kernel_max_abs_diff"] <= 2**-6 * c["max_abs_ref"], c
+    for d in res["decode"].values():
+        assert d["bound_ms"] > 0 and d["kernel_over_bound"] == d["kernel_ms"] / d["bound_ms"]
+        assert d["bytes_read"] == d["experts_hit"] * 3 * 64 * 32 // 2 + d["experts_hit"] * 3 * 64 * 32 // 32

@@ -35,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KERNEL_MODULES: tuple[str, ...] = ("m2serve.kernels.triton.attention",)
+KERNEL_MODULES: tuple[str, ...] = ("m2serve.kernels.triton.attention", "m2serve.kernels.triton.moe")
 SM90 = GPUTarget("cuda", 90, 32)
 
 _REGISTRY: dict[str, Variant] = {}
