@@ -107,15 +107,17 @@ class StepBuffers:
     writes all its fields into ``host`` (through a numpy view: no torch op per field), copies the
     used prefix to ``dev`` in ONE copy (``non_blocking`` from pinned memory on CUDA) and hands out
     views of ``dev``; int32 fields get one device-side cast of their section. Both grow by
-    BUFFER_GROWTH when a step needs more. Views are valid until the next :meth:`load`: the engine
-    reads each step's results (sampled tokens) before it builds the next step, so the host buffer
-    is never rewritten while its copy is in flight.
+    BUFFER_GROWTH when a step needs more. Views are valid until the next :meth:`load`. On CUDA
+    the copy is queued (the host does not wait for it); a CUDA event recorded after it is waited
+    on before the next load rewrites the host buffer (a step without logit rows reads nothing back,
+    so its copy may still be in flight then).
     """
 
     device: torch.device
     host: torch.Tensor | None = None
     dev: torch.Tensor | None = None
     loads: int = field(default=0)  # steps loaded (tests)
+    copied: object | None = None  # torch.cuda.Event recorded after the last copy (CUDA only)
 
     def load(self, int64_fields: list[list[int]], int32_fields: list[list[int]],
              f32_fields: tuple[list[float], ...] | list[list[float]] = ()) -> list[torch.Tensor]:
@@ -131,6 +133,8 @@ class StepBuffers:
             cap = max(int(n * BUFFER_GROWTH), 64)
             self.host = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
             self.dev = torch.empty(cap, dtype=torch.int64, device=self.device)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has read the host buffer
         h = self.host.numpy()
         o = 0
         for f in (*int64_fields, *int32_fields):
@@ -143,6 +147,9 @@ class StepBuffers:
             o += len(f)
         dev = self.dev[:n]
         dev.copy_(self.host[:n], non_blocking=cuda)
+        if cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(self.device))
         self.loads += 1
         n64 = sum(sizes[:len(int64_fields)])
         low = dev[n64:n_flat].to(torch.int32)
