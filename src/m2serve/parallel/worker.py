@@ -182,9 +182,19 @@ class DistributedModel:
     kv_seen: KVStorage | None = None
     closed: bool = False
     encoder: MessageEncoder = field(default_factory=MessageEncoder)
-    message_bytes: int = 0   # size of the last step message (benchmarks/parallel.py reports it)
+    last_message: tuple[Any, Any] | None = None   # (step message, sampling rows) of the last step
     replica_sampled_steps: int = 0   # steps whose rows were drawn on the replicas (tests read it)
     held: dict = field(default_factory=dict)   # sampling states of replica 0's requests
+
+    @property
+    def message_bytes(self) -> int:
+        """Size in bytes of the last step's message (step message + sampling rows, pickled;
+        benchmarks/parallel.py reports it); 0 before the first step. Measured on demand, so a step
+        never pickles its message a second time just to size it."""
+        if self.last_message is None:
+            return 0
+        step, sampling = self.last_message
+        return step.nbytes + (len(pickle.dumps(sampling)) if sampling is not None else 0)
 
     @property
     def config(self) -> MiniMaxM2Config:
@@ -235,7 +245,7 @@ class DistributedModel:
             self.encoder, self.held = MessageEncoder(), {}
         step = self.encoder.encode(batch)
         self.replica_sampled_steps += sampling is not None
-        self.message_bytes = step.nbytes + (len(pickle.dumps(sampling)) if sampling is not None else 0)
+        self.last_message = (step, sampling)
         try:
             _send(self.state, {"kind": "step", "step": step, "sampling": sampling,
                                "kv": KVSpec.of(kv) if first else None})
