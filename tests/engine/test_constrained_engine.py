@@ -2,7 +2,7 @@
 
 Random weights carry no structure, so every structure in the outputs comes from the constraint. The
 outputs are checked with independent readers: ``json.loads`` + the ``jsonschema`` package, and
-m2serve's output parser (spec chat-and-parsers.md §3) whose arguments are validated with
+m2serve's output parser (docs/parsers.md §3) whose arguments are validated with
 ``jsonschema`` against each tool's parameters.
 
 * the must-show batch: 300 samples per kind (three response_format schemas, tool_choice required,

@@ -3,7 +3,7 @@ preemption of the newest request by recompute, prefix hits at re-admission, and 
 update (``Scheduler.update_from_output``: tokens, penalty counts, reasoning state, constraint,
 finish), driven directly.
 
-Spec: serving.md §8 (all tokens of a step, decodes included, within max_batch_input_tokens;
+Spec: docs/serving.md §8 (all tokens of a step, decodes included, within max_batch_input_tokens;
 preemption frees pages and requeues), §7 (full pages only), §10 (stop conditions, penalties).
 Expected values derived by hand below.
 """
@@ -178,7 +178,7 @@ def test_penalties_need_a_penalty_state():
 
 
 def test_reasoning_state_is_computed_in_the_update():
-    # chat-and-parsers.md P1: reasoning until an end id (counted); the temperature follows
+    # docs/parsers.md P1: reasoning until an end id (counted); the temperature follows
     kv = KVCacheManager(num_pages=8, page_size=4)
     sched = Scheduler(kv, max_batch_input_tokens=16, max_batch_size=4)
     p = SamplingParams(temperature=0.5, thinking_temperature=0.0, start_in_reasoning=True,

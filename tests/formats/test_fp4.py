@@ -1,6 +1,6 @@
 """FP4 element formats and dequantisation against the reference libraries' own functions.
 
-checkpoints.md §5 (E2M1 table, nibble order, E8M0), §6 (NVFP4 / MXFP4 formulas), §8 (the
+docs/checkpoints.md §5 (E2M1 table, nibble order, E8M0), §6 (NVFP4 / MXFP4 formulas), §8 (the
 references: nvidia-modelopt NVFP4QTensor, compressed-tensors NVFP4 helpers + dequantize, amd-quark
 Pack_fp4 / to_e8m0_uint8 / dequantize_fp4_fp6_per_group). Equality is bitwise (int32 views, so
 -0.0 and 0.0 differ) on random bytes that hit every code, plus explicit edge rows.
@@ -79,7 +79,7 @@ def assert_equal_but_sign_of_zero(ours: torch.Tensor, modelopt: torch.Tensor) ->
 GLOBAL_SCALES = [2.0**-30, 0.0123, 1.0, 2.0**20]
 
 
-def test_e2m1_table_matches_spec_and_libraries():  # checkpoints.md §5
+def test_e2m1_table_matches_spec_and_libraries():  # docs/checkpoints.md §5
     codes = torch.arange(16, dtype=torch.uint8)
     packed = (codes[0::2] | (codes[1::2] << 4)).reshape(1, 8)
     ours = unpack_e2m1(packed)
@@ -92,7 +92,7 @@ def test_e2m1_table_matches_spec_and_libraries():  # checkpoints.md §5
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_unpack_matches_libraries_and_inverts_their_pack(seed):  # checkpoints.md §5 packing
+def test_unpack_matches_libraries_and_inverts_their_pack(seed):  # docs/checkpoints.md §5 packing
     p = packed_codes(seed)
     ours = unpack_e2m1(p)  # [N, K]
     assert torch.equal(bits(ours), bits(unpack_fp4_from_uint8(p, N, K, dtype=torch.float32)))
@@ -104,7 +104,7 @@ def test_unpack_matches_libraries_and_inverts_their_pack(seed):  # checkpoints.m
 
 @pytest.mark.parametrize("ws2", GLOBAL_SCALES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nvfp4_modelopt_equals_modelopt_dequantize(ws2, dtype):  # checkpoints.md §6 NVFP4 (ModelOpt)
+def test_nvfp4_modelopt_equals_modelopt_dequantize(ws2, dtype):  # docs/checkpoints.md §6 NVFP4 (ModelOpt)
     p, ws = packed_codes(2), e4m3_scales(3)
     ws2_t = torch.tensor(ws2, dtype=torch.float32)
     ref = NVFP4QTensor(torch.Size([N, K]), dtype, p).dequantize(
@@ -114,7 +114,7 @@ def test_nvfp4_modelopt_equals_modelopt_dequantize(ws2, dtype):  # checkpoints.m
     assert_equal_but_sign_of_zero(ours, ref)
 
 
-def test_nvfp4_modelopt_roundtrip_of_modelopt_quantize():  # checkpoints.md §8 produce/check
+def test_nvfp4_modelopt_roundtrip_of_modelopt_quantize():  # docs/checkpoints.md §8 produce/check
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(4)) * 0.02
     w[1, :16] = 0.0  # an all-zero block (scale forced to 1.0 by modelopt)
     qt, ws, ws2 = NVFP4QTensor.quantize(w.clone(), 16)
@@ -125,7 +125,7 @@ def test_nvfp4_modelopt_roundtrip_of_modelopt_quantize():  # checkpoints.md §8 
 
 
 @pytest.mark.parametrize("wgs", [1.0 / s for s in GLOBAL_SCALES] + [3.0])
-def test_nvfp4_ct_equals_compressed_tensors_dequantize(wgs):  # checkpoints.md §4 compressed-tensors
+def test_nvfp4_ct_equals_compressed_tensors_dequantize(wgs):  # docs/checkpoints.md §4 compressed-tensors
     p, ws = packed_codes(5), e4m3_scales(6)
     gs = torch.tensor([wgs], dtype=torch.float32)
     args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
@@ -137,7 +137,7 @@ def test_nvfp4_ct_equals_compressed_tensors_dequantize(wgs):  # checkpoints.md �
         assert not torch.equal(ours, dequantize_nvfp4_modelopt(p, ws, 1.0 / gs, torch.float32))
 
 
-def test_nvfp4_ct_bf16_equals_compressor_decompress():  # checkpoints.md §6 one rounding
+def test_nvfp4_ct_bf16_equals_compressor_decompress():  # docs/checkpoints.md §6 one rounding
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -151,7 +151,7 @@ def test_nvfp4_ct_bf16_equals_compressor_decompress():  # checkpoints.md §6 one
     assert torch.equal(bits(dequantize_nvfp4_ct(p, ws, gs, torch.bfloat16)), bits(ref))
 
 
-def test_e8m0_decode_matches_quark_and_compressed_tensors():  # checkpoints.md §5 E8M0
+def test_e8m0_decode_matches_quark_and_compressed_tensors():  # docs/checkpoints.md §5 E8M0
     e = torch.arange(255, dtype=torch.uint8)
     ours = decode_e8m0(e)
     assert torch.equal(bits(ours), bits(_e8m0_to_fp32(e)))
@@ -162,7 +162,7 @@ def test_e8m0_decode_matches_quark_and_compressed_tensors():  # checkpoints.md �
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_equals_quark_per_group_dequantize(dtype):  # checkpoints.md §6 MXFP4
+def test_mxfp4_equals_quark_per_group_dequantize(dtype):  # docs/checkpoints.md §6 MXFP4
     p = packed_codes(9)
     g = torch.Generator().manual_seed(10)
     s = torch.randint(100, 150, (N, K // 32), generator=g, dtype=torch.uint8)
@@ -174,7 +174,7 @@ def test_mxfp4_equals_quark_per_group_dequantize(dtype):  # checkpoints.md §6 M
     assert torch.equal(bits(ours), bits(ref))
 
 
-def test_packed_fp4_dispatches_by_scheme():  # checkpoints.md §4: one formula per convention
+def test_packed_fp4_dispatches_by_scheme():  # docs/checkpoints.md §4: one formula per convention
     p, ws = packed_codes(11), e4m3_scales(12)
     s2 = torch.tensor(0.37)
     assert torch.equal(PackedFP4(FP4Scheme.NVFP4_MODELOPT, p, ws, s2).dequantize(torch.float32),
@@ -189,7 +189,7 @@ def test_packed_fp4_dispatches_by_scheme():  # checkpoints.md §4: one formula p
 
 # ---- errors (issue 7 "Errors"), each message asserted -------------------------------------------
 
-def test_wrong_scale_shape_names_tensor():  # checkpoints.md §4 "a scale of the wrong shape"
+def test_wrong_scale_shape_names_tensor():  # docs/checkpoints.md §4 "a scale of the wrong shape"
     p, ws = packed_codes(0), e4m3_scales(0)
     with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight_scale: scale shape \[24, 4\] does not "
                        r"match weight experts\.0\.w1\.weight \[24, 128\] in groups of 16 along K "
@@ -203,7 +203,7 @@ def test_wrong_scale_shape_names_tensor():  # checkpoints.md §4 "a scale of the
         dequantize_mxfp4(p, torch.full((24, 8), 127, dtype=torch.uint8), name="w3.weight")
 
 
-def test_e8m0_nan_code_rejected():  # checkpoints.md §5 (255 = NaN)
+def test_e8m0_nan_code_rejected():  # docs/checkpoints.md §5 (255 = NaN)
     s = torch.full((24, 4), 127, dtype=torch.uint8)
     s[3, 2] = 255
     with pytest.raises(ValueError, match=r"w1\.weight_scale: 1 E8M0 scale\(s\) hold the NaN code 255 "
@@ -211,7 +211,7 @@ def test_e8m0_nan_code_rejected():  # checkpoints.md §5 (255 = NaN)
         dequantize_mxfp4(packed_codes(0), s, name="w1.weight")
 
 
-def test_wrong_dtypes_rejected():  # checkpoints.md §4 per-linear table
+def test_wrong_dtypes_rejected():  # docs/checkpoints.md §4 per-linear table
     p = packed_codes(0)
     with pytest.raises(ValueError, match=r"x\.weight: packed FP4 weight must be uint8, found torch\.int8"):
         unpack_e2m1(p.view(torch.int8), "x.weight")

@@ -1,5 +1,5 @@
 """EP dispatch/combine and the TP_EP sequence-parallel residual path on 2 gloo ranks, against
-hand-written single-process references (spec/serving.md §3, §4)."""
+hand-written single-process references (docs/parallelism.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def _check(rank: int, world: int) -> dict:
     return res
 
 
-# serving.md §3: EP exchange = counts, dispatch, combine; TP_EP default = reduce_scatter + all_gather.
+# docs/parallelism.md §3: EP exchange = counts, dispatch, combine;
+# TP_EP default = reduce_scatter + all_gather.
 def test_ep_exchange_and_sequence_parallel_two_ranks():
     out = run_ranks(_check, 2, timeout_s=30)
     for r, res in enumerate(out):

@@ -1,5 +1,5 @@
 """Multi-node on one machine: torchrun, 2 nodes x 2 CPU processes on 127.0.0.1 (world size 4),
-env:// rendezvous; greedy output equals one process (issue 8 "must show", serving.md §1, V5)."""
+env:// rendezvous; greedy output equals one process (issue 8 "must show", docs/parallelism.md §1, V5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reasoning and two tool calls through the real server (issue 5 "Must show", chat-and-parsers.md §3).
+"""Reasoning and two tool calls through the real server (issue 5 "Must show", docs/parsers.md §3).
 
 The server process is tests/serve/replay_server.py (TEST-ONLY): the real ``m2serve serve`` whose model
 replays REPLAY below after the generation prompt. Checked streamed and non-streamed with the openai
