@@ -88,8 +88,11 @@ def test_router_is_row_independent_in_the_mode():
     _rows_alone_equal(lambda a: torch.cat([t.float() for t in route(a, gate, None, 4, True)], 1), h)
 
 
-def test_seeded_requests_alone_and_batched_are_token_identical_in_bf16(tiny_random_dir):
-    llm = LLM(str(tiny_random_dir), batch_invariant=True, num_kv_pages=64, kv_cache_page_size=16)
+@pytest.mark.parametrize("variant, dtype", [("bf16", "bfloat16"), ("bf16", "float32"), ("fp8", "bfloat16")])
+def test_seeded_requests_alone_and_batched_are_token_identical(variant, dtype, tiny_random_dir,
+                                                               tiny_random_fp8_dir):
+    path = tiny_random_dir if variant == "bf16" else tiny_random_fp8_dir  # fp8: packed experts and linears
+    llm = LLM(str(path), dtype=dtype, batch_invariant=True, num_kv_pages=64, kv_cache_page_size=16)
     prompts = ["The capital of France is", "Once upon a time there", "def fib(n):", "1 2 3 4 5",
                "Hello, my name is", "The quick brown fox", "In 1492, Columbus", "import numpy as np"]
     params = SamplingParams(seed=1234, temperature=1.0, top_p=0.95, top_k=40, max_tokens=32, ignore_eos=True)
