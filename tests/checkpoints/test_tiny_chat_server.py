@@ -15,6 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "serve"))
 

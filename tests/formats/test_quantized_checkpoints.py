@@ -42,6 +42,8 @@ from m2serve.kernels.build import kernel_backend
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
 
+pytestmark = pytest.mark.slow  # transformers oracle runs over every format and step
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import transformers

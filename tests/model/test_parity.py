@@ -17,6 +17,8 @@ from m2serve.checkpoints.tiny_random import build_tiny_random
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
 
+pytestmark = pytest.mark.slow  # transformers oracle runs over every format and step
+
 transformers = pytest.importorskip("transformers")
 
 PROMPT_LENS = (5, 11, 23)

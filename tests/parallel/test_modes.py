@@ -33,6 +33,8 @@ from m2serve.model.simple_cache import SimpleKVCache
 from m2serve.parallel.launch import run_ranks
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 # torch >= 2.13 spells reduce_scatter_tensor / all_gather_into_tensor as *_single (the old names
 # are deprecated aliases calling the new ones); both spellings count as one collective.
 KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from m2serve.engine.core import LLMEngine
 from m2serve.parallel.launch import free_port
+
+pytestmark = pytest.mark.slow  # starts several rank processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun_greedy import engine_args, greedy  # noqa: E402

@@ -16,6 +16,8 @@ from serve_helpers import FAST_ENGINE_FLAGS, free_port, start_server
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 PROMPTS = ["Hello world", "The capital of France is"]
 
 

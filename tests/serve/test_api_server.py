@@ -17,6 +17,8 @@ from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
 import m2serve
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 API_KEY = "test-key-123"
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris."}]

@@ -19,6 +19,8 @@ import openai
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, HERE, metric, start_server
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 REASONING = "The user wants the weather and the local time in Paris."
 REPLAY = (
     REASONING + "\n</think>\n\n<minimax:tool_call>\n"
