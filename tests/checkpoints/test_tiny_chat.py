@@ -209,6 +209,7 @@ def m2serve_outputs():
     return ev.generate_m2serve(CKPT, _subset(), dtype="float32", kv_cache_format="float32")
 
 
+@pytest.mark.slow  # generates the fixed evaluation subset
 def test_accuracy_floors_on_fixed_subset(m2serve_outputs):
     # issue 6 "must show": floors 80% / 80% / 80% on a fixed 50-example held-out subset, greedy through
     # the m2serve engine and parser; for no_tool, a call the parser rejects (to a tool that was not
@@ -231,6 +232,7 @@ def test_a_rejected_call_still_counts_as_a_call():
     assert not ev.score(ex, called) and ev.score(ex, answered)
 
 
+@pytest.mark.slow  # the evaluation subset's outputs (fixture above)
 def test_reasoning_always_closed(m2serve_outputs):
     # issue 6 "must show": reasoning always closed before content or a call (the generation prompt
     # opens <think>, docs/parsers.md §2)
@@ -238,6 +240,7 @@ def test_reasoning_always_closed(m2serve_outputs):
     assert ok == n, f"reasoning not closed in {n - ok}/{n} outputs"
 
 
+@pytest.mark.slow  # greedy decoding in both engines
 def test_transformers_and_m2serve_same_greedy_tokens():
     # issue 6 / docs/model.md §6: transformers (fp32, FP8 dequantised at load) and m2serve load the
     # committed FP8 checkpoint and give the same greedy tokens on 20 held-out prompts

@@ -70,6 +70,7 @@ def run(eng: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str]]:
     return toks, reasons
 
 
+@pytest.mark.slow  # 1,800 constrained requests in one batch
 def test_all_kinds_in_one_batch(tiny_random_dir, compiler):
     eng = make_engine(tiny_random_dir, num_kv_pages=8000, max_batch_size=2048,
                       max_batch_input_tokens=16384)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -94,6 +95,7 @@ def _check(rank: int, world: int) -> dict:
 
 # docs/parallelism.md §3: EP exchange = counts, dispatch, combine;
 # TP_EP default = reduce_scatter + all_gather.
+@pytest.mark.slow  # starts two rank processes
 def test_ep_exchange_and_sequence_parallel_two_ranks():
     out = run_ranks(_check, 2, timeout_s=30)
     for r, res in enumerate(out):
