@@ -3,16 +3,15 @@ band by band as the loader does it."""
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401  (transformers needs it to load FP8; a test extra, pyproject.toml)
 import pytest
 import torch
+import transformers  # a test extra: missing, these tests fail rather than skip
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_block
 from m2serve.formats.loader import dequantize_in_bands
 from m2serve.model.load import load_model
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
 
 def _random_e4m3(shape, seed):

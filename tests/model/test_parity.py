@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import transformers  # a test extra (pyproject.toml): missing, the oracle tests fail, not skip
 
 from m2serve.checkpoints.tiny_random import build_tiny_random
 from m2serve.model.load import load_model
@@ -19,7 +20,6 @@ from m2serve.model.simple_cache import SimpleKVCache
 
 pytestmark = pytest.mark.slow  # transformers oracle runs over every format and step
 
-transformers = pytest.importorskip("transformers")
 
 PROMPT_LENS = (5, 11, 23)
 DECODE_STEPS = 16
