@@ -4,9 +4,9 @@ The bench config (vocab 32,000, hidden 3072, 48 heads, 8 KV heads, head_dim 128,
 intermediate 1536, 2 layers, 32 experts top-8) is built once in a temp dir in four encodings of
 the same random weights: BF16 and FP8 (128x128 blocks) by ``checkpoints/tiny_random.py``; NVFP4
 (ModelOpt names and config) and MXFP4 (Quark names and config) by quantising the BF16 experts
-here with the checkpoints.md §6 conventions (NVFP4: weight_scale_2 = amax / (6 * 448), e4m3
+here with the docs/checkpoints.md §6 conventions (NVFP4: weight_scale_2 = amax / (6 * 448), e4m3
 block scales per 16; MXFP4: E8M0 scale 2^(floor(log2 amax) - 2) per 32; nearest E2M1 code).
-Attention, router, embeddings and lm_head stay BF16, as in the releases (checkpoints.md §7).
+Attention, router, embeddings and lm_head stay BF16, as in the releases (docs/checkpoints.md §7).
 
 Each row (encoding, --weight-dequant mode, CPU linear backend) runs in its own subprocess, one
 after the other, once per thread count (``--threads``, default 1 and 2), so memory figures do not
@@ -78,7 +78,7 @@ def _e2m1_codes(x):
 
 
 def _pack(codes):
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)  # column 2j in the low nibble (checkpoints.md §5)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)  # column 2j in the low nibble (docs/checkpoints.md §5)
 
 
 def quantize_nvfp4(w) -> dict:

@@ -1,6 +1,8 @@
 """Every rule and section the code cites is described in docs/ (the repository explains itself).
 
-Collected from every ``.py`` and ``.jinja`` file under src/: rule ids (parser rules P1–P26 of
+Collected from every ``.py`` and ``.jinja`` file under src/, the ``.py`` files of tests/ and
+benchmarks/ (this file excepted: its examples are stale on purpose), every text file under tools/
+and recipes/, and README.md: rule ids (parser rules P1–P26 of
 docs/parsers.md, validation rules V1–V10 of docs/parallelism.md) and section references written
 ``docs/<page>.md §N`` (also lists such as ``§1, §3`` and ranges ``§6–§7``). Each must resolve: the
 page exists and has a heading ``§N`` (rules: a bold ``**P13**`` definition). References to the old
@@ -18,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "m2serve"
 DOCS = ROOT / "docs"
+TEXT_SUFFIXES = {".py", ".jinja", ".md", ".yaml", ".yml", ".json", ".txt", ".sh", ".toml"}
 
 RULE = re.compile(r"\b([PV])(\d{1,2})\b")
 SECTION_TAIL = r"((?:\s*(?:,|-|–|and)\s*§\s*\d+(?:\.\d+)?)*)"
@@ -29,11 +32,20 @@ RULE_HOME = {"P": "parsers", "V": "parallelism"}
 
 
 def _sources() -> list[Path]:
+    """src/'s code, then the other places that cite docs/ (module docstring)."""
     return sorted(p for p in SRC.rglob("*") if p.suffix in (".py", ".jinja"))
 
 
-def _lines():
-    for path in _sources():
+def _cited_files() -> list[Path]:
+    here = Path(__file__).resolve()
+    other = [p for d in ("tests", "benchmarks") for p in (ROOT / d).rglob("*.py") if p.resolve() != here]
+    other += [p for d in ("tools", "recipes") for p in (ROOT / d).rglob("*")
+              if p.is_file() and p.suffix in TEXT_SUFFIXES]
+    return _sources() + sorted(other) + [ROOT / "README.md"]
+
+
+def _lines(paths: list[Path] | None = None):
+    for path in _cited_files() if paths is None else paths:
         for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             yield f"{path.relative_to(ROOT)}:{no}", line
 
@@ -68,7 +80,7 @@ def test_cited_rules_are_defined_in_docs():
             if rule not in defined:
                 missing.append(f"{where}: {rule} is not defined in docs/{RULE_HOME[kind]}.md "
                                f"(add a '**{rule}**' entry there)")
-    assert not missing, "rule ids cited in src/ but not described in docs/:\n" + "\n".join(missing)
+    assert not missing, "rule ids cited but not described in docs/:\n" + "\n".join(missing)
     assert {f"P{i}" for i in range(1, 27)} | {f"V{i}" for i in range(1, 11)} <= defined
 
 
@@ -85,7 +97,7 @@ def test_cited_sections_exist_in_docs():
             for sec in [first, *re.findall(r"§\s*(\d+(?:\.\d+)?)", tail)]:
                 if sec not in heads:
                     missing.append(f"{where}: docs/{page}.md has no section §{sec}")
-    assert not missing, "sections cited in src/ but missing from docs/:\n" + "\n".join(missing)
+    assert not missing, "sections cited but missing from docs/:\n" + "\n".join(missing)
     assert count > 100  # the collector sees the code's citations (about 150 of them)
 
 
@@ -98,7 +110,8 @@ def test_citations_name_docs_pages():
 
 
 def test_no_issue_numbers_in_src():
-    hits = [f"{w}: {line.strip()}" for w, line in _lines() if re.search(r"\bissues? ?#?\d+", line, re.I)]
+    hits = [f"{w}: {line.strip()}" for w, line in _lines(_sources())
+            if re.search(r"\bissues? ?#?\d+", line, re.I)]
     assert not hits, "src/ cites issue numbers (describe the behaviour in docs/ instead):\n" + "\n".join(hits)
 
 

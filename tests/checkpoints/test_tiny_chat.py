@@ -1,9 +1,9 @@
 """The committed `tiny-chat` checkpoint (issue 6): format, tokenizer, held-out split, accuracy floors and
 transformers-vs-m2serve greedy equality.
 
-References: spec checkpoints.md §1/§4/§7 (files, FP8 block format, dtypes), chat-and-parsers.md §1
+References: docs/checkpoints.md §1/§4/§7 (files, FP8 block format, dtypes), docs/parsers.md §1
 (special tokens) and §2 (template); the expected answers come from the data generator
-(tools/tiny_chat/data.py) and the oracle is transformers' MiniMaxM2ForCausalLM (model.md §6).
+(tools/tiny_chat/data.py) and the oracle is transformers' MiniMaxM2ForCausalLM (docs/model.md §6).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tools.tiny_chat import data, export  # noqa: E402
 from tools.tiny_chat import evaluate as ev  # noqa: E402
 
 CKPT = REPO / "src/m2serve/checkpoints/tiny-chat"
-# The release's quantization_config (checkpoints.md §4), verbatim.
+# The release's quantization_config (docs/checkpoints.md §4), verbatim.
 RELEASE_FP8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
                "weight_block_size": [128, 128],
                "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
@@ -40,7 +40,7 @@ def _subset() -> list[data.Example]:
 
 
 def test_files_size_and_configs():
-    # checkpoints.md §1 files; issue 6: <= 25 MB in total; model.md §1 generation defaults
+    # docs/checkpoints.md §1 files; issue 6: <= 25 MB in total; docs/model.md §1 generation defaults
     names = {p.name for p in CKPT.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "chat_template.jinja"} <= names
@@ -64,7 +64,7 @@ def test_files_size_and_configs():
 
 
 def test_tensor_dtypes_follow_the_fp8_release():
-    # checkpoints.md §2/§7: q/k/v/o and experts F8_E4M3 + fp32 weight_scale_inv [N/128, K/128];
+    # docs/checkpoints.md §2/§7: q/k/v/o and experts F8_E4M3 + fp32 weight_scale_inv [N/128, K/128];
     # router gate and bias fp32; embed, lm_head and norms bf16
     with safe_open(str(CKPT / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -87,7 +87,7 @@ def test_tensor_dtypes_follow_the_fp8_release():
 
 
 def test_tokenizer_special_tokens_and_transformers_agreement():
-    # chat-and-parsers.md §1: each special token one id; no added specials when encoding a prompt
+    # docs/parsers.md §1: each special token one id; no added specials when encoding a prompt
     from transformers import AutoTokenizer
 
     tok = Tokenizer.from_file(str(CKPT / "tokenizer.json"))
@@ -136,7 +136,7 @@ def test_held_out_values_never_occur_in_training():
 def test_export_inverts_to_the_training_weights_bit_for_bit():
     # tools/tiny_chat/export.py train_state: fine-tuning starts from the committed FP8 checkpoint; its
     # dequantised weights re-export (quantize_fp8_block, bf16 casts) to the same bytes, so the loader is
-    # the exact inverse of hub_tensors on this checkpoint (checkpoints.md §6/§8)
+    # the exact inverse of hub_tensors on this checkpoint (docs/checkpoints.md §6/§8)
     from safetensors.torch import load_file
 
     state, dims = export.train_state(CKPT)
@@ -209,6 +209,7 @@ def m2serve_outputs():
     return ev.generate_m2serve(CKPT, _subset(), dtype="float32", kv_cache_format="float32")
 
 
+@pytest.mark.slow  # generates the fixed evaluation subset
 def test_accuracy_floors_on_fixed_subset(m2serve_outputs):
     # issue 6 "must show": floors 80% / 80% / 80% on a fixed 50-example held-out subset, greedy through
     # the m2serve engine and parser; for no_tool, a call the parser rejects (to a tool that was not
@@ -231,15 +232,17 @@ def test_a_rejected_call_still_counts_as_a_call():
     assert not ev.score(ex, called) and ev.score(ex, answered)
 
 
+@pytest.mark.slow  # the evaluation subset's outputs (fixture above)
 def test_reasoning_always_closed(m2serve_outputs):
     # issue 6 "must show": reasoning always closed before content or a call (the generation prompt
-    # opens <think>, chat-and-parsers.md §2)
+    # opens <think>, docs/parsers.md §2)
     ok, n = ev.rates(_subset(), m2serve_outputs)["reasoning_closed"]
     assert ok == n, f"reasoning not closed in {n - ok}/{n} outputs"
 
 
+@pytest.mark.slow  # greedy decoding in both engines
 def test_transformers_and_m2serve_same_greedy_tokens():
-    # issue 6 / model.md §6: transformers (fp32, FP8 dequantised at load) and m2serve load the
+    # issue 6 / docs/model.md §6: transformers (fp32, FP8 dequantised at load) and m2serve load the
     # committed FP8 checkpoint and give the same greedy tokens on 20 held-out prompts
     examples = [ex for kind in ("tool_call", "tool_result", "no_tool", "plain")
                 for ex in data.eval_subset(kind, 5, seed=99)]

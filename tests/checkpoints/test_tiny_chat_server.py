@@ -1,9 +1,9 @@
 """`tiny-chat` end to end through the real ``m2serve serve`` process and the official ``openai`` client
 (issue 6 "must show"): a weather tool call streamed and non-streamed, the tool result answered, and
-``thinking_temperature`` (serving.md §10) sampling only the reasoning.
+``thinking_temperature`` (docs/serving.md §10) sampling only the reasoning.
 
 The expected call and answer are hand-derived from the chat format the model was trained on
-(chat-and-parsers.md §2/§3), not recorded from earlier output.
+(docs/parsers.md §2/§3), not recorded from earlier output.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "serve"))
@@ -85,7 +87,7 @@ def test_weather_tool_call_streamed_and_answered(client):
 
 
 def test_thinking_temperature_samples_only_the_reasoning(client):
-    # serving.md §10 thinking_temperature: temperature 0 + a high thinking temperature -> reasoning
+    # docs/serving.md §10 thinking_temperature: temperature 0 + a high thinking temperature -> reasoning
     # varies with the seed, every token after </think> is the argmax of its distribution.
     # A request of a kind the model was never trained on (multiplication; it learned one-digit sums), so
     # its reasoning distribution is broad and sampling visibly varies. (An untrained two-digit sum served

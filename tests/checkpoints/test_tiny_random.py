@@ -1,4 +1,4 @@
-"""The tiny-random builder (issue 2 item 5; checkpoints.md §2, §4, §8; chat-and-parsers.md §1)."""
+"""The tiny-random builder (issue 2 item 5; docs/checkpoints.md §2, §4, §8; docs/parsers.md §1)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_config_dims_and_release_keys(tiny_random_dir):
 
 
 def test_tokenizer_special_tokens_and_generation_config(tiny_random_dir):
-    # chat-and-parsers.md §1: each special string is one token; bos/eos ids from the tokenizer
+    # docs/parsers.md §1: each special string is one token; bos/eos ids from the tokenizer
     tok = Tokenizer.from_file(str(tiny_random_dir / "tokenizer.json"))
     for t in ADDED_TOKENS:
         assert tok.encode(t, add_special_tokens=False).ids == [tok.token_to_id(t)], t
@@ -60,7 +60,7 @@ def test_tokenizer_special_tokens_and_generation_config(tiny_random_dir):
 
 
 def test_weights_hub_layout_dtypes_and_nontrivial_init(tiny_random_dir):
-    # checkpoints.md §2 layout; router fp32; γ and bias away from their trivial init
+    # docs/checkpoints.md §2 layout; router fp32; γ and bias away from their trivial init
     idx = json.loads((tiny_random_dir / "model.safetensors.index.json").read_text())
     assert len(set(idx["weight_map"].values())) == 2
     with CheckpointReader(tiny_random_dir) as r:
@@ -75,7 +75,7 @@ def test_weights_hub_layout_dtypes_and_nontrivial_init(tiny_random_dir):
 
 
 def test_fp8_variant_official_format(tiny_random_fp8_dir, tiny_random_dir):
-    # checkpoints.md §4 quantization_config exactly like the release; §8 block quantisation
+    # docs/checkpoints.md §4 quantization_config exactly like the release; §8 block quantisation
     cfg = json.loads((tiny_random_fp8_dir / "config.json").read_text())
     assert cfg["quantization_config"] == {
         "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
@@ -113,7 +113,7 @@ def test_cached_tiny_random_builds_into_cache(tmp_path, monkeypatch):
 
 
 def test_loads_in_transformers(tiny_random_dir):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test extra (pyproject.toml)
     m = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_dir, dtype=torch.float32)
     assert m.config.rope_parameters["partial_rotary_factor"] == 0.5
     assert float(m.model.layers[0].mlp.e_score_correction_bias.abs().min()) > 0

@@ -1,4 +1,4 @@
-"""MiniMaxM2Config resolution and validation (spec/model.md §1)."""
+"""MiniMaxM2Config resolution and validation (docs/model.md §1)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from m2serve.config.model_config import MiniMaxM2Config
 
-# released M2 config.json (model.md §1 release column; keys as the hub file has them)
+# released M2 config.json (docs/model.md §1 release column; keys as the hub file has them)
 RELEASE = {
     "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attn_type_list": [1] * 62,
     "head_dim": 128, "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608,
@@ -29,7 +29,7 @@ def test_release_config_resolves_to_release_values():
     assert (c.hidden_size, c.num_hidden_layers) == (3072, 62)
     assert (c.num_attention_heads, c.num_key_value_heads) == (48, 8)
     assert (c.head_dim, c.rotary_dim, c.partial_rotary_factor, c.rope_theta) == (128, 64, 0.5, 5e6)
-    assert c.attention_multiplier == 128 ** -0.5  # D = 128, not H / Hq = 64 (model.md §5.4)
+    assert c.attention_multiplier == 128 ** -0.5  # D = 128, not H / Hq = 64 (docs/model.md §5.4)
     assert (c.q_size, c.kv_size, c.num_key_value_groups) == (6144, 1024, 6)
     # bos / eos from generation_config.json, never config.json's 1 / 2
     assert c.bos_token_id == 200019 and c.eos_token_ids == (200020,)
@@ -37,9 +37,9 @@ def test_release_config_resolves_to_release_values():
 
 
 def test_transformers_saved_config_is_valid(tmp_path):
-    # model.md §1: save_pretrained omits scoring_func, use_qk_norm, ...; absence is valid and
+    # docs/model.md §1: save_pretrained omits scoring_func, use_qk_norm, ...; absence is valid and
     # the rope values resolve as transformers resolves them (oracle)
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test extra (pyproject.toml)
     hf = transformers.MiniMaxM2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=128, rotary_dim=64, num_hidden_layers=2, vocab_size=512)
     hf.save_pretrained(tmp_path)
@@ -127,7 +127,7 @@ def test_missing_field_names_field_and_file(tmp_path):
 
 
 def test_eos_falls_back_to_tokenizer(tiny_random_dir, tmp_path):
-    # model.md §1: no eos in generation_config.json -> the tokenizer's eos_token
+    # docs/model.md §1: no eos in generation_config.json -> the tokenizer's eos_token
     d = shutil.copytree(tiny_random_dir, tmp_path / "c")
     (d / "generation_config.json").write_text("{}")
     vocab = json.loads((d / "tokenizer.json").read_text())["added_tokens"]
@@ -135,7 +135,7 @@ def test_eos_falls_back_to_tokenizer(tiny_random_dir, tmp_path):
     assert MiniMaxM2Config.from_pretrained(d).eos_token_ids == (eos_id,)
 
 
-# Adversarial inputs (model.md §1 "Raises ValueError naming the field, value and source file"): a
+# Adversarial inputs (docs/model.md §1 "Raises ValueError naming the field, value and source file"): a
 # hand-edited config.json with a value of the wrong type is a clear ValueError, never a silent int()
 # coercion ("64" -> 64, 64.5 -> 64) nor an AttributeError / TypeError traceback.
 @pytest.mark.parametrize("field,value,want", [
@@ -175,7 +175,8 @@ def test_json_file_not_an_object(tmp_path, name, text):
 @pytest.mark.parametrize("field,value", [("temperature", "hot"), ("top_p", [1]), ("top_k", "x"),
                                          ("top_k", 2.5)])
 def test_bad_generation_defaults_name_field_and_file(field, value):
-    # model.md §1 generation defaults; adversarial: was float('hot') -> "could not convert string to float"
+    # docs/model.md §1 generation defaults; adversarial: was float('hot') ->
+    # "could not convert string to float"
     want = f"cfg.json: unsupported {field} (generation_config.json)="
     with pytest.raises(ValueError, match=re.escape(want)):
         MiniMaxM2Config.from_dict(RELEASE, {field: value}, source="cfg.json")

@@ -1,4 +1,4 @@
-"""Parallelism mode selection and the startup validation rules (spec/serving.md §1, §5)."""
+"""Parallelism mode selection and the startup validation rules (docs/parallelism.md §1, §5)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ TP_TP, TP_EP, DP_EP = ParallelismMode.TP_TP, ParallelismMode.TP_EP, ParallelismM
 
 
 def release(**over) -> MiniMaxM2Config:
-    """The released MiniMax-M2 shapes (spec/model.md §1)."""
+    """The released MiniMax-M2 shapes (docs/model.md §1)."""
     dims = dict(hidden_size=3072, num_hidden_layers=62, num_attention_heads=48, num_key_value_heads=8,
                 head_dim=128, intermediate_size=1536, vocab_size=200064, num_local_experts=256,
                 num_experts_per_tok=8)
@@ -27,7 +27,7 @@ def release(**over) -> MiniMaxM2Config:
     return MiniMaxM2Config(**dims)
 
 
-# serving.md §1: the selection table, conditions checked in order.
+# docs/parallelism.md §1: the selection table, conditions checked in order.
 @pytest.mark.parametrize("devices,dp,ep,mode", [
     (1, 1, 1, DP_EP), (1, 8, 8, DP_EP), (0, 1, 1, DP_EP),       # single device first
     (8, 8, 8, DP_EP), (8, 8, 1, DP_EP), (2, 2, 1, DP_EP),       # dp > 1
@@ -38,7 +38,7 @@ def test_select_parallelism_mode(devices, dp, ep, mode):
     assert select_parallelism_mode(devices, dp, ep) is mode
 
 
-# serving.md §1: dp_attention is the only "batch split" predicate.
+# docs/parallelism.md §1: dp_attention is the only "batch split" predicate.
 def test_dp_attention():
     assert dp_attention(DP_EP, 8)
     assert not dp_attention(DP_EP, 1)
@@ -46,7 +46,7 @@ def test_dp_attention():
     assert not dp_attention(TP_TP, 8)
 
 
-# serving.md §9: the five recipes give the modes of the table.
+# docs/serving.md §9: the five recipes give the modes of the table.
 @pytest.mark.parametrize("encoding,dp,ep,mode", [
     ("fp8", 8, 8, DP_EP), ("nvfp4", 8, 8, DP_EP), ("mxfp4", 8, 8, DP_EP),
     ("nvfp4", 1, 8, TP_EP), ("nvfp4", 1, 1, TP_TP),
@@ -58,12 +58,12 @@ def test_recipes_validate(encoding, dp, ep, mode):
     assert d.ep_size == ep
 
 
-def test_v1_data_parallel_degree():  # serving.md §5 V1
+def test_v1_data_parallel_degree():  # docs/parallelism.md §5 V1
     with pytest.raises(ValueError, match=r"data_parallel_degree=2 must be 1 or the number of devices \(4\)"):
         validate_deployment(release(), 4, 2, 1)
 
 
-def test_v2_kv_heads_not_replicated():  # serving.md §5 V2
+def test_v2_kv_heads_not_replicated():  # docs/parallelism.md §5 V2
     with pytest.raises(ValueError, match=r"Number of KV heads \(8\) must be divisible by the tensor "
                                          r"parallel degree \(16\)"):
         validate_deployment(release(), 16)
@@ -72,13 +72,13 @@ def test_v2_kv_heads_not_replicated():  # serving.md §5 V2
         validate_deployment(release(num_attention_heads=24), 3)
 
 
-def test_v3_query_heads():  # serving.md §5 V3
+def test_v3_query_heads():  # docs/parallelism.md §5 V3
     with pytest.raises(ValueError, match=r"Number of attention heads \(12\) must be divisible by the "
                                          r"tensor parallel degree \(8\)"):
         validate_deployment(release(num_attention_heads=12, num_key_value_heads=4, intermediate_size=1024), 8)
 
 
-def test_v4_ep_size_must_match_world():  # serving.md §5 V4
+def test_v4_ep_size_must_match_world():  # docs/parallelism.md §5 V4
     with pytest.raises(ValueError, match=r"ep_size=4 does not match the 8 devices of this deployment "
                                          r"\(devices per node × nodes\); set ep_size=8"):
         validate_deployment(release(), 8, 1, 4)
@@ -89,7 +89,7 @@ def test_v4_ep_size_must_match_world():  # serving.md §5 V4
         validate_deployment(release(), 1, 1, 8)
 
 
-def test_v5_experts_divisible_and_world_is_all_nodes():  # serving.md §5 V5
+def test_v5_experts_divisible_and_world_is_all_nodes():  # docs/parallelism.md §5 V5
     with pytest.raises(ValueError, match=r"num_local_experts=8 is not divisible by ep_size=3"):
         cfg = release(num_local_experts=8, num_attention_heads=24, num_key_value_heads=3)
         validate_deployment(cfg, 3, 1, 3)
@@ -98,7 +98,7 @@ def test_v5_experts_divisible_and_world_is_all_nodes():  # serving.md §5 V5
     assert (d.mode, d.tp_size, d.ep_size, d.world_size) == (TP_EP, 4, 4, 4)
 
 
-def test_v6_plain_data_parallelism_accepted():  # serving.md §5 V6
+def test_v6_plain_data_parallelism_accepted():  # docs/parallelism.md §5 V6
     d = validate_deployment(release(), 8, 8, 1)
     assert (d.mode, d.tp_size, d.ep_size) == (DP_EP, 1, 1)
     st = d.state(3)
@@ -107,7 +107,7 @@ def test_v6_plain_data_parallelism_accepted():  # serving.md §5 V6
     assert r.experts == (0, 256) and r.intermediate == (0, 1536) and r.q_heads == (0, 48)
 
 
-def test_v7_quantised_expert_split():  # serving.md §5 V7
+def test_v7_quantised_expert_split():  # docs/parallelism.md §5 V7
     with pytest.raises(ValueError, match=r"FP8 block-quantised experts cannot be split 8 ways \(192 per rank "
                                          r"is not a multiple of 128\); use ep_size=8 or tp ≤ 4"):
         validate_deployment(release(), 8, encoding="fp8")
@@ -126,21 +126,21 @@ def test_v7_quantised_expert_split():  # serving.md §5 V7
         validate_deployment(release(intermediate_size=1004), 8)
 
 
-def test_v8_memory_utilization():  # serving.md §5 V8
+def test_v8_memory_utilization():  # docs/parallelism.md §5 V8
     for bad in (0.0, -0.1, 1.01):
         with pytest.raises(ValueError, match=rf"device_memory_utilization={bad} must be in \(0, 1\]"):
             validate_deployment(release(), 1, device_memory_utilization=bad)
     assert validate_deployment(release(), 1, device_memory_utilization=1.0).mode is DP_EP
 
 
-def test_v9_batch_size_clamped(caplog):  # serving.md §5 V9
+def test_v9_batch_size_clamped(caplog):  # docs/parallelism.md §5 V9
     with caplog.at_level(logging.INFO, logger="m2serve.config.parallel"):
         d = validate_deployment(release(), 1, max_batch_size=4096, max_batch_input_tokens=1024)
     assert d.max_batch_size == 1024
     assert "max_batch_size=4096 clamped to max_batch_input_tokens=1024" in caplog.text
 
 
-def test_v10_allreduce_on_many_nodes():  # serving.md §5 V10
+def test_v10_allreduce_on_many_nodes():  # docs/parallelism.md §5 V10
     d = validate_deployment(release(), 8, 1, 8, ep_use_allreduce=True, num_nodes=2)
     assert d.mode is TP_EP and d.ep_use_allreduce and not d.state(0).sequence_parallel
     assert validate_deployment(release(), 8, 1, 8).state(0).sequence_parallel
@@ -151,7 +151,7 @@ def test_non_positive_degrees():
         validate_deployment(release(), 2, 1, 0)
 
 
-# serving.md §2: rank r holds q heads [r·Hq/P, …), kv heads [r·Hkv/P, …), experts [r·E/ep, …).
+# docs/parallelism.md §2: rank r holds q heads [r·Hq/P, …), kv heads [r·Hkv/P, …), experts [r·E/ep, …).
 def test_shard_ranges_per_mode():
     cfg = release()
     tp_tp = validate_deployment(cfg, 4).state(2)
@@ -169,7 +169,7 @@ def test_shard_ranges_per_mode():
         validate_deployment(cfg, 8, 1, 8).state(8)
 
 
-def test_fp8_attention_refusal_suggests_accepted_degrees():  # issue 16 item 5, serving.md §5
+def test_fp8_attention_refusal_suggests_accepted_degrees():  # issue 16 item 5, docs/parallelism.md §5
     # 4 KV heads x head_dim 64: tp 4 leaves 64 K/V rows per rank, not a whole 128-row FP8 block
     cfg = release(num_key_value_heads=4, head_dim=64)
     want = (r"FP8 block-quantised attention cannot be split 4 ways .*"

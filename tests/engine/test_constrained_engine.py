@@ -2,7 +2,7 @@
 
 Random weights carry no structure, so every structure in the outputs comes from the constraint. The
 outputs are checked with independent readers: ``json.loads`` + the ``jsonschema`` package, and
-m2serve's output parser (spec chat-and-parsers.md §3) whose arguments are validated with
+m2serve's output parser (docs/parsers.md §3) whose arguments are validated with
 ``jsonschema`` against each tool's parameters.
 
 * the must-show batch: 300 samples per kind (three response_format schemas, tool_choice required,
@@ -70,6 +70,7 @@ def run(eng: LLMEngine) -> tuple[dict[str, list[int]], dict[str, str]]:
     return toks, reasons
 
 
+@pytest.mark.slow  # 1,800 constrained requests in one batch
 def test_all_kinds_in_one_batch(tiny_random_dir, compiler):
     eng = make_engine(tiny_random_dir, num_kv_pages=8000, max_batch_size=2048,
                       max_batch_input_tokens=16384)

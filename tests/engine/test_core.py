@@ -2,7 +2,7 @@
 
 Reference: the same toy model run on the whole sequence in one call with a fresh KV pool for every
 token (no paging across steps, no batching, no cache reuse), so any wrong slot, position, block
-table, chunk boundary or stale page in the engine changes the tokens. Spec: serving.md §6 (batch
+table, chunk boundary or stale page in the engine changes the tokens. Spec: docs/serving.md §6 (batch
 layout), §8 (token budget, chunked prefill, preemption), issue 4 items 1–3.
 """
 
@@ -72,7 +72,7 @@ def test_batched_chunked_cached_preempted_equals_reference(toy_model, toy_config
     assert st.chunked_prefill_steps > 0 and st.preemptions > 0 and st.prefix_cache_hits > 0
     for rid, p in prompts.items():
         assert got[rid] == reference_greedy(toy_model, toy_config, p, 6), rid
-    # serving.md §8: every step within the token budget and the batch-size cap; some step mixes a
+    # docs/serving.md §8: every step within the token budget and the batch-size cap; some step mixes a
     # prefill chunk with decodes.
     assert max(sum(s) for s in sizes) <= 16 and max(len(s) for s in sizes) <= 6
     assert any(1 in s and max(s) > 1 for s in sizes)
@@ -198,7 +198,7 @@ def test_pool_pages_are_zero_from_the_start(toy_model, toy_config):
 
 def test_multi_rank_model_sets_kv_heads_and_dp_gets_a_pool_per_replica(toy_model, toy_config):
     # parallel/worker.py DistributedModel: rank 0's pool holds Hkv / tp heads; DP replicas each get a
-    # scheduler over their own pool of num_kv_pages pages, prefix caching on (serving.md §8)
+    # scheduler over their own pool of num_kv_pages pages, prefix caching on (docs/serving.md §8)
     toy_model.num_kv_heads = 1
     toy_model.data_parallel_degree = 2
     eng = make_engine(toy_model, toy_config, kv_cache_page_size=4, num_kv_pages=4)
@@ -211,7 +211,7 @@ def test_multi_rank_model_sets_kv_heads_and_dp_gets_a_pool_per_replica(toy_model
 @pytest.mark.parametrize("max_length", [0, -3])
 def test_non_positive_max_length_is_refused(toy_model, toy_config, max_length):
     # adversarial: `--max-length -3 --num-kv-pages N` skips the planner; the engine itself must refuse
-    # it rather than serve with a negative context (serving.md §7, bad input names the field)
+    # it rather than serve with a negative context (docs/serving.md §7, bad input names the field)
     with pytest.raises(ValueError, match=f"max_length={max_length} must be a positive integer"):
         make_engine(toy_model, toy_config, num_kv_pages=8, kv_cache_page_size=4, max_length=max_length)
 
@@ -227,7 +227,7 @@ def splitmix64_uniform(seed: int, position: int) -> float:
 
 
 def reference_seeded(model, config, prompt: list[int], seed: int, n: int, top_k: int) -> list[int]:
-    """Full-forward reference of a seeded top-k draw (serving.md §10): keep the k largest logits,
+    """Full-forward reference of a seeded top-k draw (docs/serving.md §10): keep the k largest logits,
     take the first token id whose cumulative probability exceeds u(seed, output position)."""
     seq = list(prompt)
     for i in range(n):

@@ -1,11 +1,11 @@
 """Engine must-show tests on the real model (tiny-random checkpoint, fp32): issue 4, "Must show".
 
-* batching changes nothing (serving.md §6, §8): continuous batching + chunked prefill + prefix
+* batching changes nothing (docs/serving.md §6, §8): continuous batching + chunked prefill + prefix
   caching + forced preemption give the same greedy tokens as one-at-a-time runs without cache reuse,
   compared up to the reference's first near-tie (top-2 logprob margin < 1e-3);
-* prefix-cache exactness (serving.md §7: full pages only, chained hashes);
+* prefix-cache exactness (docs/serving.md §7: full pages only, chained hashes);
 * no leaks (every page free after finish / abort);
-* fp8 KV cache (checkpoints.md §3.6, issue 4 item 1): float8_e4m3fn pages, half the bytes of bf16,
+* fp8 KV cache (docs/checkpoints.md §3.6, issue 4 item 1): float8_e4m3fn pages, half the bytes of bf16,
   logits close to the bf16-cache run.
 """
 
@@ -82,7 +82,7 @@ def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def test_batching_changes_nothing(model_and_engine_factory):
-    # issue 4 must-show #1; serving.md §6 (ragged batch), §7 (prefix pages), §8 (budget, chunking,
+    # issue 4 must-show #1; docs/serving.md §6 (ragged batch), §7 (prefix pages), §8 (budget, chunking,
     # preemption by recompute).
     _, make = model_and_engine_factory
     max_tokens = 6
@@ -122,7 +122,7 @@ def test_batching_changes_nothing(model_and_engine_factory):
 
 
 def test_prefix_cache_exact_when_shared_prefix_ends_mid_page(model_and_engine_factory):
-    # serving.md §7: only the full pages before the mid-page end are shared; B's logits equal the
+    # docs/serving.md §7: only the full pages before the mid-page end are shared; B's logits equal the
     # uncached run's.
     model, make = model_and_engine_factory
     rng = random.Random(7)
@@ -175,7 +175,7 @@ def test_no_leaks_after_finish_and_abort(model_and_engine_factory):
 
 
 def test_fp8_kv_cache_half_bytes_and_close_logits(model_and_engine_factory):
-    # issue 4 item 1, checkpoints.md §3.6: float8_e4m3fn pages (scale 1.0 here), half of bf16.
+    # issue 4 item 1, docs/checkpoints.md §3.6: float8_e4m3fn pages (scale 1.0 here), half of bf16.
     # Tolerance: e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4) against bf16's 7 (2^-8), so
     # cached K/V move the logits by a few per cent of their spread: we require max |Δ| <= 0.1·std
     # of the bf16-cache logits on the prefill step (same inputs in both runs) and on every later

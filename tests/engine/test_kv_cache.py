@@ -1,6 +1,6 @@
 """Exact allocator tests in the style of vLLM's tests/v1/core: page ids, refcounts, LRU order.
 
-Spec: issue 4 item 1, spec/serving.md §7 (prefix caching shares full pages only, chained hashes).
+Spec: issue 4 item 1, docs/serving.md §7 (prefix caching shares full pages only, chained hashes).
 Expected values are derived by hand from the allocation rules in engine/kv_cache.py's docstring.
 """
 
@@ -19,7 +19,7 @@ def refcounts(kv: KVCacheManager) -> list[int]:
 
 
 def test_hash_chain_is_sha256_of_parent_and_tokens():
-    # serving.md §7: hash_i = H(hash_{i-1}, page tokens); independent sha256 here.
+    # docs/serving.md §7: hash_i = H(hash_{i-1}, page tokens); independent sha256 here.
     tokens = [1, 2, 3, 4]
     want = hashlib.sha256(b"" + np.array(tokens, dtype="<i8").tobytes()).digest()
     assert hash_page(ROOT_HASH, tokens) == want

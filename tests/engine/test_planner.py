@@ -1,6 +1,6 @@
-"""Memory planner tests against the hand-derived figures of spec/serving.md §7 and model.md §4.
+"""Memory planner tests against the hand-derived figures of docs/serving.md §7 and docs/model.md §4.
 
-The fixture is the shipped MiniMax-M2.7 config.json (release values, spec/model.md §1–§4). Every
+The fixture is the shipped MiniMax-M2.7 config.json (release values, docs/model.md §1–§4). Every
 expected number is derived here from the release shapes, term by term, never from the planner.
 """
 
@@ -31,7 +31,7 @@ from m2serve.engine.planner import (
 HUB = Path(m2serve.__file__).parent / "checkpoints" / "hub_configs"
 GPU8 = "gpu:0,1,2,3,4,5,6,7"
 
-# --- release shapes (spec/model.md §1-§2) and hand-derived bytes (serving.md §7) --------------
+# --- release shapes (docs/model.md §1-§2) and hand-derived bytes (docs/serving.md §7) --------------
 H, L, Hq, Hkv, D, I, E, k, V = 3072, 62, 48, 8, 128, 1536, 256, 8, 200064
 Q, KV = Hq * D, Hkv * D                                                   # 6144, 1024
 
@@ -55,7 +55,7 @@ FINAL_NORM = H * 2
 
 
 def test_hand_derived_terms_match_the_spec_table():
-    # serving.md §7 "Per layer" line, so the terms below are the spec's own figures
+    # docs/serving.md §7 "Per layer" line, so the terms below are the spec's own figures
     assert (ATTN_FP8, ATTN_SCALES * 4) == (44_050_944, 10_752)
     assert (EXPERTS_FP8, E * EXPERT_SCALES * 4) == (3_624_763_392, 884_736)
     assert (QK_NORM, LAYER_NORMS, ROUTER) == (14_336, 12_288, 3_146_752)
@@ -77,7 +77,7 @@ def plan(config, device_memory_gib=1000.0, **kw):
     return plan_memory(config, EngineArgs(**kw), device_memory_gib=device_memory_gib)
 
 
-# --- the shipped config (spec/model.md §1, checkpoints.md §4) ---------------------------------
+# --- the shipped config (docs/model.md §1, docs/checkpoints.md §4) ---------------------------------
 
 def test_m27_config_is_the_release(m27):
     raw = json.loads((HUB / "MiniMaxAI" / "MiniMax-M2.7" / "config.json").read_text())
@@ -104,7 +104,7 @@ def test_other_shipped_configs_load_and_plan(repo, quant_method, encoding):
     assert plan(cfg, devices=GPU8, ep_size=8, data_parallel_degree=8, weight_dequant="runtime").num_pages > 0
 
 
-# --- KV bytes per token (model.md §4, serving.md §7 table) ------------------------------------
+# --- KV bytes per token (docs/model.md §4, docs/serving.md §7 table) ------------------------------------
 
 KV_TOKEN_BF16 = 2 * L * Hkv * D * 2
 
@@ -131,7 +131,7 @@ def test_fp8_kv_cache_doubles_the_kv_tokens(m27):
     assert fp8.kv_tokens >= 2 * bf16.kv_tokens
 
 
-# --- weight bytes per device (serving.md §7 table) -------------------------------------------
+# --- weight bytes per device (docs/serving.md §7 table) -------------------------------------------
 
 @pytest.mark.parametrize("kw, want, published", [
     (dict(devices="gpu"), ONE_DEVICE, 230_121_630_720),
@@ -154,7 +154,7 @@ def test_weight_bytes_per_device(m27, kw, want, published):
 
 
 def test_parameter_count_consistent_with_model_md(m27):
-    # model.md §4: 228,689,764,864 parameters; the one-device FP8 total adds 3 B per fp32 scale
+    # docs/model.md §4: 228,689,764,864 parameters; the one-device FP8 total adds 3 B per fp32 scale
     # element and 1 B per bf16 element beyond the 1 B FP8 elements
     params = L * (ATTN_ELEMS + E * EXPERT_ELEMS + Q + KV + 2 * H + E * H + E) + 2 * V * H + H
     assert params == 228_689_764_864
@@ -190,7 +190,7 @@ def test_tp_tp_8_refused_for_fp8(m27):
     assert p.mode is ParallelismMode.TP_TP and p.kv_bytes_per_token == KV_TOKEN_BF16 // 4
 
 
-# --- the two "does not fit" errors (serving.md §7) ---------------------------------------------
+# --- the two "does not fit" errors (docs/serving.md §7) ---------------------------------------------
 
 def test_model_does_not_fit_names_the_numbers(m27):
     # one device, FP8 held packed: 214.32 GiB of weights > 200 GiB
@@ -242,7 +242,7 @@ def test_max_length_lowered_or_refused(m27, caplog):
     assert plan(m27, max_length=1000, **kw).max_length == 1000
 
 
-# --- EP buffer estimate: MAX's worked values (serving.md §7) -------------------------------------
+# --- EP buffer estimate: MAX's worked values (docs/serving.md §7) -------------------------------------
 
 def test_ep_worked_values_dp8_fp8(m27):
     mt, recv = 1024, 1024 * min(E, 8 * k)                 # dp 8: mt = ceil(1024 / (8 / 8))

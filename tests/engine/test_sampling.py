@@ -1,4 +1,4 @@
-"""Sampler tests (spec/serving.md §10: penalties -> temperature -> top-k -> top-p -> min-p -> draw).
+"""Sampler tests (docs/serving.md §10: penalties -> temperature -> top-k -> top-p -> min-p -> draw).
 
 Every expected value is derived by hand in the test from the fixed logits (math module only), never
 recorded from the sampler. The returned logprobs are those of the distribution the token was drawn
@@ -34,7 +34,7 @@ from m2serve.engine.sampling import (
 from m2serve.engine.sampling import sample as sample_batch
 
 NO_DEFAULTS = GenerationDefaults()
-MINIMAX = GenerationDefaults(temperature=1.0, top_p=0.95, top_k=40)  # spec/model.md §1
+MINIMAX = GenerationDefaults(temperature=1.0, top_p=0.95, top_k=40)  # docs/model.md §1
 
 
 @dataclass
@@ -82,7 +82,7 @@ def assert_dist(got: dict[int, float], want: dict[int, float]) -> None:
         assert got[k] == pytest.approx(want[k], abs=1e-5), k
 
 
-# --- masks on fixed logits (serving.md §10 extension fields) ---------------------------------
+# --- masks on fixed logits (docs/serving.md §10 extension fields) ---------------------------------
 
 P4 = [0.5, 0.25, 0.15, 0.1]
 LOG_P4 = [math.log(p) for p in P4]
@@ -422,7 +422,7 @@ def test_sample_is_pure_and_syncs_once(kws):
     assert not {"nonzero", "_local_scalar_dense", "masked_select", "unique_dim", "_unique2"} & names.ops
 
 
-# --- thinking_temperature switch (serving.md §10; state from chat-and-parsers.md P1) ----------
+# --- thinking_temperature switch (docs/serving.md §10; state from docs/parsers.md P1) ----------
 
 THINK_END, TOOL_START = 11, 12
 
@@ -547,7 +547,7 @@ def test_top_k_candidates_and_whole_row_paths_agree():
         assert dict(alone.top) == pytest.approx(dict(both.top), abs=1e-5)
 
 
-# --- property test against a plain-Python reference of serving.md §10 -----------------------------
+# --- property test against a plain-Python reference of docs/serving.md §10 -----------------------------
 
 def reference_distribution(logits, prompt, output, eos, p: SamplingParams) -> dict[int, float]:
     """{token: logprob} of the distribution one draw uses, in plain Python, step by step in the

@@ -3,7 +3,7 @@ preemption of the newest request by recompute, prefix hits at re-admission, and 
 update (``Scheduler.update_from_output``: tokens, penalty counts, reasoning state, constraint,
 finish), driven directly.
 
-Spec: serving.md §8 (all tokens of a step, decodes included, within max_batch_input_tokens;
+Spec: docs/serving.md §8 (all tokens of a step, decodes included, within max_batch_input_tokens;
 preemption frees pages and requeues), §7 (full pages only), §10 (stop conditions, penalties).
 Expected values derived by hand below.
 """
@@ -178,7 +178,7 @@ def test_penalties_need_a_penalty_state():
 
 
 def test_reasoning_state_is_computed_in_the_update():
-    # chat-and-parsers.md P1: reasoning until an end id (counted); the temperature follows
+    # docs/parsers.md P1: reasoning until an end id (counted); the temperature follows
     kv = KVCacheManager(num_pages=8, page_size=4)
     sched = Scheduler(kv, max_batch_input_tokens=16, max_batch_size=4)
     p = SamplingParams(temperature=0.5, thinking_temperature=0.0, start_in_reasoning=True,
@@ -192,3 +192,28 @@ def test_reasoning_state_is_computed_in_the_update():
     assert r.state.temperature == 0.5
     finish_step(sched, sched.schedule(), next_token=1)
     assert r.state.num_reasoning_tokens == 2
+
+
+# --- data-parallel replica admission: choose_replica ---------------------------------------------
+
+def test_replica_admission_counts_a_prefix_held_by_running_requests_as_no_new_pages():
+    """A hot prefix held by a running request costs a new request no free page (the pages are shared,
+    KVCacheManager.allocate), so the replica that holds it admits the request although its free
+    pages are fewer than the prefix's pages (docs/serving.md §8: free pages for the uncached rest)."""
+    from m2serve.engine.scheduler import choose_replica
+
+    hot = list(range(100, 124))                            # 24 tokens: 6 full pages of 4
+    r0 = Scheduler(KVCacheManager(num_pages=8, page_size=4), max_batch_input_tokens=64, max_batch_size=4)
+    r1 = Scheduler(KVCacheManager(num_pages=8, page_size=4), max_batch_input_tokens=64, max_batch_size=4)
+    a = req("a", hot + [1, 2], 0)                         # 26 tokens: 7 pages, 6 of them the hot prefix
+    r0.add(a)
+    finish_step(r0, r0.schedule())
+    assert r0.kv.num_free_pages == 1 and len(r0.cached_prefix_pages(req("x", hot + [3], 1))) == 6
+    b = req("b", hot + [3], 1)                            # 25 tokens: the 6 shared pages + 1 new page
+    assert r0.has_room_for(b, r0.cached_prefix_pages(b))
+    assert choose_replica([r0, r1], b) == 0               # least load alone would say replica 1
+    r0.add(b)
+    out = r0.schedule()                                   # and replica 0 does admit it
+    assert ("b", 1) in plan(out) and b.num_computed_tokens == 24
+    c = req("c", hot + [4, 5, 6, 7, 8], 2)                # 29 tokens: 6 shared + 2 new, 0 free
+    assert not r0.has_room_for(c, r0.cached_prefix_pages(c)) and choose_replica([r0, r1], c) == 1

@@ -2,7 +2,7 @@
 
 Each case writes one hand-made corruption into a copy of tiny-random (BF16 or FP8 block): a NaN /
 inf in a weight, a norm or an FP8 scale, the e4m3 NaN codes 0x7F / 0xFF in the raw FP8 bytes
-(checkpoints.md §6: e4m3fn has no inf, 0x7F and 0xFF are NaN), with ``weight_dequant`` load and
+(docs/checkpoints.md §6: e4m3fn has no inf, 0x7F and 0xFF are NaN), with ``weight_dequant`` load and
 runtime (packed weights are checked too); and config fields (``rms_norm_eps: NaN``,
 ``max_position_embeddings: 0``) refused when the server starts.
 """
@@ -84,7 +84,7 @@ def test_fp8_codes_scales_and_norms(tiny_random_fp8_dir, tmp_path, name, edit, w
         load_model(d, weight_dequant=weight_dequant)
 
 
-def test_e4m3_nan_codes_are_exactly_0x7f_and_0xff():  # checkpoints.md §6, against torch's own decoding
+def test_e4m3_nan_codes_are_exactly_0x7f_and_0xff():  # docs/checkpoints.md §6, against torch's own decoding
     codes = torch.arange(256, dtype=torch.uint8)
     nan_by_torch = torch.isnan(codes.view(torch.float8_e4m3fn).float())
     assert nan_by_torch.nonzero().flatten().tolist() == [0x7F, 0xFF]

@@ -1,4 +1,4 @@
-"""Format detection from quantization_config and per-linear headers (checkpoints.md §4)."""
+"""Format detection from quantization_config and per-linear headers (docs/checkpoints.md §4)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
-"""FP8 block quantise / dequantise (checkpoints.md §6, §8) against transformers' FP8 path, whole and
+"""FP8 block quantise / dequantise (docs/checkpoints.md §6, §8) against transformers' FP8 path, whole and
 band by band as the loader does it."""
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401  (transformers needs it to load FP8; a test extra, pyproject.toml)
 import pytest
 import torch
+import transformers  # a test extra: missing, these tests fail rather than skip
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_block
 from m2serve.formats.loader import dequantize_in_bands
 from m2serve.model.load import load_model
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
 
 def _random_e4m3(shape, seed):
@@ -23,7 +22,7 @@ def _random_e4m3(shape, seed):
 
 
 def test_quantize_block_scale_is_amax_over_448():
-    # checkpoints.md §8: s = amax / 448 per 128x128 block; the amax element maps to ±448
+    # docs/checkpoints.md §8: s = amax / 448 per 128x128 block; the amax element maps to ±448
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 384, generator=g)
     w[:128, 128:256] = 0  # an all-zero block
@@ -43,7 +42,7 @@ def test_quantize_block_scale_is_amax_over_448():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_bit_exact_vs_transformers(dtype):
-    # checkpoints.md §6: fp32 product, one rounding; transformers' Fp8Dequantize is the reference
+    # docs/checkpoints.md §6: fp32 product, one rounding; transformers' Fp8Dequantize is the reference
     q = _random_e4m3((256, 384), 1)
     s = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 1e-2
     ref = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)

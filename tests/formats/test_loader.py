@@ -1,4 +1,4 @@
-"""Strict checkpoint loading and the bad-checkpoint cases (checkpoints.md §1, §3, §4; issue 2)."""
+"""Strict checkpoint loading and the bad-checkpoint cases (docs/checkpoints.md §1, §3, §4; issue 2)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,14 @@ def _edit_config(d, **changes):
 
 
 def test_config_missing_hidden_size(ckpt):
-    # model.md §1: required field, error names the field and the file
+    # docs/model.md §1: required field, error names the field and the file
     _edit_config(ckpt, hidden_size=None)
     with pytest.raises(ValueError, match=r"config\.json.*'hidden_size' is missing"):
         load_model(ckpt)
 
 
 def test_missing_expert_tensor(ckpt):
-    # checkpoints.md §3.7: missing required tensors are listed
+    # docs/checkpoints.md §3.7: missing required tensors are listed
     name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     _edit_shard(ckpt, _shard_of(ckpt, name), lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(CheckpointMismatchError, match=r"1 required tensor\(s\) missing: " + re.escape(name)):
@@ -68,7 +68,7 @@ def test_missing_expert_tensor(ckpt):
 
 
 def test_extra_unknown_tensor(ckpt):
-    # checkpoints.md §3.7: leftovers are an error listing their names
+    # docs/checkpoints.md §3.7: leftovers are an error listing their names
     name = "model.layers.0.self_attn.extra_proj.bias"
     _edit_shard(ckpt, SHARD2, lambda t: {**t, name: torch.zeros(4)})
     with pytest.raises(CheckpointMismatchError, match=r"unknown tensor.*" + re.escape(name)):
@@ -76,7 +76,7 @@ def test_extra_unknown_tensor(ckpt):
 
 
 def test_decoy_shard_not_in_index_is_ignored(ckpt):
-    # checkpoints.md §1: only the files named by the index are read; a stray file repeating
+    # docs/checkpoints.md §1: only the files named by the index are read; a stray file repeating
     # tensor names (with other values) must not be loaded
     name = "model.layers.0.self_attn.q_proj.weight"
     real = load_file(str(ckpt / _shard_of(ckpt, name)))[name]
@@ -87,7 +87,7 @@ def test_decoy_shard_not_in_index_is_ignored(ckpt):
 
 
 def test_truncated_safetensors(ckpt):
-    # checkpoints.md §1: a truncated file names the file, the tensor and the byte counts
+    # docs/checkpoints.md §1: a truncated file names the file, the tensor and the byte counts
     f = ckpt / SHARD2
     data = f.read_bytes()
     f.write_bytes(data[:-1000])
@@ -106,14 +106,14 @@ def test_corrupt_header(ckpt):
 
 
 def test_gptq_quantization_config(ckpt):
-    # checkpoints.md §4: GPTQ refused as MAX does
+    # docs/checkpoints.md §4: GPTQ refused as MAX does
     _edit_config(ckpt, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(NotImplementedError, match="GPTQ MiniMax-M2 checkpoints are not supported"):
         load_model(ckpt)
 
 
 def test_wrong_shape(ckpt):
-    # checkpoints.md §3.7: shape mismatch names the tensor, found and expected shapes
+    # docs/checkpoints.md §3.7: shape mismatch names the tensor, found and expected shapes
     name = "model.layers.1.self_attn.o_proj.weight"
     bad = torch.zeros(256, 512, dtype=torch.bfloat16)
     _edit_shard(ckpt, _shard_of(ckpt, name), lambda t: {**t, name: bad})
@@ -129,7 +129,7 @@ def test_index_names_missing_shard(ckpt):
 
 
 def test_dropped_and_optional_tensors_are_accepted(ckpt):
-    # checkpoints.md §3.1, 3.2, 3.6: MTP layers, *_quantizer*, rotary inv_freq dropped;
+    # docs/checkpoints.md §3.1, 3.2, 3.6: MTP layers, *_quantizer*, rotary inv_freq dropped;
     # k_scale / v_scale consumed by the fp8 KV cache
     extra = {"model.layers.2.self_attn.q_proj.weight": torch.ones(4, 4),  # MTP (L = 2)
              "model.layers.0.self_attn.q_proj.input_quantizer._amax": torch.ones(1),
@@ -142,7 +142,7 @@ def test_dropped_and_optional_tensors_are_accepted(ckpt):
 
 
 def test_mlp_spelling_accepted(ckpt, tiny_random_dir):
-    # checkpoints.md §3: gate, bias and experts may be spelled mlp.
+    # docs/checkpoints.md §3: gate, bias and experts may be spelled mlp.
     for shard in sorted({*_index(ckpt)["weight_map"].values()}):
         _edit_shard(ckpt, shard, lambda t: {k.replace("block_sparse_moe.", "mlp."): v for k, v in t.items()})
     a, b = load_model(ckpt), load_model(tiny_random_dir)
@@ -162,7 +162,7 @@ def test_single_file_without_index(ckpt, tiny_random_dir):
 
 
 def test_router_held_in_fp32(tiny_random_dir):
-    # model.md §5.1: gate and bias fp32 whatever the compute dtype
+    # docs/model.md §5.1: gate and bias fp32 whatever the compute dtype
     model = load_model(tiny_random_dir, dtype=torch.bfloat16)
     moe = model.model.layers[0].block_sparse_moe
     assert moe.gate.weight.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
@@ -195,7 +195,7 @@ def test_shard_plan_reads_slices(tiny_random_fp8_dir):
 
 
 def test_fp8_scale_wrong_shape(tiny_random_fp8_dir, tmp_path):
-    # checkpoints.md §4: a scale of the wrong shape is an error naming the tensor
+    # docs/checkpoints.md §4: a scale of the wrong shape is an error naming the tensor
     d = shutil.copytree(tiny_random_fp8_dir, tmp_path / "fp8")
     name = "model.layers.0.self_attn.k_proj.weight_scale_inv"
     _edit_shard(d, _shard_of(d, name), lambda t: {**t, name: torch.ones(2, 1)})
@@ -204,7 +204,7 @@ def test_fp8_scale_wrong_shape(tiny_random_fp8_dir, tmp_path):
 
 
 def test_use_routing_bias_false_without_bias_tensor(ckpt):
-    # model.md §1: use_routing_bias false and no bias tensor -> bias = 0 (not a missing tensor)
+    # docs/model.md §1: use_routing_bias false and no bias tensor -> bias = 0 (not a missing tensor)
     for shard in sorted({*_index(ckpt)["weight_map"].values()}):
         _edit_shard(ckpt, shard, lambda t: {k: v for k, v in t.items() if "e_score_correction_bias" not in k})
     with pytest.raises(CheckpointMismatchError, match="missing: .*e_score_correction_bias"):
@@ -236,7 +236,7 @@ def _first_tensor(header):
     lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": ["a"]}},
 ])
 def test_lying_header_is_a_format_error(ckpt, edit):
-    # checkpoints.md §1: a corrupt header names the file, never an AttributeError / TypeError
+    # docs/checkpoints.md §1: a corrupt header names the file, never an AttributeError / TypeError
     _edit_header(ckpt, SHARD2, edit)
     with pytest.raises(CheckpointFormatError, match=rf"{SHARD2}: corrupt"):
         load_model(ckpt)

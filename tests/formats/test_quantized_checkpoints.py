@@ -1,7 +1,7 @@
 """Real FP4 exports of tiny-random, loaded unconverted, against the fp32 oracle (issue 7).
 
-checkpoints.md §4 (detection, per-linear header check), §6 (formulas), §8 (produce / check with
-the reference libraries); model.md §6 (oracle: transformers in fp32 on a dense copy dequantised
+docs/checkpoints.md §4 (detection, per-linear header check), §6 (formulas), §8 (produce / check with
+the reference libraries); docs/model.md §6 (oracle: transformers in fp32 on a dense copy dequantised
 by the reference library, |Δlogit| <= 1e-4 * max(1, |logit|)).
 
 - ModelOpt NVFP4: produced by ModelOpt itself on CPU (``mtq.quantize`` W4A4 NVFP4 +
@@ -41,6 +41,8 @@ from m2serve.formats.loader import open_checkpoint, read_input_scales
 from m2serve.kernels.build import kernel_backend
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
+
+pytestmark = pytest.mark.slow  # transformers oracle runs over every format and step
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -153,7 +155,7 @@ def ct_mxfp4_dir(tiny_random_dir, tmp_path_factory) -> Path:
     return _write(tmp_path_factory.mktemp("mxfp4") / "compressed-tensors", tensors, config, tiny_random_dir)
 
 
-QUARK_CONFIG = {  # the amd/MiniMax-M2.7-MXFP4 quantization_config (checkpoints.md §4), trimmed
+QUARK_CONFIG = {  # the amd/MiniMax-M2.7-MXFP4 quantization_config (docs/checkpoints.md §4), trimmed
     "quant_method": "quark", "quant_mode": "eager_mode",
     "global_quant_config": {
         "weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
@@ -254,7 +256,8 @@ def dense_copy(src: Path, out: Path, ref: Callable[[dict[str, torch.Tensor], str
 
 
 def assert_logits_match_oracle(path: Path, oracle_dir: Path, **load_kw) -> torch.Tensor:
-    """Ragged prefill (all positions) + teacher-forced decode steps vs transformers fp32 (model.md §6)."""
+    """Ragged prefill (all positions) + teacher-forced decode steps vs transformers fp32
+    (docs/model.md §6)."""
     ours = load_model(path, dtype=torch.float32, **load_kw)
     ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).float().eval()
     rng = random.Random(0)
@@ -281,7 +284,7 @@ def assert_logits_match_oracle(path: Path, oracle_dir: Path, **load_kw) -> torch
 
 # ---- must show: each real export loads and matches the oracle -----------------------------------
 
-def test_modelopt_export_layout(modelopt_dir):  # checkpoints.md §2, §4, §7 (lukealonso release layout)
+def test_modelopt_export_layout(modelopt_dir):  # docs/checkpoints.md §2, §4, §7 (lukealonso release layout)
     cfg = MiniMaxM2Config.from_pretrained(modelopt_dir)
     assert cfg.quantization_config["quant_method"] == "modelopt"
     plan = open_checkpoint(modelopt_dir, cfg)
@@ -293,11 +296,11 @@ def test_modelopt_export_layout(modelopt_dir):  # checkpoints.md §2, §4, §7 (
     plan.reader.close()
 
 
-def test_modelopt_nvfp4_matches_oracle(modelopt_dir, tmp_path):  # checkpoints.md §6 NVFP4 (ModelOpt)
+def test_modelopt_nvfp4_matches_oracle(modelopt_dir, tmp_path):  # docs/checkpoints.md §6 NVFP4 (ModelOpt)
     assert_logits_match_oracle(modelopt_dir, dense_copy(modelopt_dir, tmp_path / "dense", _ref_modelopt))
 
 
-def test_compressed_tensors_nvfp4_matches_oracle(ct_dir, tmp_path):  # checkpoints.md §4 compressed-tensors
+def test_compressed_tensors_nvfp4_matches_oracle(ct_dir, tmp_path):  # docs/checkpoints.md §4 c-t
     cfg = MiniMaxM2Config.from_pretrained(ct_dir)
     assert cfg.quantization_config["quant_method"] == "compressed-tensors"
     assert (ct_dir / "hf_quant_config.json").exists()  # stale ModelOpt file: config.json decides
@@ -307,7 +310,7 @@ def test_compressed_tensors_nvfp4_matches_oracle(ct_dir, tmp_path):  # checkpoin
     assert_logits_match_oracle(ct_dir, dense_copy(ct_dir, tmp_path / "dense", _ref_ct))
 
 
-def test_compressed_tensors_mxfp4_matches_oracle(ct_mxfp4_dir, tmp_path):  # checkpoints.md §4, §6 MXFP4
+def test_compressed_tensors_mxfp4_matches_oracle(ct_mxfp4_dir, tmp_path):  # docs/checkpoints.md §4, §6 MXFP4
     plan = open_checkpoint(ct_mxfp4_dir, MiniMaxM2Config.from_pretrained(ct_mxfp4_dir))
     assert plan.quant.encoding is Encoding.MXFP4 and plan.quant.ct_patterns
     assert {v for k, v in plan.kinds.items() if ".experts." in k} == {LinearKind.MXFP4}
@@ -315,7 +318,7 @@ def test_compressed_tensors_mxfp4_matches_oracle(ct_mxfp4_dir, tmp_path):  # che
     assert_logits_match_oracle(ct_mxfp4_dir, dense_copy(ct_mxfp4_dir, tmp_path / "dense", _ref_ct_mxfp4))
 
 
-def test_quark_mxfp4_matches_oracle(quark_dir, tmp_path):  # checkpoints.md §6 MXFP4 (Quark)
+def test_quark_mxfp4_matches_oracle(quark_dir, tmp_path):  # docs/checkpoints.md §6 MXFP4 (Quark)
     plan = open_checkpoint(quark_dir, MiniMaxM2Config.from_pretrained(quark_dir))
     assert plan.quant.encoding is Encoding.MXFP4
     assert {v for k, v in plan.kinds.items() if ".experts." in k} == {LinearKind.MXFP4}
@@ -323,7 +326,7 @@ def test_quark_mxfp4_matches_oracle(quark_dir, tmp_path):  # checkpoints.md §6 
     assert_logits_match_oracle(quark_dir, dense_copy(quark_dir, tmp_path / "dense", _ref_quark))
 
 
-def test_hf_quant_config_alone_is_detected(modelopt_dir, tmp_path):  # checkpoints.md §1, §4
+def test_hf_quant_config_alone_is_detected(modelopt_dir, tmp_path):  # docs/checkpoints.md §1, §4
     t = _weights(modelopt_dir)
     config = json.loads((modelopt_dir / "config.json").read_text())
     config.pop("quantization_config")
@@ -342,7 +345,7 @@ HUB_CONFIGS = Path(__file__).resolve().parents[2] / "src/m2serve/checkpoints/hub
     ("lukealonso/MiniMax-M2.7-NVFP4", Encoding.NVFP4, "hf_quant_config.json"),
     ("amd/MiniMax-M2.7-MXFP4", Encoding.MXFP4, "config.json"),
 ])
-def test_release_configs_detected(repo, encoding, source):  # checkpoints.md §4, §7 (the shipped configs)
+def test_release_configs_detected(repo, encoding, source):  # docs/checkpoints.md §4, §7 (the shipped configs)
     d = HUB_CONFIGS / repo
     config = json.loads((d / "config.json").read_text())
     quant = config["quantization_config"] if source == "config.json" else None
@@ -354,7 +357,7 @@ def test_release_configs_detected(repo, encoding, source):  # checkpoints.md §4
     assert spec.excluded_by("model.layers.61.block_sparse_moe.experts.255.w2") is None
 
 
-def test_bad_hf_quant_config_names_file(tmp_path):  # checkpoints.md §1
+def test_bad_hf_quant_config_names_file(tmp_path):  # docs/checkpoints.md §1
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "hf_quant_config.json").write_text('{"producer": {"name": "modelopt"}}')
@@ -363,7 +366,7 @@ def test_bad_hf_quant_config_names_file(tmp_path):  # checkpoints.md §1
         checkpoint_quant_config(d, None)
 
 
-def test_missing_input_scale_recorded_as_one(modelopt_dir, tmp_path):  # checkpoints.md §3.3
+def test_missing_input_scale_recorded_as_one(modelopt_dir, tmp_path):  # docs/checkpoints.md §3.3
     t = _weights(modelopt_dir)
     gone = "model.layers.1.block_sparse_moe.experts.3.w2.input_scale"
     kept = "model.layers.0.block_sparse_moe.experts.0.w1.input_scale"
@@ -394,7 +397,7 @@ def resident_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("fixture", ["modelopt_dir", "ct_dir", "quark_dir", "ct_mxfp4_dir"])
-def test_runtime_dequant_same_logits_less_memory(fixture, request, monkeypatch):  # checkpoints.md §6
+def test_runtime_dequant_same_logits_less_memory(fixture, request, monkeypatch):  # docs/checkpoints.md §6
     d = request.getfixturevalue(fixture)
     models = {mode: load_model(d, dtype=torch.float32, weight_dequant=mode) for mode in ("load", "runtime")}
     cfg = models["load"].config
@@ -437,7 +440,8 @@ def logits_and_decode_dequants(models: dict, packed_cls: type, monkeypatch) -> t
 
 
 def test_fp8_runtime_dequant_same_logits_less_memory(tiny_random_fp8_dir, monkeypatch):
-    # checkpoints.md §6 execution choices, serving.md §7 (the planner's runtime weights = as stored):
+    # docs/checkpoints.md §6 execution choices, docs/serving.md §7 (the planner's runtime weights =
+    # as stored):
     # every FP8 block linear stays e4m3 + fp32 block scales; attention linears dequantise per forward,
     # experts only when activated; logits identical to dequantising at load
     d = tiny_random_fp8_dir
@@ -509,7 +513,7 @@ def _plan_error(d: Path) -> None:
 W1 = "model.layers.0.block_sparse_moe.experts.2.w1."
 
 
-def test_missing_scale_names_tensor(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+def test_missing_scale_names_tensor(modelopt_dir, quark_dir, tmp_path):  # docs/checkpoints.md §4
     d = _mutated(modelopt_dir, tmp_path / "a", drop=(W1 + "weight_scale",))
     with pytest.raises(ValueError, match=rf"{W1}weight: U8 weight without a recognised scale set: no "
                        r"weight_scale \(packed FP4 needs F8_E4M3 weight_scale \+ weight_scale_2"):
@@ -523,7 +527,7 @@ def test_missing_scale_names_tensor(modelopt_dir, quark_dir, tmp_path):  # check
         _plan_error(d)
 
 
-def test_wrong_scale_shape_names_tensor(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+def test_wrong_scale_shape_names_tensor(modelopt_dir, quark_dir, tmp_path):  # docs/checkpoints.md §4
     t = _weights(modelopt_dir)
     d = _mutated(modelopt_dir, tmp_path / "a", put={W1 + "weight_scale": t[W1 + "weight_scale"][:, :8]})
     with pytest.raises(ValueError, match=rf"{W1}weight_scale: scale shape \[512, 8\] does not match weight "
@@ -536,14 +540,14 @@ def test_wrong_scale_shape_names_tensor(modelopt_dir, quark_dir, tmp_path):  # c
         _plan_error(d)
 
 
-def test_unknown_quant_algo(modelopt_dir, tmp_path):  # checkpoints.md §4
+def test_unknown_quant_algo(modelopt_dir, tmp_path):  # docs/checkpoints.md §4
     d = _mutated(modelopt_dir, tmp_path / "a", quant=lambda q: q.update(quant_algo="W4A8_AWQ"))
     with pytest.raises(ValueError, match=r"config\.json: quantization_config\.quant_algo='W4A8_AWQ' is not "
                        r"supported \(ModelOpt checkpoints: NVFP4\)"):
         _plan_error(d)
 
 
-def test_group_size_other_than_16_or_32(modelopt_dir, quark_dir, ct_dir, tmp_path):  # checkpoints.md §4
+def test_group_size_other_than_16_or_32(modelopt_dir, quark_dir, ct_dir, tmp_path):  # docs/checkpoints.md §4
     d = _mutated(modelopt_dir, tmp_path / "a",
                  quant=lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32))
     with pytest.raises(ValueError, match=r"quantization_config\.config_groups\.group_0\.weights\."
@@ -562,7 +566,7 @@ def test_group_size_other_than_16_or_32(modelopt_dir, quark_dir, ct_dir, tmp_pat
         _plan_error(d)
 
 
-def test_e8m0_nan_scale_names_tensor(quark_dir, tmp_path):  # checkpoints.md §5 (255 = NaN)
+def test_e8m0_nan_scale_names_tensor(quark_dir, tmp_path):  # docs/checkpoints.md §5 (255 = NaN)
     s = _weights(quark_dir)[W1 + "weight_scale"].clone()
     s[7, 3] = 255
     d = _mutated(quark_dir, tmp_path / "a", put={W1 + "weight_scale": s})
@@ -571,7 +575,7 @@ def test_e8m0_nan_scale_names_tensor(quark_dir, tmp_path):  # checkpoints.md §5
         load_model(d, dtype=torch.float32)
 
 
-def test_exclude_list_is_checked_against_headers(modelopt_dir, quark_dir, tmp_path):  # checkpoints.md §4
+def test_exclude_list_is_checked_against_headers(modelopt_dir, quark_dir, tmp_path):  # docs/checkpoints.md §4
     d = _mutated(modelopt_dir, tmp_path / "a", quant=lambda q: q["ignore"].append("*experts.2*"))
     with pytest.raises(ValueError, match=rf"{W1[:-1]}: nvfp4 weight, but \S*config\.json excludes it "
                        r"from quantisation \(pattern '\*experts\.2\*'\)"):
@@ -582,7 +586,7 @@ def test_exclude_list_is_checked_against_headers(modelopt_dir, quark_dir, tmp_pa
         _plan_error(d)
 
 
-def test_conventions_are_never_mixed(ct_dir, modelopt_dir, tmp_path):  # checkpoints.md §4
+def test_conventions_are_never_mixed(ct_dir, modelopt_dir, tmp_path):  # docs/checkpoints.md §4
     t = _weights(ct_dir)
     gs = t[W1 + "weight_global_scale"]
     d = _mutated(ct_dir, tmp_path / "a", drop=(W1 + "weight_global_scale",),
@@ -604,7 +608,8 @@ sys.path.insert(0, str(TINY_CHAT.parents[3]))  # the repository root: tools.tiny
 
 @pytest.fixture(scope="module")
 def tiny_chat_dense(tmp_path_factory) -> Path:
-    """tiny-chat with its FP8 block weights dequantised to fp32 (checkpoints.md §6 FP8), no quant config."""
+    """tiny-chat with its FP8 block weights dequantised to fp32 (docs/checkpoints.md §6 FP8), no quant
+    config."""
     from m2serve.formats.fp8 import dequantize_fp8_block
 
     t = _weights(TINY_CHAT)

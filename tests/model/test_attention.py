@@ -1,8 +1,7 @@
-"""Paged attention through block tables / slot mapping (spec/model.md §3 steps 6-7, §6)."""
+"""Paged attention through block tables / slot mapping (docs/model.md §3 steps 6-7, §6)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from m2serve.model.attention import (
@@ -19,8 +18,6 @@ from m2serve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from m2serve.model.simple_cache import SimpleKVCache
 from m2serve.model.step import RopeCache, StepContext
 
-transformers = pytest.importorskip("transformers")
-
 
 def _attention(Hq=6, Hkv=2, D=16, H=32, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -32,7 +29,7 @@ def _attention(Hq=6, Hkv=2, D=16, H=32, seed=0):
 
 
 def test_cache_holds_roped_normed_k_and_raw_v():
-    # model.md §6: K in the cache = RoPE(k_norm(k_proj(h))), V = v_proj(h)
+    # docs/model.md §6: K in the cache = RoPE(k_norm(k_proj(h))), V = v_proj(h)
     a = _attention()
     cache = SimpleKVCache(KVStorage.allocate(1, 4, 4, 2, 16, torch.float32), [2, 0, 3, 1])
     batch = cache.batch([("s", [1, 2, 3, 4, 5, 6])])
@@ -49,7 +46,7 @@ def test_cache_holds_roped_normed_k_and_raw_v():
 
 
 def test_gqa_query_head_reads_kv_head_h_over_group():
-    # model.md §6: query head h uses KV head h // (Hq/Hkv); softmax over causal keys
+    # docs/model.md §6: query head h uses KV head h // (Hq/Hkv); softmax over causal keys
     Hq, Hkv, D, T = 6, 2, 8, 5
     kv = KVStorage.allocate(1, 2, 4, Hkv, D, torch.float32)
     g = torch.Generator().manual_seed(3)
@@ -68,7 +65,7 @@ def test_gqa_query_head_reads_kv_head_h_over_group():
 
 
 def test_reused_gather_scratch_matches_per_head_reference_fp8_and_shrinking_batches():
-    # model.md §3 step 7 + model/batch.py fp8 contract: reads are e4m3 x scale; a scratch buffer
+    # docs/model.md §3 step 7 + model/batch.py fp8 contract: reads are e4m3 x scale; a scratch buffer
     # reused by a larger step first, then a smaller mixed step, leaks nothing between steps
     Hq, Hkv, D, S = 6, 2, 8, 4
     kv = KVStorage.allocate(1, 8, S, Hkv, D, torch.float8_e4m3fn, k_scale=[0.25], v_scale=[3.0])
@@ -112,7 +109,8 @@ def test_fp8_kv_cache_stores_scaled_e4m3():
 
 
 def test_mixed_prefill_chunk_and_decode_in_one_step(tiny_random_dir):
-    # serving.md §6: chunked prefill and decodes share a step; each request sees all its pages
+    import transformers  # a test extra (pyproject.toml); only the oracle tests need it
+    # docs/serving.md §6: chunked prefill and decodes share a step; each request sees all its pages
     ours = load_model(tiny_random_dir)
     ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(tiny_random_dir, dtype=torch.float32).eval()
     a, b = [3, 14, 15, 92, 65, 35, 89, 79, 32], [27, 18, 28, 18, 28, 45, 90, 45, 23, 53, 60, 28, 74]
@@ -126,7 +124,7 @@ def test_mixed_prefill_chunk_and_decode_in_one_step(tiny_random_dir):
 
 
 def test_bf16_and_fp8_kv_forward_close_to_fp32_oracle(tiny_random_dir):
-    # model.md §6: bf16 paths against the fp32 oracle with a loose bound only
+    # docs/model.md §6: bf16 paths against the fp32 oracle with a loose bound only
     ref = load_model(tiny_random_dir)
     fp32_logits = None
     for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

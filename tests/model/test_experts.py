@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts (spec/model.md §3 step 11, §5.2; issue 2 'must show')."""
+"""Grouped SwiGLU experts (docs/model.md §3 step 11, §5.2; issue 2 'must show')."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _experts(start=0, num=E, seed=0):
 
 
 def _reference(h, ids, w, ws):
-    # per-token, per-slot formula of model.md §3 step 11: Σ w_slot · W2 (silu(W1 h) ⊙ W3 h), fp32
+    # per-token, per-slot formula of docs/model.md §3 step 11: Σ w_slot · W2 (silu(W1 h) ⊙ W3 h), fp32
     w1, w3, w2 = ws
     out = torch.zeros(h.shape[0], H)
     for t in range(h.shape[0]):
@@ -70,7 +70,7 @@ def test_loop_reference_matmul_count_equals_distinct_chosen_experts(monkeypatch)
 
 
 def test_expert_range_partial_sums_add_up():
-    # serving.md §1 EP: two ranks holding experts [0, 4) and [4, 8) sum to the full output
+    # docs/parallelism.md §1 EP: two ranks holding experts [0, 4) and [4, 8) sum to the full output
     g = torch.Generator().manual_seed(5)
     h = torch.randn(10, H, generator=g)
     w, ids = route(h, torch.randn(E, H, generator=g), None, K)

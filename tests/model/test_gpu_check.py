@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from m2serve.checkpoints.tiny_random import TINY_DIMS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +26,7 @@ def _run(*args: str, out: Path | None = None, code: str | None = None) -> subpro
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
+@pytest.mark.slow  # runs the script in a subprocess
 def test_imports_nothing_above_the_model_and_exits_cleanly_without_cuda():
     code = (f"import runpy, sys; sys.argv = ['gpu_check']; sys.path.insert(0, {str(SCRIPT.parent)!r});"
             "import gpu_check; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -36,6 +39,7 @@ def test_imports_nothing_above_the_model_and_exits_cleanly_without_cuda():
     assert r.returncode == 0 and "no CUDA device" in r.stdout, (r.stdout, r.stderr)
 
 
+@pytest.mark.slow  # runs the script in a subprocess
 def test_cpu_smoke_checks_logits_counts_no_read_backs_and_writes_json(tmp_path):
     r = _run("--cpu-smoke", out=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -32,7 +32,7 @@ def test_tensors_are_freed_one_by_one(tiny_random_fp8_dir, monkeypatch):
 
 
 def test_params_allocated_once_at_final_size(tiny_random_dir):
-    # every parameter has its final dtype; only the router is fp32 (model.md §5.1)
+    # every parameter has its final dtype; only the router is fp32 (docs/model.md §5.1)
     model = load_model(tiny_random_dir, dtype=torch.bfloat16)
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert fp32 == {f"model.layers.{i}.block_sparse_moe.{s}" for i in range(2)

@@ -1,4 +1,4 @@
-"""RMSNorm cast order and the cross-head QK norm (spec/model.md §3 steps 1, 3; §5.3; §6)."""
+"""RMSNorm cast order and the cross-head QK norm (docs/model.md §3 steps 1, 3; §5.3; §6)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def _ident(x):
 
 
 def test_rms_norm_hf_order_cast_then_gamma():
-    # model.md §5.3: y = (x.float() * rsqrt(mean(x²) + eps)).to(act) * γ, γ in act
+    # docs/model.md §5.3: y = (x.float() * rsqrt(mean(x²) + eps)).to(act) * γ, γ in act
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
     gamma = (1 + torch.randn(64, generator=g)).to(torch.bfloat16)
@@ -27,7 +27,7 @@ def test_rms_norm_hf_order_cast_then_gamma():
 
 
 def test_qk_norm_is_one_rms_over_all_heads():
-    # model.md §6: scaling a token's whole q leaves it unchanged; changing head 0 changes head 5
+    # docs/model.md §6: scaling a token's whole q leaves it unchanged; changing head 0 changes head 5
     g = torch.Generator().manual_seed(2)
     heads, D = 6, 16
     q = torch.randn(3, heads * D, generator=g)
@@ -47,7 +47,7 @@ def test_qk_norm_is_one_rms_over_all_heads():
 
 
 def test_qk_norm_two_phase_with_global_count():
-    # serving.md §4: two ranks' local sums of squares, reduced, divided by the GLOBAL width
+    # docs/parallelism.md §4: two ranks' local sums of squares, reduced, divided by the GLOBAL width
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 8 * 16, generator=g)
     gamma = 1 + 0.3 * torch.randn(8 * 16, generator=g)

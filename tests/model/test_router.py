@@ -1,4 +1,4 @@
-"""fp32 sigmoid router with selection-only bias (spec/model.md §3 step 10, §5.1, §6)."""
+"""fp32 sigmoid router with selection-only bias (docs/model.md §3 step 10, §5.1, §6)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def _setup(seed=0, T=16, H=32, E=8):
 
 
 def test_weights_are_renormalised_unbiased_sigmoids():
-    # model.md §3 step 10: ids = topk(s + b); w = s[ids] / Σ s[ids]
+    # docs/model.md §3 step 10: ids = topk(s + b); w = s[ids] / Σ s[ids]
     h, gate = _setup()
     bias = 0.05 * torch.randn(8, generator=torch.Generator().manual_seed(9))
     w, ids = route(h, gate, bias, 2)
@@ -28,7 +28,7 @@ def test_weights_are_renormalised_unbiased_sigmoids():
 
 
 def test_large_bias_forces_expert_but_weight_stays_unbiased():
-    # model.md §6: a large bias on expert j forces it into the top-k; its weight is its
+    # docs/model.md §6: a large bias on expert j forces it into the top-k; its weight is its
     # unbiased sigmoid share
     h, gate = _setup(1)
     _, ids0 = route(h, gate, torch.zeros(8), 2)
@@ -45,7 +45,7 @@ def test_large_bias_forces_expert_but_weight_stays_unbiased():
 
 
 def test_equal_bias_changes_nothing():
-    # model.md §6: a bias equal on all experts changes nothing
+    # docs/model.md §6: a bias equal on all experts changes nothing
     h, gate = _setup(2)
     w0, ids0 = route(h, gate, torch.zeros(8), 3)
     w1, ids1 = route(h, gate, torch.full((8,), 0.7), 3)
@@ -54,7 +54,7 @@ def test_equal_bias_changes_nothing():
 
 
 def test_router_runs_in_fp32_on_bf16_input():
-    # model.md §5.1: logits = h.float() @ W_gᵀ with W_g fp32
+    # docs/model.md §5.1: logits = h.float() @ W_gᵀ with W_g fp32
     h, gate = _setup(3)
     hb = h.to(torch.bfloat16)
     w, ids = route(hb, gate, None, 2)

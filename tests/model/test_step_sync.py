@@ -1,5 +1,5 @@
 """A forward a GPU can capture (issue 17 "must show"): no host sync, data-independent op count,
-attention scratch following Σ context, grouped path = loop reference (spec/model.md §3).
+attention scratch following Σ context, grouped path = loop reference (docs/model.md §3).
 
 Every check observes aten ops with a TorchDispatchMode (what a CUDA graph / fullgraph compile
 would see), independently of the code under test. References: the previous loop + padded path

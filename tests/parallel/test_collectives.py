@@ -1,11 +1,12 @@
 """EP dispatch/combine and the TP_EP sequence-parallel residual path on 2 gloo ranks, against
-hand-written single-process references (spec/serving.md §3, §4)."""
+hand-written single-process references (docs/parallelism.md §3, §4)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -92,7 +93,9 @@ def _check(rank: int, world: int) -> dict:
     return res
 
 
-# serving.md §3: EP exchange = counts, dispatch, combine; TP_EP default = reduce_scatter + all_gather.
+# docs/parallelism.md §3: EP exchange = counts, dispatch, combine;
+# TP_EP default = reduce_scatter + all_gather.
+@pytest.mark.slow  # starts two rank processes
 def test_ep_exchange_and_sequence_parallel_two_ranks():
     out = run_ranks(_check, 2, timeout_s=30)
     for r, res in enumerate(out):

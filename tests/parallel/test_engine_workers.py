@@ -11,10 +11,14 @@ import signal
 import time
 import traceback
 
+import pytest
+
 from m2serve.config.engine_args import EngineArgs
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams
 from m2serve.parallel.launch import WorkerError
+
+pytestmark = pytest.mark.slow  # starts several rank processes
 
 PROMPT = [5, 17, 33, 2, 8, 90, 1]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -23,6 +23,8 @@ from m2serve.model.simple_cache import SimpleKVCache
 from m2serve.parallel.launch import run_ranks
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 # name -> (data_parallel_degree, ep_size, ep_use_allreduce) on 2 ranks
 MODES = {"TP_TP": (1, 1, False), "TP_EP": (1, 2, False), "TP_EP_AR": (1, 2, True), "DP_EP": (2, 2, False)}
 STEPS = [

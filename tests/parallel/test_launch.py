@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from m2serve.parallel.launch import WorkerError, run_ranks
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 
 def _rank1_killed(rank: int, world: int) -> None:
     if rank == 1:

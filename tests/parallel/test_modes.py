@@ -6,7 +6,7 @@ each configuration:
 - fp32 logits of a ragged batch (prefill of three prompts with every position returned, then
   steps mixing prefill chunks and decodes) equal the single-process model's within
   1e-5 · max(1, |logit|);
-- collective counts per decoder layer per step equal spec/serving.md §3, counted by patching
+- collective counts per decoder layer per step equal docs/parallelism.md §3, counted by patching
   the torch.distributed functions themselves;
 - each rank's resident weight bytes equal a hand-derived 1/P figure (within 1%);
 - the engine (LLMEngine over the DistributedModel) generates greedy tokens identical to the
@@ -33,13 +33,15 @@ from m2serve.model.simple_cache import SimpleKVCache
 from m2serve.parallel.launch import run_ranks
 from m2serve.parallel.worker import DistributedModel, load_rank_model, worker_loop
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 # torch >= 2.13 spells reduce_scatter_tensor / all_gather_into_tensor as *_single (the old names
 # are deprecated aliases calling the new ones); both spellings count as one collective.
 KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
          "reduce_scatter_single": "reduce_scatter", "all_gather_into_tensor": "all_gather",
          "all_gather_single": "all_gather", "all_to_all_single": "all_to_all"}
 
-# serving.md §3, exact collective counts per decoder layer per step
+# docs/parallelism.md §3, exact collective counts per decoder layer per step
 TABLE = {
     "TP_TP": {"all_reduce": 3},
     "TP_EP": {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 3},
@@ -74,7 +76,7 @@ SAMPLED = {14: SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=24, 
 
 
 def hand_bytes(cfg: MiniMaxM2Config, name: str, P: int) -> int:
-    """fp32 resident bytes of one rank from the dims (serving.md §2): projections and q/k-norm
+    """fp32 resident bytes of one rank from the dims (docs/parallelism.md §2): projections and q/k-norm
     gamma ÷ tp, experts ÷ P (intermediate slices or whole experts), the rest replicated."""
     H, D, I, E, L, V = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_local_experts,
                         cfg.num_hidden_layers, cfg.vocab_size)
@@ -220,7 +222,7 @@ def results(tiny_random_dir, tiny_random_fp8_dir):
 
 def test_ranks_are_gloo_with_one_thread_and_one_device_runs_no_collective(results):
     assert [(r["threads"], r["backend"]) for r in results] == [(1, "gloo")] * 4
-    assert results[0]["one_device_calls"] == {}  # serving.md §3: one device, no collective
+    assert results[0]["one_device_calls"] == {}  # docs/parallelism.md §3: one device, no collective
 
 
 @pytest.mark.parametrize("name,P,variant", CONFIGS)

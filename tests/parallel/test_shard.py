@@ -1,4 +1,4 @@
-"""Shard plans and per-rank weight bytes (spec/serving.md §2, §7)."""
+"""Shard plans and per-rank weight bytes (docs/parallelism.md §2, docs/serving.md §7)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def tiny(**over) -> MiniMaxM2Config:
     return MiniMaxM2Config(**dims)
 
 
-# serving.md §7: the hand-derived table for the FP8 release (M2.7), v1 layout.
+# docs/serving.md §7: the hand-derived table for the FP8 release (M2.7), v1 layout.
 def test_release_fp8_bytes_per_device():
     cfg = release()
     one = validate_deployment(cfg, 1).state(0)
@@ -39,7 +39,7 @@ def test_release_fp8_bytes_per_device():
     assert rank_weight_bytes(cfg, tp_tp.state(3), "fp8") == want
 
 
-# serving.md §2: rank r reads q heads [r·Hq/P, …), kv heads [r·Hkv/P, …), o_proj the same heads'
+# docs/parallelism.md §2: rank r reads q heads [r·Hq/P, …), kv heads [r·Hkv/P, …), o_proj the same heads'
 # columns, q/k norm gamma with the heads, experts by intermediate dim (TP_TP) or expert range (EP).
 def test_tiny_plans_tp_tp():
     cfg = tiny()
@@ -85,7 +85,7 @@ def test_whole_model_needs_no_plan():
 
 
 def test_packed_fp4_companions():
-    # NVFP4 w2 [H, I/2] bytes + [H, I/16] scales + scalar weight_scale_2 (checkpoints.md §4)
+    # NVFP4 w2 [H, I/2] bytes + [H, I/16] scales + scalar weight_scale_2 (docs/checkpoints.md §4)
     cfg = tiny()
     plan = make_shard_plan(cfg, validate_deployment(cfg, 2, encoding="nvfp4").state(1))
     L = "model.layers.0.block_sparse_moe.experts.2.w2"

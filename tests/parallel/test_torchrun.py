@@ -1,5 +1,5 @@
 """Multi-node on one machine: torchrun, 2 nodes x 2 CPU processes on 127.0.0.1 (world size 4),
-env:// rendezvous; greedy output equals one process (issue 8 "must show", serving.md §1, V5)."""
+env:// rendezvous; greedy output equals one process (issue 8 "must show", docs/parallelism.md §1, V5)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from m2serve.engine.core import LLMEngine
 from m2serve.parallel.launch import free_port
+
+pytestmark = pytest.mark.slow  # starts several rank processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun_greedy import engine_args, greedy  # noqa: E402

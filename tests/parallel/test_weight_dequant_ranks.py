@@ -25,6 +25,8 @@ from m2serve.parallel.deploy import load_rank, plan_deployment
 from m2serve.parallel.launch import run_ranks
 from m2serve.parallel.worker import DistributedModel, worker_loop
 
+pytestmark = pytest.mark.slow  # starts several rank processes
+
 # name -> (data_parallel_degree, ep_size) on 2 ranks
 MODES = {"TP_TP": (1, 1), "TP_EP": (1, 2), "DP_EP": (2, 2)}
 

@@ -1,6 +1,7 @@
 """In-process API tests (FastAPI TestClient, real tiny-random engine): request fields -> SamplingParams.
 
-serving.md §10 (extensions, thinking_temperature and the server-wide --thinking-temperature), issue 5 item 1.
+docs/serving.md §10 (extensions, thinking_temperature and the server-wide --thinking-temperature),
+issue 5 item 1.
 The engine's ``add_request`` is wrapped to record what the API hands it; generation itself is real.
 """
 
@@ -57,7 +58,7 @@ def served(tiny_random_dir):
 
 
 def test_thinking_temperature_request_and_server_default(served):
-    # serving.md §10: thinking_temperature per request, --thinking-temperature as the server default
+    # docs/serving.md §10: thinking_temperature per request, --thinking-temperature as the server default
     client, llm, seen = served
     seen.clear()
     assert (
@@ -351,7 +352,7 @@ def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):
 
 
 def test_rejected_tool_calls_counter_exported_before_first_rejection():
-    # chat-and-parsers.md P13 / issue 5: the counter is scrapeable (at 0) from the start, so rates work
+    # docs/parsers.md P13 / issue 5: the counter is scrapeable (at 0) from the start, so rates work
     from m2serve.serve.metrics import ServerMetrics
 
     text = ServerMetrics().render().decode()

@@ -19,6 +19,8 @@ import httpx
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 GRACE_S = 6  # short enough that B (4000 tokens) cannot finish on a fast, quiet machine
 MESSAGES = [{"role": "user", "content": "Write a long story."}]
 

@@ -1,7 +1,7 @@
 """The server on two CPU ranks (issue 5 item 3: rank 0 hosts the HTTP server and the scheduler).
 
 ``m2serve serve --devices cpu:2 --ep-size 2`` (spawned workers) and the same under torchrun
-(env:// rendezvous, 1 node x 2 processes) run TP_EP (spec/serving.md §1) and must answer with the
+(env:// rendezvous, 1 node x 2 processes) run TP_EP (docs/parallelism.md §1) and must answer with the
 same greedy tokens as the single-process offline engine on the same checkpoint (fp32).
 """
 
@@ -15,6 +15,8 @@ from serve_helpers import FAST_ENGINE_FLAGS, free_port, start_server
 
 from m2serve.engine.sampling import SamplingParams
 from m2serve.serve.llm import LLM
+
+pytestmark = pytest.mark.slow  # starts several rank processes
 
 PROMPTS = ["Hello world", "The capital of France is"]
 

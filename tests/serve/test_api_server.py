@@ -1,6 +1,6 @@
 """End-to-end tests of the real ``m2serve serve`` process with the official ``openai`` client.
 
-spec/serving.md §10 (routes, fields, errors), issue 5 "Must show". One server per module (tiny-random,
+docs/serving.md §10 (routes, fields, errors), issue 5 "Must show". One server per module (tiny-random,
 fp32, an API key); each test checks its own requests.
 """
 
@@ -16,6 +16,8 @@ import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, metric, start_server
 
 import m2serve
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -52,7 +54,7 @@ def _headers() -> dict[str, str]:
 
 
 def _assert_error_shape(resp: httpx.Response, status: int) -> dict:
-    """OpenAI error body: {"error": {"message", "type", "param", "code"}} (serving.md §10)."""
+    """OpenAI error body: {"error": {"message", "type", "param", "code"}} (docs/serving.md §10)."""
     assert resp.status_code == status, resp.text
     body = resp.json()
     assert set(body) == {"error"}
@@ -62,7 +64,7 @@ def _assert_error_shape(resp: httpx.Response, status: int) -> dict:
 
 
 def test_models_list(client):
-    # serving.md §10: GET /v1/models has one entry, id = served model name
+    # docs/serving.md §10: GET /v1/models has one entry, id = served model name
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
 
@@ -80,7 +82,7 @@ def test_key_rejected_401(server):
 
 
 def test_chat_stream_concatenates_to_nonstream(client):
-    # serving.md §10 + chat-and-parsers.md P21/P25: greedy streamed deltas == the non-streamed message
+    # docs/serving.md §10 + docs/parsers.md P21/P25: greedy streamed deltas == the non-streamed message
     kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message

@@ -22,6 +22,8 @@ from serve_helpers import FAST_ENGINE_FLAGS, start_server
 
 from m2serve.serve.resolve import resolve_model
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 API_KEY = "chat-apis-key"
 MODEL = "tiny-chat"
 QUESTION = "What's the weather in Paris?"

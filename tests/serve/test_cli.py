@@ -44,6 +44,7 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=300, env=full)
 
 
+@pytest.mark.slow  # runs m2serve generate in a subprocess
 def test_generate_hub_id_from_offline_cache(hf_cache):
     # issue 5 item 4: a hub id resolves through the HF cache with no network; `m2serve generate` (greedy)
     root, snap = hf_cache
@@ -71,6 +72,7 @@ def test_generate_hub_id_from_offline_cache(hf_cache):
     assert "requests" in r.stderr  # the tqdm bar over requests
 
 
+@pytest.mark.slow  # runs m2serve generate in a subprocess
 def test_missing_hub_id_offline_is_a_clear_error(hf_cache):
     root, _ = hf_cache
     r = _run(
@@ -80,6 +82,7 @@ def test_missing_hub_id_offline_is_a_clear_error(hf_cache):
     assert "test-org/absent" in r.stderr and "HF_HUB_OFFLINE" in r.stderr
 
 
+@pytest.mark.slow  # runs m2serve generate in a subprocess
 def test_generate_embedded_default_without_model(tmp_path):
     # README quick start: `m2serve generate "prompt"` with the embedded default (the shipped tiny-chat,
     # issue 6) and no download or build: an empty cache directory stays empty
@@ -92,6 +95,7 @@ def test_generate_embedded_default_without_model(tmp_path):
     assert "--- 'Hi there'" in r.stdout and "1 requests in" in r.stderr
 
 
+@pytest.mark.slow  # runs m2serve generate in a subprocess
 def test_generate_without_prompts_runs_builtin_chats():
     # with no prompts, `m2serve generate` runs built-in chat prompts as chats (the embedded default is a
     # chat model: raw completion prompts only gave it noise): each reply is parsed into reasoning

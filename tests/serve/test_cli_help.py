@@ -11,6 +11,8 @@ import pytest
 
 from m2serve.serve.cli import build_parser
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 EXE = str(Path(sys.executable).with_name("m2serve"))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from m2serve.serve.cli import banner
@@ -20,6 +21,7 @@ def _rss_bytes() -> int:
 OPTS = {"host": "127.0.0.1", "port": 8000}
 
 
+@pytest.mark.slow  # loads the engine with the default pool
 def test_default_cpu_pool_is_the_rule_on_every_start(tiny_random_dir):
     page_bytes = 128 * 2 * 2 * 4 * 128 * 2            # S x (K, V) x L x Hkv x D x bf16 = 512 KiB
     want = min(4 * 2**30, 256 * (4096 // 128) * page_bytes) // page_bytes   # = 8192 pages, 4 GiB

@@ -1,4 +1,4 @@
-"""The offline ``LLM`` API and its output processor (issue 4 item 6; chat-and-parsers.md §1, §3).
+"""The offline ``LLM`` API and its output processor (issue 4 item 6; docs/parsers.md §1, §3).
 
 Real tiny-random engine. References are independent of the code under test: the token ids the engine
 produced (decoded by the tokenizer), an unstopped run for stop strings, and the text layer's
@@ -94,7 +94,7 @@ def test_n_choices_and_seeds(llm):
 
 
 def test_chat_matches_text_layer_parse(llm):
-    # chat-and-parsers.md §3: streaming parse inside the pipeline == non-streaming parse of the raw text
+    # docs/parsers.md §3: streaming parse inside the pipeline == non-streaming parse of the raw text
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     r = llm.chat(messages, SamplingParams(max_tokens=16, **GREEDY))
     o = r.outputs[0]

@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from serve_helpers import start_server
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 EXE = str(Path(sys.executable).with_name("m2serve"))
 SMALL = ["--dtype", "float32", "--kv-cache-page-size", "16", "--num-kv-pages", "32"]

@@ -1,4 +1,4 @@
-"""Recipes (spec/serving.md §9); option precedence CLI > environment > recipe > defaults (issue 5 item 5)."""
+"""Recipes (docs/serving.md §9); option precedence CLI > environment > recipe > defaults (issue 5 item 5)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from m2serve.serve.cli import build_parser, main, resolve_options
 from m2serve.serve.recipe import RecipeError, load_recipe, recipe_overrides
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-MAX_RECIPES = {  # serving.md §9 table: model_path, data_parallel_degree, ep_size, mode
+MAX_RECIPES = {  # docs/serving.md §9 table: model_path, data_parallel_degree, ep_size, mode
     "minimax_m2_8x_b200": ("MiniMaxAI/MiniMax-M2.7", 8, 8, ParallelismMode.DP_EP),
     "minimax_m2_nvfp4_8x_b200": ("lukealonso/MiniMax-M2.7-NVFP4", 8, 8, ParallelismMode.DP_EP),
     "minimax_m2_mxfp4_8x_mi355": ("amd/MiniMax-M2.7-MXFP4", 8, 8, ParallelismMode.DP_EP),
@@ -31,7 +31,8 @@ def _opts(argv: list[str], environ: dict[str, str] | None = None) -> dict:
 
 @pytest.mark.parametrize("name", sorted(MAX_RECIPES))
 def test_max_recipes_match_spec_table(name):
-    # serving.md §9: all five share trust_remote_code, 8 devices, utilisation 0.8, 1024 batch input tokens
+    # docs/serving.md §9: all five share trust_remote_code, 8 devices, utilisation 0.8,
+    # 1024 batch input tokens
     model_path, dp, ep, mode = MAX_RECIPES[name]
     o = recipe_overrides(load_recipe(RECIPES / f"{name}.yaml"))
     assert o["model"] == model_path and o["data_parallel_degree"] == dp and o.get("ep_size", 1) == ep
@@ -131,7 +132,8 @@ def test_precedence_cli_env_recipe_defaults(tmp_path):
 
 
 def test_thinking_temperature_flag_reaches_options():
-    # serving.md §10: the server-wide --thinking-temperature default (effect on SamplingParams: test_api.py)
+    # docs/serving.md §10: the server-wide --thinking-temperature default
+    # (effect on SamplingParams: test_api.py)
     assert _opts(["serve", "--thinking-temperature", "0.6"])["thinking_temperature"] == 0.6
     assert _opts(["serve"], {"M2SERVE_THINKING_TEMPERATURE": "0.4"})["thinking_temperature"] == 0.4
     assert _opts(["serve"])["thinking_temperature"] is None

@@ -18,6 +18,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import anthropic.types.message_create_params as anthropic_messages  # test extras: a missing one fails
+import openai.types.chat.completion_create_params as openai_chat
+import openai.types.completion_create_params as openai_completions
+import openai.types.responses.response_create_params as openai_responses
 import pytest
 import typing_extensions as te
 from fastapi.testclient import TestClient
@@ -26,11 +30,6 @@ from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.chat_pipeline import REASONING_BUDGETS
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
-
-openai_chat = pytest.importorskip("openai.types.chat.completion_create_params")
-openai_completions = pytest.importorskip("openai.types.completion_create_params")
-openai_responses = pytest.importorskip("openai.types.responses.response_create_params")
-anthropic_messages = pytest.importorskip("anthropic.types.message_create_params")
 
 USER = [{"role": "user", "content": "Hi"}]
 BASES = {  # route -> (minimal valid body, the SDK's request TypedDict)
@@ -204,7 +203,7 @@ def test_reasoning_effort_is_a_reasoning_budget(client, monkeypatch, effort, bud
 def test_reasoning_budgets_documented():
     # docs/serving.md §10 and the README state the table's numbers
     root = Path(__file__).resolve().parents[2]
-    for doc in (root / "docs" / "serving.md", root / "README.md"):
+    for doc in (root / "docs" / "docs/serving.md", root / "README.md"):
         text = doc.read_text(encoding="utf-8")
         for effort, budget in REASONING_BUDGETS.items():
             shown = "no budget" if budget is None else f"{budget:,}"

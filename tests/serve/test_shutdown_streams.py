@@ -16,8 +16,11 @@ import threading
 import time
 
 import httpx
+import pytest
 from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
 from serve_helpers import FAST_ENGINE_FLAGS, start_server
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 GRACE_S = 2
 LONG = 4000  # tokens: no stream can finish within the grace period

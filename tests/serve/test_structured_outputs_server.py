@@ -32,6 +32,8 @@ from serve_helpers import FAST_ENGINE_FLAGS, WEATHER_SCHEMA, start_server
 from m2serve.serve.resolve import resolve_model
 from m2serve.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 API_KEY = "structured-key"
 MODEL = "tiny-chat"
 QUESTION = [{"role": "user", "content": "What's the weather in Paris?"}]

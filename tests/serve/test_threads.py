@@ -21,6 +21,8 @@ from serve_helpers import start_server
 from m2serve.config.engine_args import EngineArgs, choose_num_threads, physical_cores
 from m2serve.parallel.launch import run_ranks
 
+pytestmark = pytest.mark.slow  # starts server processes
+
 EXE = str(Path(sys.executable).with_name("m2serve"))
 SMALL = ["--dtype", "float32", "--kv-cache-page-size", "16", "--num-kv-pages", "32"]
 

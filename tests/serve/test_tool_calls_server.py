@@ -1,4 +1,4 @@
-"""Reasoning and two tool calls through the real server (issue 5 "Must show", chat-and-parsers.md §3).
+"""Reasoning and two tool calls through the real server (issue 5 "Must show", docs/parsers.md §3).
 
 The server process is tests/serve/replay_server.py (TEST-ONLY): the real ``m2serve serve`` whose model
 replays REPLAY below after the generation prompt. Checked streamed and non-streamed with the openai
@@ -18,6 +18,8 @@ import anthropic
 import openai
 import pytest
 from serve_helpers import FAST_ENGINE_FLAGS, HERE, metric, start_server
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 REASONING = "The user wants the weather and the local time in Paris."
 REPLAY = (

@@ -1,5 +1,5 @@
 """Test helpers: stream a text through StreamingParser under a chunking and accumulate the result,
-checking the streaming invariants of spec chat-and-parsers.md §3.6 on the way (P21–P25)."""
+checking the streaming invariants of docs/parsers.md §3.6 on the way (P21–P25)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _tag_prefixes(text: str) -> list[str]:
 def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -> Streamed:
     """Feed ``chunks`` (which must join to ``output``) and check invariants on every delta.
 
-    P25: no chunk of a delta mixes reasoning and content, and no reasoning follows content.
+    P25: no reasoning follows content (a delta's reasoning precedes its content; the serve layer's
+    ``ChoiceDelta.pieces`` sends them as separate chunks, tests/serve/test_chat_apis_units.py).
     P22: whenever the text fed so far ends with a possible partial tag, what was emitted so far is
     a prefix of the one-shot parse of that text with the tag completed, i.e. nothing that the tag
     could still change has left.
@@ -45,10 +46,7 @@ def stream(output: str, chunks: list[str], tools, mode: str, prompt_tail: str) -
     fed = ""
     for chunk in [*chunks, None]:
         delta = parser.feed(chunk) if chunk is not None else parser.finish()
-        parts = delta.chunks()  # P25: stream chunks never mix; reasoning goes out first
-        assert all(not (part.reasoning and part.content) for part in parts)
-        assert [bool(p.reasoning) for p in parts] == sorted((bool(p.reasoning) for p in parts), reverse=True)
-        assert not (result.content and delta.reasoning)  # no reasoning after content has started
+        assert not (result.content and delta.reasoning)  # P25: no reasoning after content has started
         result.reasoning += delta.reasoning
         result.content += delta.content
         _collect_calls(result, delta)

@@ -1,5 +1,5 @@
 """GrammarConstraint units: compile errors name the request field, end of turn, grammar errors, budget,
-and ``tool_choice`` none under any tokenisation (issue 20; spec chat-and-parsers.md §1, §3)."""
+and ``tool_choice`` none under any tokenisation (issue 20; docs/parsers.md §1, §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Constrained decoding driven by random logits (issue 20; spec chat-and-parsers.md §2-§3).
+"""Constrained decoding driven by random logits (issue 20; docs/parsers.md §2-§3).
 
 Random logits carry no structure, so every structure in the output comes from the constraint. A
 batched sampling loop (temperature 1.0, seeded) applies ``GrammarConstraint`` bitmasks through the real

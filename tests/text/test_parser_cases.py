@@ -1,5 +1,5 @@
-"""Every acceptance case of tests/data/parser_cases.jsonl (spec chat-and-parsers.md §3, §4), parsed
-in one go and streamed under many chunkings: whole, per character, at and inside every tag (each cut
+"""Every acceptance case of tests/data/parser_cases.jsonl (docs/parsers.md §3; fields: tests/data/README.md),
+parsed in one go and streamed under many chunkings: whole, per character, at and inside every tag (each cut
 alone and all together), random splits with fixed seeds, and the case's source_chunks.
 
 Comparison rules are those of tests/data/README.md: null, "" and whitespace-only text are the same

@@ -1,4 +1,4 @@
-"""Property tests for the parser (spec chat-and-parsers.md §3): random tool calls rendered by OUR
+"""Property tests for the parser (docs/parsers.md §3): random tool calls rendered by OUR
 chat template come back exactly (excluding the §3.7 format limits), arbitrary text never raises and
 gives the same result under any chunking (P20, P21), and render(parse(render(x))) == render(x)."""
 

@@ -1,4 +1,4 @@
-"""Value typing from the JSON schema, spec chat-and-parsers.md §3.4 (P14–P16); expected values
+"""Value typing from the JSON schema, docs/parsers.md §3.4 (P14–P16); expected values
 derived by hand from the rules."""
 
 from __future__ import annotations

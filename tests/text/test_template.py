@@ -1,4 +1,4 @@
-"""Chat-template rendering (spec chat-and-parsers.md §2): the acceptance cases of
+"""Chat-template rendering (docs/parsers.md §2): the acceptance cases of
 tests/data/template_cases.jsonl, parity with transformers' own renderer (the oracle for the
 sandbox environment), message normalisation, errors naming the message index, and the sandbox."""
 

@@ -1,4 +1,4 @@
-"""Tokenizer and incremental detokeniser (spec chat-and-parsers.md §1) on the tiny-random checkpoint,
+"""Tokenizer and incremental detokeniser (docs/parsers.md §1) on the tiny-random checkpoint,
 with transformers' tokenizer for the same files as the independent reference."""
 
 from __future__ import annotations

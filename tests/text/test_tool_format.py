@@ -1,5 +1,5 @@
 """Start-up probe of template vs tool parser (issue 16 item 3): the template's rendering of an
-assistant tool call must be read back by the chat-and-parsers.md §3 parser. References: the
+assistant tool call must be read back by the docs/parsers.md §3 parser. References: the
 checkpoint's own template (writes §2's format: must pass), an M1-style template writing
 ``<tool_calls>`` JSON (§3 cannot read it), a template that drops tool calls."""
 

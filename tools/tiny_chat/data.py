@@ -2,7 +2,7 @@
 
 Every example is an OpenAI-style chat (``messages`` + ``tools``) rendered by the repository's own
 chat template (src/m2serve/checkpoints/tiny-chat/chat_template.jinja) under the rendering rule of spec
-chat-and-parsers.md §2. Four kinds, kept short so an example fits in a few hundred tokens:
+docs/parsers.md §2. Four kinds, kept short so an example fits in a few hundred tokens:
 
 - ``tool_call``: 1–3 tools drawn from a pool of ~20 schemas (string, integer, number, boolean, enum,
   array and object parameters, some optional); the user request states the argument values; the
@@ -57,7 +57,7 @@ KIND_WEIGHTS = (0.36, 0.28, 0.12, 0.08, 0.16)
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering (spec chat-and-parsers.md §2, "Rendering rule")
+# Rendering (docs/parsers.md §2, "Rendering rule")
 # ---------------------------------------------------------------------------------------------
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -70,7 +70,7 @@ def _raise(msg):
 
 @functools.cache
 def load_template(path: Path = TEMPLATE_PATH) -> jinja2.Template:
-    """The chat template in a transformers-compatible sandbox (spec chat-and-parsers.md §2); read and
+    """The chat template in a transformers-compatible sandbox (docs/parsers.md §2); read and
     compiled once per path (train.py's drill batches ask for it every step)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])

@@ -3,12 +3,12 @@
     python tools/tiny_chat/export.py /work/runs/tiny_chat src/m2serve/checkpoints/tiny-chat
 
 Reads RUN/ckpt.pt and RUN/tokenizer/ (train.py) and writes OUT/ with:
-- ``model.safetensors`` in the hub layout (checkpoints.md §2): q/k/v/o and every expert w1/w2/w3 as
-  F8_E4M3 with fp32 ``weight_scale_inv`` per 128x128 block (checkpoints.md §6/§8, quantised with
+- ``model.safetensors`` in the hub layout (docs/checkpoints.md §2): q/k/v/o and every expert w1/w2/w3 as
+  F8_E4M3 with fp32 ``weight_scale_inv`` per 128x128 block (docs/checkpoints.md §6/§8, quantised with
   ``m2serve.formats.fp8.quantize_fp8_block``: s = amax/448, q = e4m3(W/s)); router ``gate`` and
   ``e_score_correction_bias`` fp32; embedding, lm_head and all norms bf16 — as in the FP8 release
-  (checkpoints.md §7);
-- ``config.json`` with the release's ``quantization_config`` (checkpoints.md §4);
+  (docs/checkpoints.md §7);
+- ``config.json`` with the release's ``quantization_config`` (docs/checkpoints.md §4);
 - ``generation_config.json`` (bos ``]~b]``, eos ``[e~[``, temperature 1.0, top_p 0.95, top_k 40);
 - ``tokenizer.json``, ``tokenizer_config.json`` and the repository's ``chat_template.jinja``
   (kept in tiny-chat/).
@@ -109,7 +109,7 @@ def train_state(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def config_json(dims: dict, bos_doc: int, eos: int) -> dict:
-    """config.json with the released checkpoints' keys (model.md §1) and the FP8 quantization_config."""
+    """config.json with the released checkpoints' keys (docs/model.md §1) and the FP8 quantization_config."""
     return {
         "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
         "attention_dropout": 0.0, "attn_type_list": [1] * dims["num_hidden_layers"],
@@ -126,7 +126,7 @@ def config_json(dims: dict, bos_doc: int, eos: int) -> dict:
         "tie_word_embeddings": bool(dims.get("tie_word_embeddings", False)),
         "torch_dtype": "bfloat16", "use_cache": True, "use_mtp": False,
         "use_qk_norm": True, "use_routing_bias": True, "vocab_size": dims["vocab_size"],
-        # informational only: m2serve reads bos/eos from generation_config.json (model.md §1)
+        # informational only: m2serve reads bos/eos from generation_config.json (docs/model.md §1)
         "bos_token_id": bos_doc, "eos_token_id": eos,
         "quantization_config": dict(FP8_QUANT),
     }

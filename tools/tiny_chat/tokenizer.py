@@ -82,7 +82,7 @@ def train_tokenizer() -> Tokenizer:
 
 
 def tokenizer_config() -> dict:
-    """tokenizer_config.json (spec chat-and-parsers.md §1)."""
+    """tokenizer_config.json (docs/parsers.md §1)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "]~!b[",

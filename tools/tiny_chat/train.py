@@ -132,9 +132,9 @@ Re-running the same command continues from ``OUT/ckpt.pt`` (saved every ``--save
 at the end): the model, optimiser, load-balancing bias, step and data order all resume, so an
 interrupted run ends where an uninterrupted one would. Everything is seeded (``--seed``).
 
-The model is the MiniMax-M2 forward pass of spec model.md §3 in plain PyTorch (fp32), at the issue's
+The model is the MiniMax-M2 forward pass of docs/model.md §3 in plain PyTorch (fp32), at the issue's
 dimensions: hidden 256, 8 heads, 4 KV heads, head_dim 128, rotary_dim 64, intermediate 512, 8 experts
-top-2, 4 layers. Parameter names follow the hub layout (checkpoints.md §2) with the experts stacked
+top-2, 4 layers. Parameter names follow the hub layout (docs/checkpoints.md §2) with the experts stacked
 (``experts.w1`` [E, I, H] …) for speed; export.py unstacks them. The router bias
 ``e_score_correction_bias`` is not trained by gradient: it follows the auxiliary-loss-free balancing
 rule of DeepSeek-V3 (§2.1.2: after each step, bias += γ·sign(mean load − expert load)), so the
@@ -199,11 +199,11 @@ class Dims:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model (spec model.md §3; fp32 training copy of the architecture)
+# Model (docs/model.md §3; fp32 training copy of the architecture)
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, HF order (model.md §3): normalise in fp32, cast, multiply by γ."""
+    """RMSNorm over the last dim, HF order (docs/model.md §3): normalise in fp32, cast, multiply by γ."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return w * y.to(x.dtype)
@@ -248,7 +248,8 @@ class Layer(nn.Module):
         return F.linear(o.transpose(1, 2).reshape(bsz, t, -1), self.o_proj)
 
     def moe(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [N, H] -> (out [N, H], tokens per expert [E]); router in fp32, unbiased weights (model.md §3)."""
+        """h [N, H] -> (out [N, H], tokens per expert [E]); router in fp32, unbiased weights
+        (docs/model.md §3)."""
         d = self.d
         s = torch.sigmoid(F.linear(h.float(), self.gate))  # [N, E]
         idx = torch.topk(s + self.e_score_correction_bias, d.num_experts_per_tok, dim=-1).indices  # [N, K]
@@ -282,7 +283,7 @@ class Layer(nn.Module):
 
 
 class TinyM2(nn.Module):
-    """The MiniMax-M2 decoder (model.md §3) for training; ``forward`` returns final hidden states."""
+    """The MiniMax-M2 decoder (docs/model.md §3) for training; ``forward`` returns final hidden states."""
 
     def __init__(self, d: Dims):
         super().__init__()

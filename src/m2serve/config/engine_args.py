@@ -63,6 +63,9 @@ class EngineArgs:
     threads: intra-op CPU threads per process (None = :func:`choose_num_threads`'s rule).
     attention_backend: one of ATTENTION_BACKENDS, chosen once when the model is built
         (model/attention.py ``resolve_attention_backend``).
+    batch_invariant: the batch-invariant mode (docs/model.md §7): a request's logits, hence a seeded
+        request's tokens, do not depend on what else is in the batch, at some speed cost. Also
+        ``M2SERVE_BATCH_INVARIANT=1`` (:func:`batch_invariant_enabled`); chosen once at load.
     """
 
     model: str | None = None
@@ -86,6 +89,23 @@ class EngineArgs:
     seed: int = 0
     threads: int | None = None
     attention_backend: str = "auto"
+    batch_invariant: bool = False
+
+
+#: Environment variable that turns the batch-invariant mode on for every entry point.
+BATCH_INVARIANT_ENV = "M2SERVE_BATCH_INVARIANT"
+
+
+def batch_invariant_enabled(args: EngineArgs, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the model is loaded in the batch-invariant mode: ``args.batch_invariant``
+    (``--batch-invariant``, ``LLM(..., batch_invariant=True)``) or ``M2SERVE_BATCH_INVARIANT`` set to
+    1/true/yes/on (0/false/no/off or empty: off). Raises ValueError naming the variable for another
+    value."""
+    env = os.environ if environ is None else environ
+    raw = env.get(BATCH_INVARIANT_ENV, "").strip().lower()
+    if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV}={raw!r}: use 1 or 0 (true/false)")
+    return bool(args.batch_invariant) or raw in ("1", "true", "yes", "on")
 
 
 def rank_devices(devices: str) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from m2serve.config.engine_args import EngineArgs, dtype_bytes, rank_devices
+from m2serve.config.engine_args import EngineArgs, batch_invariant_enabled, dtype_bytes, rank_devices
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
@@ -136,7 +136,8 @@ class LLMEngine:
             model = start_distributed_model(args)
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
-                               weight_dequant=args.weight_dequant, attention_backend=args.attention_backend)
+                               weight_dequant=args.weight_dequant, attention_backend=args.attention_backend,
+                               batch_invariant=batch_invariant_enabled(args))
         return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod

@@ -163,6 +163,15 @@ class KVCacheManager:
             parent = h
 
     # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int, hit_pages: Sequence[int] = ()) -> bool:
+        """Whether :meth:`allocate` of ``num_tokens`` tokens with the cached ``hit_pages`` would
+        succeed: the pages beyond the request's table and the hits must come from the free queue,
+        less the hits that sit in it (a hit held by a running request is shared and costs none)."""
+        table = self.block_tables.get(request_id, [])
+        hits_free = sum(1 for p in hit_pages if self.pages[p].ref_cnt == 0)
+        need = self.pages_needed(num_tokens) - len(table) - len(hit_pages)
+        return need <= 0 or need <= len(self.free_queue) - hits_free
+
     def allocate(self, request_id: str, num_tokens: int,
                  prefix: tuple[list[int], list[bytes]] | None = None) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens in total.
@@ -173,11 +182,9 @@ class KVCacheManager:
         """
         table = self.block_tables.get(request_id, [])
         hit_pages, hit_hashes = prefix if prefix else ([], [])
-        # Cached hits that are currently free still count against the free queue.
-        hits_free = sum(1 for p in hit_pages if self.pages[p].ref_cnt == 0)
-        need = self.pages_needed(num_tokens) - len(table) - len(hit_pages)
-        if need > 0 and need > len(self.free_queue) - hits_free:
+        if not self.can_allocate(request_id, num_tokens, hit_pages):
             return False
+        need = self.pages_needed(num_tokens) - len(table) - len(hit_pages)
         if request_id not in self.block_tables:
             self.block_tables[request_id] = table
         for p in hit_pages:

@@ -51,8 +51,10 @@ class SamplingParams:
     Consumed by the engine (sampler + scheduler, token ids only):
       temperature (0 = greedy), top_p, top_k (0 or -1 disables), min_p, repetition_penalty (prompt and
       output tokens), presence_penalty and frequency_penalty (output tokens), logit_bias {token id:
-      bias in [-100, 100]}, seed (key of the request's counter-based uniform stream: same seed,
-      same output whatever else is in the batch), stop_token_ids, ignore_eos, min_tokens (eos and
+      bias in [-100, 100]}, seed (key of the request's counter-based uniform stream: the same seed
+      draws the same uniforms whatever else is in the batch; the same tokens too when the logits
+      are the same, which the batch-invariant mode guarantees, docs/model.md §7), stop_token_ids,
+      ignore_eos, min_tokens (eos and
       stop ids masked until this many tokens exist), max_tokens (None = up to the context limit),
       logprobs (None = none, 0 = the chosen token only, N = also the top N), prompt_logprobs (same
       counts, for prompt positions), thinking_temperature (used instead of temperature while the

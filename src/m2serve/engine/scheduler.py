@@ -64,8 +64,8 @@ def choose_replica(schedulers: list[Scheduler], request: Request) -> int:
     if len(schedulers) == 1:
         return 0
     hits = [s.cached_prefix_pages(request) for s in schedulers]
-    best = max(range(len(schedulers)), key=lambda i: (hits[i], -i))
-    if hits[best] > 0 and schedulers[best].has_room_for(request, hits[best]):
+    best = max(range(len(schedulers)), key=lambda i: (len(hits[i]), -i))
+    if hits[best] and schedulers[best].has_room_for(request, hits[best]):
         return best
     loads = [s.load_tokens for s in schedulers]
     return loads.index(min(loads))
@@ -127,21 +127,21 @@ class Scheduler:
         that :func:`choose_replica` balances."""
         return sum(r.num_tokens for r in self.waiting) + sum(r.num_tokens for r in self.running)
 
-    def cached_prefix_pages(self, request: Request) -> int:
-        """Pages of ``request``'s tokens this replica's prefix cache holds (0 when the request asks
-        for prompt logprobs: those are computed, never served from the cache)."""
+    def cached_prefix_pages(self, request: Request) -> list[int]:
+        """Ids of the pages of ``request``'s tokens this replica's prefix cache holds (none when the
+        request asks for prompt logprobs: those are computed, never served from the cache)."""
         if request.sampling_params.prompt_logprobs is not None:
-            return 0
-        return len(self.kv.find_cached_prefix(request.all_token_ids)[0])
+            return []
+        return self.kv.find_cached_prefix(request.all_token_ids)[0]
 
-    def has_room_for(self, request: Request, cached_pages: int) -> bool:
+    def has_room_for(self, request: Request, cached_pages: list[int]) -> bool:
         """Whether this replica could admit ``request`` next to what it holds: fewer requests than
         ``max_batch_size`` waiting and running, and free pages for the part of its tokens not in the
-        ``cached_pages`` cached pages (docs/serving.md §8, replica admission)."""
+        cached pages ``cached_pages`` (a cached page held by a running request is shared and needs
+        no free page: :meth:`KVCacheManager.can_allocate`; docs/serving.md §8, replica admission)."""
         if len(self.running) + len(self.waiting) >= self.max_batch_size:
             return False
-        need = self.kv.pages_needed(request.num_tokens) - cached_pages
-        return need <= self.kv.num_free_pages - cached_pages
+        return self.kv.can_allocate(request.request_id, request.num_tokens, cached_pages)
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's chunks; may preempt (see the module docstring)."""

@@ -8,6 +8,10 @@ each weight is decoded in registers with the spec formula in fp32, rounded once 
 dtype, and accumulated in fp32, so the result equals ``x · dequantize(W, x.dtype)ᵀ`` up to the order
 of the fp32 summation. Elsewhere (no kernels, CUDA, fp16) the same functions dequantise with
 formats/ (pure PyTorch) and call ``F.linear``: same values, same contract.
+
+``batch_invariant=True`` (the batch-invariant mode, docs/model.md §7) makes a row's result independent
+of the other rows of the call: the kernels keep every row on their GEMV path (whose fp32 summation
+order per row is fixed), and where they do not run, :func:`rowwise_linear` does one GEMV per row.
 """
 
 from __future__ import annotations
@@ -171,13 +175,28 @@ def kernels_apply(device: torch.device | str, dtype: torch.dtype,
     return (backend if backend is not None else kernel_backend()).available
 
 
+def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] through a dense weight w [N, K] of x's dtype -> [..., N], one GEMV per row.
+
+    ``torch.bmm`` of the rows [R, 1, K] with the weight expanded (stride 0, no copy) to [R, K, N]:
+    every row is its own one-row product, so its summation order does not depend on how many rows
+    the call has (``F.linear`` picks another GEMM for another row count, and its bf16 and fp32
+    results then differ in the last bits). The batch-invariant mode's path where the kernels do not
+    run; it reads the weight once per row.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.bmm(rows.unsqueeze(1), w.t().unsqueeze(0).expand(rows.shape[0], -1, -1))
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
-                   backend: KernelBackend | None = None) -> torch.Tensor:
+                   backend: KernelBackend | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x [R, K] act, offsets int32 [E] (cumulative row ends, as F.grouped_mm's ``offs``) -> [R, N] act.
 
     Rows [offsets[e-1], offsets[e]) go through expert e; rows at or past offsets[-1] give 0.
-    ``backend`` defaults to :func:`kernel_backend`. Raises ValueError naming both widths when x's
-    K does not match the weights.
+    ``backend`` defaults to :func:`kernel_backend`. ``batch_invariant``: every row on the kernels'
+    GEMV path (else :func:`rowwise_linear`), module docstring. Raises ValueError naming both widths
+    when x's K does not match the weights.
     """
     if x.shape[-1] != w.in_features:
         raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
@@ -187,39 +206,56 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
         scale = w.scale if w.scale is not None else w.q.new_empty(0)
         return torch.ops.m2serve_kernels.grouped_linear(
             x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
-            backend.isa, TILE_N, GEMV_ROWS, MM_TILE_N)
+            backend.isa, TILE_N, max(GEMV_ROWS, x.shape[0]) if batch_invariant else GEMV_ROWS, MM_TILE_N)
     out = x.new_zeros(x.shape[0], w.out_features)
+    dense = rowwise_linear if batch_invariant else F.linear
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = F.linear(x[start:end], w.dequantize(e, x.dtype))
+            out[start:end] = dense(x[start:end], w.dequantize(e, x.dtype))
         start = end
     return out
 
 
-def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
     """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act.
 
     A bf16 weight with more than GEMV_ROWS rows of bf16 activations goes straight to ``F.linear``
-    (one multithreaded GEMM; the kernels would only tile the same GEMM)."""
+    (one multithreaded GEMM; the kernels would only tile the same GEMM), unless ``batch_invariant``
+    (:func:`grouped_linear`)."""
     rows = x.reshape(-1, x.shape[-1])
-    if w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS:
+    if (w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS
+            and not batch_invariant):
         return F.linear(x, w.q[0])
     offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
-    return grouped_linear(rows, offsets, w, backend).view(*x.shape[:-1], w.out_features)
+    return grouped_linear(rows, offsets, w, backend, batch_invariant).view(*x.shape[:-1], w.out_features)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., K] act through a dense weight w [N, K] of x's dtype -> [..., N] act: ``F.linear``, or in
+    the batch-invariant mode the kernels' GEMV path for a bf16 weight (E = 1 view, no copy) where
+    they run, else :func:`rowwise_linear`."""
+    if not batch_invariant:
+        return F.linear(x, w)
+    if w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and kernels_apply(x.device, x.dtype):
+        return linear(x, PackedWeights(WeightFormat.BF16, w.contiguous()[None]), batch_invariant=True)
+    return rowwise_linear(x, w)
 
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
-                       packed_w2: PackedWeights, backend: KernelBackend | None = None) -> torch.Tensor:
+                       packed_w2: PackedWeights, backend: KernelBackend | None = None,
+                       batch_invariant: bool = False) -> torch.Tensor:
     """SwiGLU of every active expert of a layer in two grouped calls (docs/model.md §3 step 11).
 
     x_sorted [R, H] act (rows sorted by local expert), offsets int32 [E_loc] cumulative row ends,
     packed_w13 [E_loc, 2·I_loc, H] (w1 rows then w3 rows), packed_w2 [E_loc, H, I_loc] -> [R, H] act:
     ``w2 · (silu(w1·x) ⊙ (w3·x))`` per expert, with the same roundings to the activation dtype as
-    model/experts.py's ``expert_ffn`` on dequantised weights.
+    model/experts.py's ``expert_ffn`` on dequantised weights. ``batch_invariant`` as for
+    :func:`grouped_linear`.
     """
-    gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend).chunk(2, dim=-1)  # [R, I_loc] x2
-    return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend)
+    gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend, batch_invariant).chunk(2, dim=-1)
+    return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend, batch_invariant)
 
 
 def _copy_check_kernel(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:

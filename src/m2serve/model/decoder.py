@@ -15,6 +15,9 @@ EP exchange's counts all_to_all is the one read-back (model/collectives.py :func
 
 Benchmark-only switch: ``model.legacy_path = True`` runs the previous path (the per-active-expert
 loop and the padded [B, Lk] K/V gather) so benchmarks compare before and after in one run.
+
+Batch-invariant mode (docs/model.md §7): :meth:`MiniMaxM2ForCausalLM.use_batch_invariant`, once
+after load (model/load.py), so that a row's logits do not depend on the other rows of the step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelismMode, ParallelState, shard_ranges
 from m2serve.formats.fp4 import PackedFP4
 from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels.ops import dense_linear
 from m2serve.model.attention import (
     GatherScratch,
     MiniMaxM2Attention,
@@ -175,6 +179,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.rope = RopeCache(cfg.rotary_dim, cfg.rope_theta)  # cos/sin table, grown as positions grow
         self.legacy_path = False  # benchmark-only: the loop experts + padded K/V gather (module docstring)
         self.kv_scratch = GatherScratch()  # the legacy path's padded K/V buffers, reused across steps
+        self.batch_invariant = False  # use_batch_invariant
 
     @property
     def dtype(self) -> torch.dtype:
@@ -197,8 +202,24 @@ class MiniMaxM2ForCausalLM(nn.Module):
             x = block(x, step, kv, layer)
         x = self.model.norm(x.index_select(0, step.logit_rows))  # [N, H]
         if self.lm_head is None:
-            return F.linear(x, self.model.embed_tokens.weight).float()  # [N, V] f32 (tied head)
+            return dense_linear(x, self.model.embed_tokens.weight, self.batch_invariant).float()  # tied
         return self.lm_head(x).float()  # [N, V] f32
+
+    def use_batch_invariant(self) -> None:
+        """Switch to the batch-invariant mode (docs/model.md §7), once after load: every reduction
+        whose order could depend on the other rows of a step (linears, lm_head, router, experts)
+        takes a path that computes each row alone. Norms, attention (one call per request) and the
+        sampler (row-wise, counter-based draws) already do. Raises ValueError on the triton
+        attention backend (its split-K count depends on the whole step)."""
+        if self.attention_kernel is not None:
+            raise ValueError("batch_invariant: needs attention_backend='torch' (the triton kernel's "
+                             "split-K count depends on the whole step)")
+        self.batch_invariant = True
+        for module in self.modules():
+            if isinstance(module, (Linear, MiniMaxM2Router)):
+                module.batch_invariant = True
+            elif isinstance(module, MiniMaxM2Experts):
+                module.use_batch_invariant()
 
     def load_weight(self, name: str, tensor: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``name`` (this rank's slice) into its parameter; quantised linears may

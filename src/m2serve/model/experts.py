@@ -31,6 +31,8 @@ model/decoder.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +40,14 @@ from torch import nn
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.kernels.ops import FP4_FORMATS, PackedWeights, WeightFormat, grouped_expert_ffn, kernels_apply
+from m2serve.kernels.ops import (
+    FP4_FORMATS,
+    PackedWeights,
+    WeightFormat,
+    grouped_expert_ffn,
+    kernels_apply,
+    rowwise_linear,
+)
 
 FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes
 
@@ -71,25 +80,29 @@ def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     return F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
 
 
-def loop_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def loop_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """:func:`grouped_swiglu` as a Python loop of :func:`expert_ffn` over the experts (host reads
-    of ``offsets``): the fallback where grouped_mm does not run. Rows past offsets[-1] are zero."""
+    of ``offsets``): the fallback where grouped_mm does not run, and with ``linear`` =
+    ``rowwise_linear`` the batch-invariant mode's path where the kernels do not run (docs/model.md
+    §7). Rows past offsets[-1] are zero."""
     out = torch.zeros_like(x)
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = expert_ffn(x[start:end], w13[e], w2[e])
+            out[start:end] = expert_ffn(x[start:end], w13[e], w2[e], linear)
         start = end
     return out
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """One expert's SwiGLU: ``w2 · (silu(w1·x) ⊙ (w3·x))``.
 
     x [N, H] act, w13 [2·I_loc, H] (w1 rows then w3 rows), w2 [H, I_loc] -> [N, H] act.
     """
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    gate, up = linear(x, w13).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w2)
 
 
 def expert_offsets(key: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -129,6 +142,7 @@ class MiniMaxM2Experts(nn.Module):
                                requires_grad=False)
         self.scheme: FP4Scheme | str | None = None  # set when the experts are held packed (FP8_SCHEME)
         self.kernel_weights: tuple[PackedWeights, PackedWeights] | None = None  # pack_for_kernels
+        self.batch_invariant = False  # use_batch_invariant
 
     def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
@@ -204,7 +218,7 @@ class MiniMaxM2Experts(nn.Module):
         expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
         if self.kernel_weights is not None and kernels_apply(x.device, x.dtype):
-            return grouped_expert_ffn(x, offsets, *self.kernel_weights)
+            return grouped_expert_ffn(x, offsets, *self.kernel_weights, None, self.batch_invariant)
         if self.scheme is None:
             w13, w2 = self.w13, self.w2
         else:
@@ -215,9 +229,22 @@ class MiniMaxM2Experts(nn.Module):
             pairs = [self.expert_weights(e, x.dtype) for e in active]
             w13, w2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
             offsets = torch.tensor([ends[e] for e in active], dtype=torch.int32, device=x.device)
+        if self.batch_invariant:
+            return loop_swiglu(x, offsets, w13, w2, rowwise_linear)
         if has_grouped_mm(x.dtype, x.device):
             return grouped_swiglu(x, offsets, w13, w2)
         return loop_swiglu(x, offsets, w13, w2)
+
+    def use_batch_invariant(self) -> None:
+        """Switch to the batch-invariant mode (docs/model.md §7), once after load: :meth:`grouped_rows`
+        keeps every row on the kernels' GEMV path (dense bf16 experts too: ``kernel_weights`` become
+        bf16 views of the parameters, no copy), or where the kernels do not run, loops over the
+        active experts with one GEMV per row (``rowwise_linear``). Slower for many rows per expert
+        (the weights are read once per 8 rows instead of once per GEMM tile)."""
+        self.batch_invariant = True
+        if self.kernel_weights is None and self.scheme is None and self.w13.dtype == torch.bfloat16:
+            self.kernel_weights = (PackedWeights(WeightFormat.BF16, self.w13.data),
+                                   PackedWeights(WeightFormat.BF16, self.w2.data))
 
     def pack_for_kernels(self) -> None:
         """Once all experts are loaded: ``kernel_weights`` = (w13 [E_loc, 2·I_loc, H] with w1 rows then

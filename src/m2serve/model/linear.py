@@ -2,17 +2,18 @@
 stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices).
 
 On CPU, bf16 and FP8-block weights go through the packed-weight kernels (m2serve/kernels) when
-they are built: same values as dequantise + ``F.linear``, up to the fp32 summation order."""
+they are built: same values as dequantise + ``F.linear``, up to the fp32 summation order.
+``batch_invariant`` (set once after load, docs/model.md §7): a row's result does not depend on the
+other rows of the call (kernels/ops.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.kernels.ops import PackedWeights, WeightFormat
+from m2serve.kernels.ops import PackedWeights, WeightFormat, dense_linear
 from m2serve.kernels.ops import linear as packed_linear
 
 
@@ -31,6 +32,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.packed = False
         self.act_dtype = self.weight.dtype
+        self.batch_invariant = False  # the batch-invariant mode (module docstring)
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -79,4 +81,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], same dtype."""
         stored = self.stored_weight() if x.dtype == self.act_dtype else None
-        return F.linear(x, self.dense_weight()) if stored is None else packed_linear(x, stored)
+        if stored is None:
+            return dense_linear(x, self.dense_weight(), self.batch_invariant)
+        return packed_linear(x, stored, batch_invariant=self.batch_invariant)

@@ -43,7 +43,7 @@ def weights_banner(args: EngineArgs) -> str:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
                progress: bool | None = None, weight_dequant: str = "auto",
-               attention_backend: str = "auto") -> MiniMaxM2ForCausalLM:
+               attention_backend: str = "auto", batch_invariant: bool = False) -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -61,8 +61,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     and ``dtype`` (:func:`resolve_weight_dequant`). Raises ValueError for another value.
     ``attention_backend`` (EngineArgs.attention_backend): chosen once, for ``device``, by
     model/attention.py ``resolve_attention_backend`` (ValueError for an unknown name).
+    ``batch_invariant``: load in the batch-invariant mode (docs/model.md §7,
+    ``MiniMaxM2ForCausalLM.use_batch_invariant``); ValueError on a device other than the CPU.
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
+    if batch_invariant and torch.device(device).type != "cpu":
+        raise ValueError(f"batch_invariant: implemented for CPU devices only, not {device} "
+                         "(docs/model.md §7)")
     cfg = MiniMaxM2Config.from_pretrained(path)
     plan = open_checkpoint(path, cfg, checkpoint_copy_check())
     parallel = parallel or ParallelState()
@@ -79,4 +84,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         plan.reader.close()
     for layer in model.model.layers:
         layer.block_sparse_moe.experts.pack_for_kernels()
+    if batch_invariant:
+        model.use_batch_invariant()
     return model.eval()

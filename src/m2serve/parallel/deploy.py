@@ -26,6 +26,7 @@ import torch.distributed as dist
 from m2serve.config.engine_args import (
     EngineArgs,
     apply_num_threads,
+    batch_invariant_enabled,
     choose_num_threads,
     dtype_bytes,
     rank_devices,
@@ -61,7 +62,7 @@ def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str
     """This rank's shard of ``args.model`` with ``args.dtype`` and ``args.weight_dequant``: the one
     load every multi-rank path (spawned ranks, rank 0, torchrun ranks) goes through."""
     return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant,
-                           args.attention_backend)
+                           args.attention_backend, batch_invariant_enabled(args))
 
 
 def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str],

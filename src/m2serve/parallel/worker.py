@@ -62,14 +62,15 @@ class KVSpec:
 
 def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", weight_dequant: str = "load",
-                    attention_backend: str = "auto") -> Any:
+                    attention_backend: str = "auto", batch_invariant: bool = False) -> Any:
     """Load this rank's share of the checkpoint at ``path``: only the slices of its shard plan
     are read from disk (``safe_open(...).get_slice``), so resident weights are about its share.
     ``weight_dequant`` as for model/load.py ``load_model`` (``"runtime"`` keeps quantised weights
-    packed on every rank, which is what the planner counts)."""
+    packed on every rank, which is what the planner counts); ``batch_invariant`` likewise."""
     config = MiniMaxM2Config.from_pretrained(path)
     return load_model(path, dtype=dtype, device=device, parallel=state, shard=make_shard_plan(config, state),
-                      weight_dequant=weight_dequant, attention_backend=attention_backend)
+                      weight_dequant=weight_dequant, attention_backend=attention_backend,
+                      batch_invariant=batch_invariant)
 
 
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:
@@ -183,9 +184,19 @@ class DistributedModel:
     kv_seen: KVStorage | None = None
     closed: bool = False
     encoder: MessageEncoder = field(default_factory=MessageEncoder)
-    message_bytes: int = 0   # size of the last step message (benchmarks/parallel.py reports it)
+    last_message: tuple[Any, Any] | None = None   # (step message, sampling rows) of the last step
     replica_sampled_steps: int = 0   # steps whose rows were drawn on the replicas (tests read it)
     held: dict = field(default_factory=dict)   # sampling states of replica 0's requests
+
+    @property
+    def message_bytes(self) -> int:
+        """Size in bytes of the last step's message (step message + sampling rows, pickled;
+        benchmarks/parallel.py reports it); 0 before the first step. Measured on demand, so a step
+        never pickles its message a second time just to size it."""
+        if self.last_message is None:
+            return 0
+        step, sampling = self.last_message
+        return step.nbytes + (len(pickle.dumps(sampling)) if sampling is not None else 0)
 
     @property
     def config(self) -> MiniMaxM2Config:
@@ -236,7 +247,7 @@ class DistributedModel:
             self.encoder, self.held = MessageEncoder(), {}
         step = self.encoder.encode(batch)
         self.replica_sampled_steps += sampling is not None
-        self.message_bytes = step.nbytes + (len(pickle.dumps(sampling)) if sampling is not None else 0)
+        self.last_message = (step, sampling)
         try:
             _send(self.state, {"kind": "step", "step": step, "sampling": sampling,
                                "kv": KVSpec.of(kv) if first else None})

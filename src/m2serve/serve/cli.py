@@ -138,6 +138,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
     a("--threads", type=int, help="intra-op CPU threads per process")
+    a("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+      help="seeded requests get the same tokens alone and in any batch, at a speed cost (CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

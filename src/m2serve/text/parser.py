@@ -77,8 +77,9 @@ class ToolCallDelta:
 class ParserDelta:
     """What one ``feed``/``finish`` call adds: reasoning text, content text and tool-call fragments.
 
-    Within one delta all reasoning precedes all content in the output text. ``chunks()`` splits it
-    into stream chunks that never mix reasoning and content, reasoning first (P25). Immutable
+    Within one delta all reasoning precedes all content in the output text, so the serve layer's
+    one stream split (serve/chat_pipeline.py ``ChoiceDelta.pieces``) can send reasoning first and
+    never mix the two in a chunk (P25). Immutable
     (frozen, ``tool_calls`` a tuple of frozen deltas): later feeds never change a returned delta.
     """
 
@@ -89,15 +90,6 @@ class ParserDelta:
     def is_empty(self) -> bool:
         """True when the delta carries nothing to send."""
         return not (self.reasoning or self.content or self.tool_calls)
-
-    def chunks(self) -> list[ParserDelta]:
-        """Split into ≤2 deltas: reasoning only, then content + tool calls (P25). Empty parts omitted."""
-        parts: list[ParserDelta] = []
-        if self.reasoning:
-            parts.append(ParserDelta(reasoning=self.reasoning))
-        if self.content or self.tool_calls:
-            parts.append(ParserDelta(content=self.content, tool_calls=self.tool_calls))
-        return parts
 
 
 @dataclass(slots=True)

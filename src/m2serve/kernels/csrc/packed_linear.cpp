@@ -15,7 +15,9 @@
 // Block and group sizes are arguments (formats/ owns them). Small row counts stream each weight
 // row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV); larger row
 // counts decode a tile of rows to the activation dtype and hand it to at::mm. Threads split over
-// (expert, output tile). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
+// (expert, output tile). On the GEMV path a row's fp32 summation order does not depend on the
+// other rows of the call (the batch-invariant mode relies on it: gemv_rows >= R sends every row
+// there). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
 // the vector functions carry GCC target attributes, so the file builds without -march flags. With
 // bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
 // (the fused GEMV), and for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables.
@@ -371,7 +373,24 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] =                              \
         _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
   } while (0)
-    if (w.fmt == BF16) {
+    if (w.fmt == BF16 && K % 64 == 0) {
+      // the summation order of gemv_bf16w_pair (even 32-column steps in acc, odd ones in acc2, added
+      // at the end), so that a row's result does not depend on how many rows share the call
+      __m512 acc2[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc2[r] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p + 2 * k + 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpbf16_ps(acc[r], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
+          acc2[r] = _mm512_dpbf16_ps(acc2[r], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
+    } else if (w.fmt == BF16) {
       for (int64_t k = 0; k < K; k += 32) {
         _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
         M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
