@@ -247,3 +247,8 @@ def test_sampling_batch_from_buffers_equals_per_field_copies():
             assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y, strict=True)), name
         else:
             assert x == y, name
+
+
+def test_batch_invariant_mode_refuses_the_triton_backend(tiny_random_dir):
+    with pytest.raises(ValueError, match="batch_invariant: needs attention_backend='torch'"):
+        load_model(tiny_random_dir, attention_backend="triton", batch_invariant=True)
