@@ -296,12 +296,13 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
     KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
-    and for ``serve`` the URL."""
+    with a model loaded in this process the implementation picked per module and the resident
+    weight bytes, and for ``serve`` the URL."""
     import torch
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
-    from m2serve.model.load import weights_banner
+    from m2serve.model.load import resident_weight_bytes, weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -310,13 +311,17 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     pages = stats.replicas[0].kv_pages_total if stats.replicas else stats.kv_pages_total   # per replica
     dp = f" per replica x {len(stats.replicas)} replicas" if len(stats.replicas) > 1 else ""
     url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
+    model = getattr(llm.engine.runner, "model", None)
+    weights = weights_banner(llm.args, model)
+    if getattr(model, "kernel_summary", None) is not None:  # loaded in this process: count what it holds
+        weights += f" | resident weights {resident_weight_bytes(model) / GiB:.2f} GiB"
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | {weights_banner(llm.args)}{url}"
+        f"max context {llm.max_length} | {weights}{url}"
     )
 
 

@@ -143,7 +143,7 @@ class LLM:
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.requests = RequestTable(engine if engine is not None else LLMEngine.from_args(self.args))
-        log.info("%s", weights_banner(self.args))
+        log.info("%s", weights_banner(self.args, getattr(self.engine.runner, "model", None)))
         self.max_length = self.engine.max_length
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._ids = itertools.count()
