@@ -15,6 +15,7 @@ import torch
 
 from m2serve.formats import fp8 as fp8_mod
 from m2serve.kernels import build
+from m2serve.kernels import choice as choice_mod
 from m2serve.kernels import ops as ops_mod
 from m2serve.kernels.build import KernelBackend, kernel_backend
 from m2serve.kernels.choice import LinearImpl, choose_impl
@@ -34,7 +35,9 @@ NO_KERNELS = KernelBackend("pytorch", None, "test")
     ("cpu", WeightFormat.FP8_BLOCK, torch.float16, AVX512, LinearImpl.TORCH),  # no fp16 kernels
     ("cpu", WeightFormat.FP8_BLOCK, torch.bfloat16, NO_KERNELS, LinearImpl.TORCH),
     ("cpu", None, torch.float32, AVX512, LinearImpl.TORCH),  # dense fp32 weight: aten
-    ("cuda", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, LinearImpl.TORCH),  # Triton slot empty
+    ("cuda", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, LinearImpl.TRITON),  # the Triton FP8 linear
+    ("cuda", WeightFormat.FP8_BLOCK, torch.float32, AVX512, LinearImpl.TORCH),  # bf16 activations only
+    ("cuda", WeightFormat.NVFP4_MODELOPT, torch.bfloat16, AVX512, LinearImpl.TORCH),
     ("cuda", WeightFormat.BF16, torch.bfloat16, AVX512, LinearImpl.TORCH),
     ("meta", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, LinearImpl.TORCH),
 ])
@@ -42,6 +45,23 @@ def test_choice_table(device, fmt, dtype, backend, want):
     choice = choose_impl(device, fmt, dtype, backend)
     assert choice.impl is want
     assert (choice.isa == backend.isa) if want is LinearImpl.CPU_PACKED else choice.isa is None
+    assert choice.label == {LinearImpl.CPU_PACKED: backend.name, LinearImpl.TRITON: "triton-w8a16",
+                            LinearImpl.TORCH: "torch"}[want]
+    # a layer's experts never take the (linear-only) Triton kernel
+    assert choose_impl(device, fmt, dtype, backend, grouped=True).impl is (
+        LinearImpl.TORCH if want is LinearImpl.TRITON else want)
+
+
+def test_w8a8_needs_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(choice_mod, "device_capability", lambda device: (8, 0))  # A100
+    with pytest.raises(ValueError, match=r"fp8_linear=w8a8 needs FP8 tensor cores.*\(8, 0\): use w8a16"):
+        choose_impl("cuda", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, "w8a8")
+    assert choose_impl("cuda", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, "w8a16").mode == "w8a16"
+    monkeypatch.setattr(choice_mod, "device_capability", lambda device: (9, 0))  # H100 / H200
+    c = choose_impl("cuda", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, "w8a8")
+    assert (c.impl, c.label, c.mode) == (LinearImpl.TRITON, "triton-w8a8", "w8a8")
+    with pytest.raises(ValueError, match="fp8_linear='w4a16' is not supported"):
+        choose_impl("cpu", WeightFormat.FP8_BLOCK, torch.bfloat16, AVX512, "w4a16")
 
 
 def _generate(model, steps: int) -> list[int]:
@@ -105,7 +125,7 @@ def test_gpu_target_never_dequantises_on_the_host(tiny_random_fp8_dir, monkeypat
     assert seen == []  # auto on a non-CPU device keeps codes and scales as stored
     held = {b.dtype for b in model.buffers() if b.dim() >= 2}
     assert torch.float8_e4m3fn in held and all(b.device.type == "meta" for b in model.buffers())
-    assert all(label == "torch" for (_, _, label) in model.kernel_summary.counts)  # no Triton yet
+    assert all(label == "torch" for (_, _, label) in model.kernel_summary.counts)  # meta: the reference
 
     model = load_model(tiny_random_fp8_dir, dtype=torch.bfloat16, device="meta", weight_dequant="load")
     assert seen and set(seen) == {"meta"}  # dequantised, but on the target device

@@ -116,3 +116,22 @@ def test_both_modes_are_registered_for_the_sm90_compile():
     assert "m2serve.kernels.triton.fp8_linear" in KERNEL_MODULES
     names = {v.name for v in all_variants() if v.name.startswith("fp8_linear/")}
     assert names == {f"fp8_linear/{mode}/bf16/m{bm}" for mode in ("w8a16", "w8a8") for bm in (16, 64)}
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_linear_module_runs_the_triton_choice(mode):
+    # model/linear.py with the choice a GPU gets (kernels/choice.py), run here under the interpreter
+    from m2serve.formats.fp8 import PackedFP8
+    from m2serve.kernels.choice import KernelChoice, LinearImpl
+    from m2serve.model.linear import Linear
+
+    q, s = _weights(256, 384, 6)
+    lin = Linear(384, 256, torch.float32)
+    lin.load("q_proj.weight", PackedFP8(q, s))
+    lin.set_choice(KernelChoice(LinearImpl.TRITON, None, f"triton-{mode}", mode))
+    x = _exact_activations(3, 384, 7) / 64 if mode == "w8a8" else torch.randn(3, 384)
+    ref = _reference(x, q, s)
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    dense = Linear(384, 256, torch.float32)
+    with pytest.raises(ValueError, match="triton-w8a16: this linear is not held in FP8"):
+        dense.set_choice(KernelChoice(LinearImpl.TRITON, None, "triton-w8a16", "w8a16"))

@@ -39,11 +39,13 @@ def _device(module: nn.Module) -> torch.device:
     return next(t.device for t in (*module.parameters(), *module.buffers()))
 
 
-def choose_kernels(model: nn.Module, backend: KernelBackend | None = None) -> KernelSummary:
+def choose_kernels(model: nn.Module, backend: KernelBackend | None = None,
+                   fp8_linear: str = "w8a16") -> KernelSummary:
     """Give every Linear and MiniMaxM2Experts under ``model`` (``model`` itself included) its
     implementation, once, from (device, weight format, activation dtype, ``backend``; default
-    :func:`kernel_backend`). Call after the weights are loaded (a module learns its format then);
-    returns the summary for the banner, also kept as ``model.kernel_summary``."""
+    :func:`kernel_backend`; ``fp8_linear``, EngineArgs.fp8_linear). Call after the weights are
+    loaded (a module learns its format then); returns the summary for the banner, also kept as
+    ``model.kernel_summary``. Raises ValueError as kernels/choice.py ``choose_impl``."""
     backend = backend if backend is not None else kernel_backend()
     summary = KernelSummary()
     for module in model.modules():
@@ -54,7 +56,7 @@ def choose_kernels(model: nn.Module, backend: KernelBackend | None = None) -> Ke
         else:
             continue
         fmt = module.weight_format()
-        choice = choose_impl(_device(module), fmt, act, backend)
+        choice = choose_impl(_device(module), fmt, act, backend, fp8_linear, grouped=kind == "experts")
         module.set_choice(choice)
         name = fmt.name if fmt is not None else f"dense {str(act).removeprefix('torch.')}"
         summary.counts[(kind, name, choice.label)] += 1

@@ -8,13 +8,16 @@ fp32 summation order; elsewhere the torch reference. Until a choice is made the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl
+from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl, triton_fp8_linear
 from m2serve.kernels.ops import PackedWeights, WeightFormat, cpu_linear
 
 
@@ -37,6 +40,10 @@ class Linear(nn.Module):
         self.act_dtype = self.weight.dtype
         self.choice: KernelChoice = TORCH_CHOICE
         self._stored: PackedWeights | None = None
+        self._triton: Callable[..., torch.Tensor] | None = None
+        #: offset of the first row inside its first 128-row scale band (a TP slice that splits a
+        #: band; the loader only cuts on band boundaries today, so 0)
+        self.row0 = 0
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -53,7 +60,7 @@ class Linear(nn.Module):
             self.weight.data.copy_(w)
             return
         if not self.packed:
-            self.choice, self._stored = TORCH_CHOICE, None  # a choice made for the dense weight is void
+            self.choice, self._stored, self._triton = TORCH_CHOICE, None, None  # void for the dense weight
             n, k = self.weight.shape
             self.act_dtype, device = self.weight.dtype, self.weight.device
             del self.weight
@@ -92,20 +99,24 @@ class Linear(nn.Module):
     def set_choice(self, choice: KernelChoice) -> None:
         """Run this linear by ``choice`` from now on (kernels/choice.py ``choose_impl`` for this weight's
         device, :meth:`weight_format` and ``act_dtype``). Raises ValueError naming the choice when it
-        needs stored weights this linear does not have, or for the Triton slot (no GPU kernel yet)."""
+        needs stored weights this linear does not have (CPU kernels: a stored weight and an ISA;
+        Triton: FP8 codes)."""
+        self._stored = self._triton = None
         if choice.impl is LinearImpl.CPU_PACKED:
             stored = self.stored_weight()
             if stored is None or choice.isa is None:
                 raise ValueError(f"kernel choice {choice.label}: this linear has no stored weight or ISA")
             self._stored = stored
         elif choice.impl is LinearImpl.TRITON:
-            raise ValueError("kernel choice triton: no Triton linear is available yet")
-        else:
-            self._stored = None
+            if not self.packed:
+                raise ValueError(f"kernel choice {choice.label}: this linear is not held in FP8")
+            self._triton = partial(triton_fp8_linear(), row0=self.row0, mode=choice.mode)
         self.choice = choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] act -> [..., out] act, by ``choice`` (no backend query here)."""
         if self._stored is not None:
             return cpu_linear(x, self._stored, self.choice.isa)
+        if self._triton is not None:
+            return self._triton(x, self.weight_q, self.weight_scale_inv)
         return F.linear(x, self.dense_weight())

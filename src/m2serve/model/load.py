@@ -59,7 +59,8 @@ def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> st
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
-               progress: bool | None = None, weight_dequant: str = "auto") -> MiniMaxM2ForCausalLM:
+               progress: bool | None = None, weight_dequant: str = "auto",
+               fp8_linear: str = "w8a16") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -75,6 +76,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     on CPU with the kernels built they compute straight from the codes (experts through
     ``pack_for_kernels``, done here once). ``"auto"`` (default) picks one of the two for ``device``
     and ``dtype`` (:func:`resolve_weight_dequant`). Raises ValueError for another value.
+    Once loaded, each linear's and expert group's implementation is chosen once
+    (model/kernel_choice.py ``choose_kernels``; ``fp8_linear`` = EngineArgs.fp8_linear for GPU
+    FP8 linears on the Triton kernel).
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     cfg = MiniMaxM2Config.from_pretrained(path)
@@ -93,5 +97,5 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         plan.reader.close()
     for layer in model.model.layers:
         layer.block_sparse_moe.experts.pack_for_kernels()
-    choose_kernels(model)
+    choose_kernels(model, fp8_linear=fp8_linear)
     return model.eval()

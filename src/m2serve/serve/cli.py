@@ -26,7 +26,13 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, WEIGHT_DEQUANT_MODES, EngineArgs
+from m2serve.config.engine_args import (
+    COMPUTE_DTYPES,
+    FP8_LINEAR_MODES,
+    KV_CACHE_FORMATS,
+    WEIGHT_DEQUANT_MODES,
+    EngineArgs,
+)
 
 log = logging.getLogger("m2serve")
 
@@ -113,6 +119,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
     a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
+    a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
+      help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m2serve.config.engine_args import FP8_LINEAR_MODES
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp8 import E4M3_MAX
 from m2serve.kernels.triton.aot import Variant, register
@@ -38,7 +39,6 @@ from m2serve.kernels.triton.runtime import compute_dtype
 
 BLOCK_N = 64  # output rows per program
 DECODE_ROWS = 16  # M at or below this uses BLOCK_M 16 (decode), else 64 (prefill)
-FP8_LINEAR_MODES = ("w8a16", "w8a8")
 
 
 @triton.jit
