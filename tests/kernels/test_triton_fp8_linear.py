@@ -1,4 +1,4 @@
-"""The Triton block-scaled FP8 linear under the interpreter (docs/kernels.md §1, §3): fp32 compute
+"""The Triton block-scaled FP8 linear under the interpreter (docs/kernels.md §1, §4): fp32 compute
 against formats/fp8.py's bit-exact dequantiser + a float64 matmul, on TP slices whose rows start
 inside a 128-row scale band. W8A8 is judged under the interpreter only on activations its
 quantiser maps exactly (the interpreter's fp8 rounding is not the GPU's); the quantiser itself is
