@@ -49,8 +49,8 @@ class EngineArgs:
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption). Like
         the planner's count, max_batch_input_tokens and max_batch_size, it is per data-parallel
         replica (docs/serving.md §8).
-    weight_dequant: "auto" (default: "runtime" where the packed-weight kernels run the activations on
-        the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
+    weight_dequant: "auto" (default: "runtime" on a GPU, and on a CPU where the packed-weight kernels
+        run the activations — bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
         "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them
         when used; model/load.py ``resolve_weight_dequant``).
     fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,

@@ -49,7 +49,7 @@ def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> st
     serve/cli.py's banner adds the resident bytes (:func:`resident_weight_bytes`)."""
     cpu = args.devices.partition(":")[0] == "cpu"
     mode = resolve_weight_dequant(args.weight_dequant, "cpu" if cpu else "cuda", getattr(torch, args.dtype))
-    backend = kernel_backend().banner() if cpu else "GPU linear backend: per module (below), else torch"
+    backend = kernel_backend().banner() if cpu else "GPU linear backend: chosen per module after loading"
     line = f"weights {mode} (weight_dequant {args.weight_dequant}) | {backend}"
     summary = getattr(model, "kernel_summary", None)
     if summary is not None:
