@@ -34,7 +34,7 @@ def dtype_bytes(field: str, name: str) -> int:
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
 #: Every accepted ``EngineArgs.fp8_linear`` value: the Triton FP8 linear's activation mode
-#: (docs/kernels.md §3), bf16 activations (default) or per-token-group dynamic e4m3.
+#: (docs/kernels.md §4), bf16 activations (default) or per-token-group dynamic e4m3.
 FP8_LINEAR_MODES = ("w8a16", "w8a8")
 
 
@@ -55,7 +55,7 @@ class EngineArgs:
         when used; model/load.py ``resolve_weight_dequant``).
     fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,
         the dequantised weights' values) or "w8a8" (activations quantised per token and 128-column
-        group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §3.
+        group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §4.
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.

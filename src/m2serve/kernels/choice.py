@@ -67,7 +67,7 @@ CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 def triton_formats(device: torch.device) -> frozenset[WeightFormat]:
     """Weight formats the Triton kernels run on ``device``: FP8_BLOCK linears on CUDA when Triton is
-    installed (docs/kernels.md §3), else none (the torch reference)."""
+    installed (docs/kernels.md §4), else none (the torch reference)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return frozenset()
     return frozenset({WeightFormat.FP8_BLOCK})
