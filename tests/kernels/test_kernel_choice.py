@@ -145,3 +145,16 @@ def test_resident_bytes_as_stored(tiny_random_fp8_dir):
     assert fp8_codes > 0 and scales > 0
     diff = resident_weight_bytes(dense) - resident_weight_bytes(packed)
     assert diff == 2 * fp8_codes - (fp8_codes + 4 * scales)
+
+
+def test_banner_model_of_a_multi_rank_handle():
+    # serve/cli.py's banner lists rank 0's picks for a multi-rank model (parallel/worker.py's
+    # DistributedModel holds rank 0's module as .model)
+    from types import SimpleNamespace
+
+    from m2serve.model.load import local_model
+
+    lin = torch.nn.Linear(2, 2)
+    assert local_model(lin) is lin
+    assert local_model(SimpleNamespace(model=lin)) is lin
+    assert local_model(None) is None and local_model(SimpleNamespace(model=3)) is None

@@ -40,6 +40,15 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def local_model(model: object) -> torch.nn.Module | None:
+    """The model loaded in this process behind an engine's ``model``: itself when it is a module,
+    rank 0's module for a multi-rank handle (parallel/worker.py ``DistributedModel.model``), else None."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> str:
     """The start banner's weights part: how quantised weights are held (``weight_dequant`` as given,
     and resolved) and the linear backend in use — on CPU the kernels' backend with its reason (the

@@ -310,7 +310,7 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
-    from m2serve.model.load import resident_weight_bytes, weights_banner
+    from m2serve.model.load import local_model, resident_weight_bytes, weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -319,10 +319,12 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     pages = stats.replicas[0].kv_pages_total if stats.replicas else stats.kv_pages_total   # per replica
     dp = f" per replica x {len(stats.replicas)} replicas" if len(stats.replicas) > 1 else ""
     url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
-    model = getattr(llm.engine.runner, "model", None)
+    engine_model = getattr(getattr(llm.engine, "runner", None), "model", None)
+    model = local_model(engine_model)  # rank 0's for a multi-rank model
     weights = weights_banner(llm.args, model)
     if getattr(model, "kernel_summary", None) is not None:  # loaded in this process: count what it holds
-        weights += f" | resident weights {resident_weight_bytes(model) / GiB:.2f} GiB"
+        rank = "" if model is engine_model else " on rank 0"
+        weights += f" | resident weights {resident_weight_bytes(model) / GiB:.2f} GiB{rank}"
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
