@@ -33,6 +33,9 @@ def dtype_bytes(field: str, name: str) -> int:
 
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
+#: Every accepted ``EngineArgs.fp8_linear`` value: the Triton FP8 linear's activation mode
+#: (docs/kernels.md §4), bf16 activations (default) or per-token-group dynamic e4m3.
+FP8_LINEAR_MODES = ("w8a16", "w8a8")
 
 
 @dataclass(slots=True)
@@ -46,10 +49,13 @@ class EngineArgs:
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption). Like
         the planner's count, max_batch_input_tokens and max_batch_size, it is per data-parallel
         replica (docs/serving.md §8).
-    weight_dequant: "auto" (default: "runtime" where the packed-weight kernels run the activations on
-        the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
+    weight_dequant: "auto" (default: "runtime" on a GPU, and on a CPU where the packed-weight kernels
+        run the activations — bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
         "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them
         when used; model/load.py ``resolve_weight_dequant``).
+    fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,
+        the dequantised weights' values) or "w8a8" (activations quantised per token and 128-column
+        group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §4.
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -77,6 +83,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_pages: int | None = None
     weight_dequant: str = "auto"
+    fp8_linear: str = "w8a16"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

@@ -136,7 +136,7 @@ class LLMEngine:
             model = start_distributed_model(args)
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
-                               weight_dequant=args.weight_dequant,
+                               weight_dequant=args.weight_dequant, fp8_linear=args.fp8_linear,
                                batch_invariant=batch_invariant_enabled(args))
         return cls.from_model(model, config, args, device=devices[0])
 

@@ -17,10 +17,10 @@ left uninitialised) and the combine zeroes them with a ``where`` (their weight b
 
 ``grouped_rows`` is the seam for other weight formats: it takes (rows sorted by expert [R, H],
 offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held. Packed
-(runtime dequantisation) experts on CPU with the kernels built (m2serve/kernels) run
-``grouped_expert_ffn`` straight from the stored codes: two grouped calls, no host read. Elsewhere
-(CUDA, fp16, no kernels) it dequantises the active experts (one host read of the offsets), then
-grouped_mm.
+(runtime dequantisation) experts whose kernel choice (made once after loading,
+model/kernel_choice.py) is the CPU kernels run ``cpu_grouped_expert_ffn`` straight from the stored
+codes: two grouped calls, no host read. Otherwise (the torch reference: CUDA, fp16, no kernels) it
+dequantises the active experts on their device (one host read of the offsets), then grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
 :func:`expert_ffn` per expert hit, ``unique_consecutive`` + ``.tolist()``): the test reference,
@@ -40,12 +40,12 @@ from torch import nn
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
 from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl
 from m2serve.kernels.ops import (
     FP4_FORMATS,
     PackedWeights,
     WeightFormat,
-    grouped_expert_ffn,
-    kernels_apply,
+    cpu_grouped_expert_ffn,
     rowwise_linear,
 )
 
@@ -128,7 +128,8 @@ class MiniMaxM2Experts(nn.Module):
     activates (:meth:`expert_weights`), with the same formula (and so the same values) as
     dequantising at load. :meth:`pack_for_kernels` (called once after load) sets ``kernel_weights``
     (w13, w2 as m2serve/kernels' PackedWeights) so that :meth:`grouped_rows` runs the C++ kernels on
-    the codes where they apply (same values up to the fp32 summation order).
+    the codes where they apply (same values up to the fp32 summation order), once :meth:`set_choice`
+    picked them (model/kernel_choice.py, after loading); until then the torch reference runs.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -140,9 +141,28 @@ class MiniMaxM2Experts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
                                requires_grad=False)
+        self.act_dtype = self.w13.dtype  # activations (the dense parameters' dtype, kept when packed)
         self.scheme: FP4Scheme | str | None = None  # set when the experts are held packed (FP8_SCHEME)
         self.kernel_weights: tuple[PackedWeights, PackedWeights] | None = None  # pack_for_kernels
-        self.batch_invariant = False  # use_batch_invariant
+        self.batch_invariant = False  # use_batch_invariant (before the kernel choice)
+        self.choice: KernelChoice = TORCH_CHOICE  # set_choice, once after loading
+
+    def weight_format(self) -> WeightFormat | None:
+        """The experts' format for the kernel choice (kernels/choice.py): the packed format when
+        ``kernel_weights`` are set (:meth:`pack_for_kernels`), else None: dense experts run
+        grouped_mm, and packed ones without kernel weights the dequantising reference."""
+        if self.kernel_weights is not None:
+            return self.kernel_weights[0].fmt
+        return None
+
+    def set_choice(self, choice: KernelChoice) -> None:
+        """Run the experts by ``choice`` from now on. Raises ValueError naming the choice when it is
+        the CPU kernels without ``kernel_weights`` (:meth:`pack_for_kernels`) or the Triton slot."""
+        if choice.impl is LinearImpl.CPU_PACKED and (self.kernel_weights is None or choice.isa is None):
+            raise ValueError(f"kernel choice {choice.label}: experts have no kernel weights or ISA")
+        if choice.impl is LinearImpl.TRITON:
+            raise ValueError("kernel choice triton: no Triton expert kernel is available yet")
+        self.choice = choice
 
     def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
@@ -210,15 +230,17 @@ class MiniMaxM2Experts(nn.Module):
         (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
 
         Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
-        (runtime dequantisation) where the kernels apply (``kernel_weights`` set, CPU, bf16/fp32
-        activations, kernels built): ``grouped_expert_ffn`` on the stored codes, no host read either
-        (rows past offsets[-1] come back 0). Other packed experts: the offsets are read on the host
-        once (the layer's one sync in that case) and only the ACTIVE experts are dequantised,
+        (runtime dequantisation) whose ``choice`` is the CPU kernels (made once after loading:
+        ``kernel_weights`` set, CPU, bf16/fp32 activations, kernels built): ``cpu_grouped_expert_ffn``
+        on the stored codes, no host read either (rows past offsets[-1] come back 0). Other packed
+        experts (the torch reference): the offsets are read on the host once (the layer's one sync
+        in that case) and only the ACTIVE experts are dequantised (on their device),
         stacked and run by grouped_mm with their offsets (dequantising all E_loc would hold every
         expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
-        if self.kernel_weights is not None and kernels_apply(x.device, x.dtype):
-            return grouped_expert_ffn(x, offsets, *self.kernel_weights, None, self.batch_invariant)
+        if self.choice.impl is LinearImpl.CPU_PACKED:
+            return cpu_grouped_expert_ffn(x, offsets, *self.kernel_weights, self.choice.isa,
+                                          self.batch_invariant)
         if self.scheme is None:
             w13, w2 = self.w13, self.w2
         else:

@@ -13,37 +13,63 @@ from m2serve.formats.loader import ShardPlan, iter_weights, open_checkpoint, rea
 from m2serve.kernels.build import kernel_backend
 from m2serve.kernels.ops import checkpoint_copy_check, kernels_apply
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
+from m2serve.model.kernel_choice import choose_kernels
 
 
 def resolve_weight_dequant(weight_dequant: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """``"load"`` or ``"runtime"`` for an EngineArgs.weight_dequant value on ``device`` with ``dtype``
-    activations: ``"auto"`` keeps quantised weights packed (``"runtime"``) where the packed-weight
-    kernels run them (m2serve/kernels ``kernels_apply``: CPU, bf16/fp32, kernels built — every
-    packed format has one), else dequantises at load. Raises ValueError naming the field and the
-    accepted values for another value."""
+    activations. ``"auto"`` keeps quantised weights as stored (``"runtime"``) on every device but
+    the CPU (a GPU holds codes and scales as stored, half the bf16 bytes for FP8, and dequantises
+    there, never on the host), and on the CPU where the packed-weight kernels run them
+    (m2serve/kernels ``kernels_apply``: bf16/fp32, kernels built — every packed format has one);
+    a CPU without them dequantises at load. Raises ValueError naming the field and the accepted
+    values for another value."""
     if weight_dequant not in WEIGHT_DEQUANT_MODES:
         raise ValueError(f"weight_dequant={weight_dequant!r} is not supported; "
                          f"use one of {WEIGHT_DEQUANT_MODES}")
     if weight_dequant != "auto":
         return weight_dequant
+    if torch.device(device).type != "cpu":
+        return "runtime"
     return "runtime" if kernels_apply(device, dtype) else "load"
 
 
-def weights_banner(args: EngineArgs) -> str:
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model`` (codes and scales as held): what the
+    weights occupy on the device (the planner's ``weight_bytes`` for this rank)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def local_model(model: object) -> torch.nn.Module | None:
+    """The model loaded in this process behind an engine's ``model``: itself when it is a module,
+    rank 0's module for a multi-rank handle (parallel/worker.py ``DistributedModel.model``), else None."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> str:
     """The start banner's weights part: how quantised weights are held (``weight_dequant`` as given,
     and resolved) and the linear backend in use — on CPU the kernels' backend with its reason (the
     fallback reason when it is ``pytorch``), e.g. ``weights runtime (weight_dequant auto) | CPU linear
-    backend: cpu-avx512 (widest ISA this CPU supports)``."""
+    backend: cpu-avx512 (widest ISA this CPU supports)``. With a loaded ``model`` (one process) it
+    adds the implementation picked per module (model/kernel_choice.py ``KernelSummary.banner``);
+    serve/cli.py's banner adds the resident bytes (:func:`resident_weight_bytes`)."""
     cpu = args.devices.partition(":")[0] == "cpu"
     mode = resolve_weight_dequant(args.weight_dequant, "cpu" if cpu else "cuda", getattr(torch, args.dtype))
-    backend = kernel_backend().banner() if cpu else "GPU linear backend: torch (dequantise + aten)"
-    return f"weights {mode} (weight_dequant {args.weight_dequant}) | {backend}"
+    backend = kernel_backend().banner() if cpu else "GPU linear backend: chosen per module after loading"
+    line = f"weights {mode} (weight_dequant {args.weight_dequant}) | {backend}"
+    summary = getattr(model, "kernel_summary", None)
+    if summary is not None:
+        line += f" | {summary.banner()}"
+    return line
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
                progress: bool | None = None, weight_dequant: str = "auto",
-               batch_invariant: bool = False) -> MiniMaxM2ForCausalLM:
+               fp8_linear: str = "w8a16", batch_invariant: bool = False) -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -59,8 +85,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     on CPU with the kernels built they compute straight from the codes (experts through
     ``pack_for_kernels``, done here once). ``"auto"`` (default) picks one of the two for ``device``
     and ``dtype`` (:func:`resolve_weight_dequant`). Raises ValueError for another value.
-    ``batch_invariant``: load in the batch-invariant mode (docs/model.md §7,
-    ``MiniMaxM2ForCausalLM.use_batch_invariant``); ValueError on a device other than the CPU.
+    Once loaded, each linear's and expert group's implementation is chosen once
+    (model/kernel_choice.py ``choose_kernels``; ``fp8_linear`` = EngineArgs.fp8_linear for GPU
+    FP8 linears on the Triton kernel). ``batch_invariant``: load in the batch-invariant mode
+    (docs/model.md §7, ``MiniMaxM2ForCausalLM.use_batch_invariant``, applied before the choice);
+    ValueError on a device other than the CPU.
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     if batch_invariant and torch.device(device).type != "cpu":
@@ -75,7 +104,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:
         for name, tensor in iter_weights(plan, dtype, shard, progress,
-                                         packed=weight_dequant == "runtime"):
+                                         packed=weight_dequant == "runtime", device=device):
             model.load_weight(name, tensor)
         model.kv_scales = read_kv_scales(plan)
     finally:
@@ -84,4 +113,5 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         layer.block_sparse_moe.experts.pack_for_kernels()
     if batch_invariant:
         model.use_batch_invariant()
+    choose_kernels(model, fp8_linear=fp8_linear)
     return model.eval()
