@@ -33,6 +33,8 @@ def dtype_bytes(field: str, name: str) -> int:
 
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
+#: Every accepted ``EngineArgs.activation_quant`` value (docs/checkpoints.md §9).
+ACTIVATION_QUANT_MODES = ("auto", "none")
 
 
 @dataclass(slots=True)
@@ -50,6 +52,9 @@ class EngineArgs:
         the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
         "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them
         when used; model/load.py ``resolve_weight_dequant``).
+    activation_quant: "auto" (default: quantise every quantised linear's input as the checkpoint
+        declares — Quark ``input_tensors`` MXFP4, NVFP4 input scales — W4A4, docs/checkpoints.md §9)
+        or "none" (weight-only, W4A16; model/load.py ``resolve_activation_quant``).
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -74,6 +79,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_pages: int | None = None
     weight_dequant: str = "auto"
+    activation_quant: str = "auto"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

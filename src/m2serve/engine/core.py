@@ -136,7 +136,7 @@ class LLMEngine:
             model = start_distributed_model(args)
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
-                               weight_dequant=args.weight_dequant)
+                               weight_dequant=args.weight_dequant, activation_quant=args.activation_quant)
         return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
+from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp8 import PackedFP8
 from m2serve.kernels.ops import PackedWeights, WeightFormat
 from m2serve.kernels.ops import linear as packed_linear
@@ -31,6 +32,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.packed = False
         self.act_dtype = self.weight.dtype
+        #: W4A4: (scheme, fp32 input scale or None) when this linear's input is quantised
+        #: (docs/checkpoints.md §9; set after load by model/load.py ``set_activation_quant``)
+        self.input_quant: tuple[ActivationScheme, torch.Tensor | None] | None = None
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -78,5 +82,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], same dtype."""
+        if self.input_quant is not None:  # W4A4: quantise-dequantise the input first (§9)
+            x = quantize_activations(x, *self.input_quant)
         stored = self.stored_weight() if x.dtype == self.act_dtype else None
         return F.linear(x, self.dense_weight()) if stored is None else packed_linear(x, stored)

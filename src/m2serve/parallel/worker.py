@@ -61,14 +61,15 @@ class KVSpec:
 
 
 def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", weight_dequant: str = "load") -> Any:
+                    device: torch.device | str = "cpu", weight_dequant: str = "load",
+                    activation_quant: str = "auto") -> Any:
     """Load this rank's share of the checkpoint at ``path``: only the slices of its shard plan
     are read from disk (``safe_open(...).get_slice``), so resident weights are about its share.
     ``weight_dequant`` as for model/load.py ``load_model`` (``"runtime"`` keeps quantised weights
-    packed on every rank, which is what the planner counts)."""
+    packed on every rank, which is what the planner counts) and ``activation_quant`` (W4A4 inputs)."""
     config = MiniMaxM2Config.from_pretrained(path)
     return load_model(path, dtype=dtype, device=device, parallel=state, shard=make_shard_plan(config, state),
-                      weight_dequant=weight_dequant)
+                      weight_dequant=weight_dequant, activation_quant=activation_quant)
 
 
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:

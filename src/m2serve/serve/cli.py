@@ -26,7 +26,13 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from m2serve.config.engine_args import COMPUTE_DTYPES, KV_CACHE_FORMATS, WEIGHT_DEQUANT_MODES, EngineArgs
+from m2serve.config.engine_args import (
+    ACTIVATION_QUANT_MODES,
+    COMPUTE_DTYPES,
+    KV_CACHE_FORMATS,
+    WEIGHT_DEQUANT_MODES,
+    EngineArgs,
+)
 
 log = logging.getLogger("m2serve")
 
@@ -113,6 +119,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
     a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
+    a("--activation-quant", choices=list(ACTIVATION_QUANT_MODES),
+      help="auto: quantise quantised linears' inputs as the checkpoint declares (W4A4); none: W4A16")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -296,12 +304,12 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
     KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
-    and for ``serve`` the URL."""
+    the activations' numerics (``numerics_banner``: W4A4 or not) and for ``serve`` the URL."""
     import torch
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
-    from m2serve.model.load import weights_banner
+    from m2serve.model.load import numerics_banner, weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -316,7 +324,8 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | {weights_banner(llm.args)}{url}"
+        f"max context {llm.max_length} | {weights_banner(llm.args)} | "
+        f"{numerics_banner(llm.args, llm.config)}{url}"
     )
 
 
