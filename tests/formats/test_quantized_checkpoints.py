@@ -809,4 +809,4 @@ def test_tiny_chat_mxfp4_w4a4_greedy_tokens(tiny_chat_dense, tiny_chat_requantis
     base, got = _greedy(tiny_chat_dense, examples), _greedy(q, examples, activation_quant="auto")
     same = sum(a == b for a, b in zip(base, got))
     print(f"W4A4 MXFP4 tiny-chat: greedy tokens equal to the dense checkpoint on {same}/20 prompts")
-    assert same >= 15, f"W4A4 greedy tokens equal on {same}/20 prompts"
+    assert same >= 19, f"W4A4 greedy tokens equal on {same}/20 prompts"
