@@ -810,3 +810,31 @@ def test_tiny_chat_mxfp4_w4a4_greedy_tokens(tiny_chat_dense, tiny_chat_requantis
     same = sum(a == b for a, b in zip(base, got))
     print(f"W4A4 MXFP4 tiny-chat: greedy tokens equal to the dense checkpoint on {same}/20 prompts")
     assert same >= 19, f"W4A4 greedy tokens equal on {same}/20 prompts"
+
+
+def test_modelopt_nvfp4_w4a4_takes_each_experts_input_scale(modelopt_dir, tmp_path):
+    # issue 33 item 1 (checkpoints.md §9): with activation_quant auto a ModelOpt NVFP4 export quantises
+    # each expert's inputs under that expert's own input_scale (w1 = w3, they share the input); a
+    # checkpoint declaring NVFP4 inputs but holding no input scale is refused under auto, runs under none
+    plan = open_checkpoint(modelopt_dir, MiniMaxM2Config.from_pretrained(modelopt_dir))
+    scales = read_input_scales(plan)
+    plan.reader.close()
+    models = {aq: load_model(modelopt_dir, dtype=torch.float32, activation_quant=aq)
+              for aq in ("auto", "none")}
+    for i, layer in enumerate(models["auto"].model.layers):
+        experts = layer.block_sparse_moe.experts
+        assert experts.act_scheme.value == "nvfp4"
+        for e in range(experts.num_local):
+            p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+            assert experts.input_scale[e].tolist() == [scales[p + "w1.weight"], scales[p + "w2.weight"]]
+    assert models["none"].model.layers[0].block_sparse_moe.experts.act_scheme is None
+    cache = SimpleKVCache.create(models["auto"].config, num_pages=8, page_size=4)
+    out = {aq: m(cache.batch([(0, [3, 1, 4, 1, 5])]), cache.storage) for aq, m in models.items()}
+    assert not torch.allclose(out["auto"], out["none"])  # the inputs really are quantised
+    t = _weights(modelopt_dir)
+    d = _write(tmp_path / "no-input-scale", {k: v for k, v in t.items() if not k.endswith("input_scale")},
+               json.loads((modelopt_dir / "config.json").read_text()), modelopt_dir)
+    with pytest.raises(ValueError, match=r"declares NVFP4 input activations but the checkpoint holds no "
+                       r"input_scale / input_global_scale tensor; pass activation_quant none"):
+        load_model(d, dtype=torch.float32)
+    load_model(d, dtype=torch.float32, activation_quant="none")
