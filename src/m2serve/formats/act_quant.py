@@ -18,6 +18,7 @@ values. Everything is elementwise or a per-group reduction (no host sync; captur
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 
@@ -55,13 +56,19 @@ class ActivationScheme(enum.Enum):
 def round_e2m1(mag: torch.Tensor) -> torch.Tensor:
     """fp32 magnitudes (>= 0, finite or not) -> the nearest E2M1 magnitude, ties to the even code,
     saturating at 6 (docs/checkpoints.md §9). NaN and inf give 6 here; callers decide."""
-    bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=mag.device)
+    bounds, table = _tables(mag.device)
     code = torch.bucketize(mag, bounds)  # mag == bound -> the lower code
     for tie in _ROUND_UP_TIES:
         code = code + (mag == tie).to(code.dtype)
     code = torch.where(mag.isnan(), len(_BOUNDS), code)
-    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=mag.device)
     return table[code]
+
+
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding bounds and the magnitude table on ``device``, made once (no copy per call)."""
+    return (torch.tensor(_BOUNDS, dtype=torch.float32, device=device),
+            torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device))
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:
