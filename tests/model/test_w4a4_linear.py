@@ -98,3 +98,40 @@ def test_w4a4_linear_matches_library_reference(fmt, tmp_path):
     # and the input quantisation matters: the unquantised product is outside the bound
     w16 = (F.linear(x, w_ref).double() - want).abs()
     assert bool((w16 > bound).any())
+
+
+@pytest.mark.parametrize("scheme", list(ActivationScheme))
+def test_grouped_experts_quantise_each_row_with_its_experts_scale(scheme):
+    # checkpoints.md §9: the grouped expert path (rows sorted by expert, offsets) quantises every row's
+    # w13 input and w2 input with ITS expert's input scale (NVFP4; found on the device), as a plain
+    # per-expert computation does: qdq(x) -> w13 -> SwiGLU -> qdq -> w2 (rows past offsets[-1] skipped)
+    from m2serve.formats.act_quant import qdq_mxfp4, qdq_nvfp4
+    from m2serve.model.experts import MiniMaxM2Experts
+
+    E, H, I = 4, 64, 32
+    g = torch.Generator().manual_seed(5)
+    ex = MiniMaxM2Experts(H, I, start=0, num_local=E, dtype=torch.float32)
+    ex.w13.data.copy_(torch.randn(E, 2 * I, H, generator=g) * 0.1)
+    ex.w2.data.copy_(torch.randn(E, H, I, generator=g) * 0.1)
+    s13, s2 = torch.tensor([0.01, 0.002, 0.05, 0.0005]), torch.tensor([0.003, 0.04, 0.0007, 0.02])
+    names = {f"experts.{e}.{w}.weight": float(s) for e in range(E)
+             for w, s in (("w1", s13[e]), ("w3", s13[e]), ("w2", s2[e]))}
+    ex.set_activation_quant(scheme, names)
+    x = torch.randn(11, H, generator=g)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 gets no rows; row 10 is not held
+    got = ex.grouped_rows(x, offsets)
+
+    def q(t, e, which):
+        if scheme is ActivationScheme.MXFP4:
+            return qdq_mxfp4(t)
+        return qdq_nvfp4(t, (s13 if which == 0 else s2)[e])
+
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        rows = x[start:end]
+        gate, up = F.linear(q(rows, e, 0), ex.w13[e]).chunk(2, dim=-1)
+        want = F.linear(q(F.silu(gate) * up, e, 1), ex.w2[e])
+        torch.testing.assert_close(got[start:end], want, rtol=1e-5, atol=1e-6)
+        start = end
+    ids = torch.tensor([0, 0, 0, 2, 2, 2, 2, 3, 3, 3])
+    torch.testing.assert_close(ex.rows_loop(x[:10], ids), got[:10], rtol=1e-5, atol=1e-6)
