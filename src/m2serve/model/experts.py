@@ -339,7 +339,8 @@ class MiniMaxM2Experts(nn.Module):
         for e, c in zip(experts.tolist(), counts.tolist()):
             sel = order[s: s + c]
             w13, w2 = self.expert_weights(e, x.dtype)
-            out[sel] = expert_ffn(x[sel], w13, w2, self.input_quant(offsets=None, expert=e))
+            quant = self.input_quant(offsets=None, expert=e)
+            out[sel] = expert_ffn(x[sel], w13, w2) if quant is None else expert_ffn(x[sel], w13, w2, quant)
             s += c
         return out
 
