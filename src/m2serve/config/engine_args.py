@@ -36,6 +36,8 @@ WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
 #: Every accepted ``EngineArgs.fp8_linear`` value: the Triton FP8 linear's activation mode
 #: (docs/kernels.md §4), bf16 activations (default) or per-token-group dynamic e4m3.
 FP8_LINEAR_MODES = ("w8a16", "w8a8")
+#: Every accepted ``EngineArgs.activation_quant`` value (docs/checkpoints.md §9).
+ACTIVATION_QUANT_MODES = ("auto", "none")
 
 
 @dataclass(slots=True)
@@ -56,6 +58,9 @@ class EngineArgs:
     fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,
         the dequantised weights' values) or "w8a8" (activations quantised per token and 128-column
         group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §4.
+    activation_quant: "auto" (default: quantise every quantised linear's input as the checkpoint
+        declares — Quark ``input_tensors`` MXFP4, NVFP4 input scales — W4A4, docs/checkpoints.md §9)
+        or "none" (weight-only, W4A16; model/load.py ``resolve_activation_quant``).
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -84,6 +89,7 @@ class EngineArgs:
     num_kv_pages: int | None = None
     weight_dequant: str = "auto"
     fp8_linear: str = "w8a16"
+    activation_quant: str = "auto"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
+from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp8 import PackedFP8
 from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl, triton_fp8_linear
 from m2serve.kernels.ops import PackedWeights, WeightFormat, cpu_linear, dense_linear
@@ -46,6 +47,9 @@ class Linear(nn.Module):
         #: offset of the first row inside its first 128-row scale band (a TP slice that splits a
         #: band; the loader only cuts on band boundaries today, so 0)
         self.row0 = 0
+        #: W4A4: (scheme, fp32 input scale or None) when this linear's input is quantised
+        #: (docs/checkpoints.md §9; set after load by model/load.py ``set_activation_quant``)
+        self.input_quant: tuple[ActivationScheme, torch.Tensor | None] | None = None
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -117,6 +121,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] act -> [..., out] act, by ``choice`` (no backend query here)."""
+        if self.input_quant is not None:  # W4A4: quantise-dequantise the input first (§9)
+            x = quantize_activations(x, *self.input_quant)
         if self._stored is not None:
             return cpu_linear(x, self._stored, self.choice.isa, self.batch_invariant)
         if self._triton is not None:

@@ -6,14 +6,24 @@ from pathlib import Path
 
 import torch
 
-from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs
+from m2serve.config.engine_args import ACTIVATION_QUANT_MODES, WEIGHT_DEQUANT_MODES, EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelState
-from m2serve.formats.loader import ShardPlan, iter_weights, open_checkpoint, read_kv_scales
+from m2serve.formats.act_quant import ActivationScheme
+from m2serve.formats.detect import LinearKind, QuantSpec, checkpoint_quant_config, detect_quant
+from m2serve.formats.loader import (
+    LoadPlan,
+    ShardPlan,
+    iter_weights,
+    open_checkpoint,
+    read_input_scales,
+    read_kv_scales,
+)
 from m2serve.kernels.build import kernel_backend
 from m2serve.kernels.ops import checkpoint_copy_check, kernels_apply
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
 from m2serve.model.kernel_choice import choose_kernels
+from m2serve.model.linear import Linear
 
 
 def resolve_weight_dequant(weight_dequant: str, device: torch.device | str, dtype: torch.dtype) -> str:
@@ -32,6 +42,35 @@ def resolve_weight_dequant(weight_dequant: str, device: torch.device | str, dtyp
     if torch.device(device).type != "cpu":
         return "runtime"
     return "runtime" if kernels_apply(device, dtype) else "load"
+
+
+def resolve_activation_quant(activation_quant: str, quant: QuantSpec) -> ActivationScheme | None:
+    """The input quantisation the quantised linears run (docs/checkpoints.md §9): with ``"auto"`` the
+    checkpoint's declared one (``quant.activations``; None = weight-only W4A16), with ``"none"`` None.
+    Raises ValueError naming the field and the accepted values for another value, and, under
+    ``"auto"``, for a declared input quantisation m2serve cannot reproduce (the reason, and the way
+    out: activation_quant none)."""
+    if activation_quant not in ACTIVATION_QUANT_MODES:
+        raise ValueError(f"activation_quant={activation_quant!r} is not supported; "
+                         f"use one of {ACTIVATION_QUANT_MODES}")
+    if activation_quant == "none":
+        return None
+    if quant.activations_unsupported:
+        raise ValueError(f"{quant.activations_unsupported}; pass activation_quant none to run the "
+                         "weights with unquantised activations (W4A16)")
+    return quant.activations
+
+
+def numerics_banner(args: EngineArgs, config: MiniMaxM2Config) -> str:
+    """The banner's (and ``m2serve plan``'s) activations part: which numerics the quantised linears run,
+    e.g. ``activations W4A4 MXFP4 (...) (activation_quant auto)`` or ``activations bfloat16
+    (activation_quant none)``. ValueError as :func:`resolve_activation_quant`."""
+    quant = (detect_quant(*checkpoint_quant_config(Path(config.source).parent, config.quantization_config,
+                                                   config.source))
+             if config.source.endswith(".json") else detect_quant(config.quantization_config, config.source))
+    scheme = resolve_activation_quant(args.activation_quant, quant)
+    words = scheme.numerics if scheme else f"{args.dtype}" + (" (W4A16)" if quant.activations else "")
+    return f"activations {words} (activation_quant {args.activation_quant})"
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
@@ -69,7 +108,8 @@ def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> st
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
                progress: bool | None = None, weight_dequant: str = "auto",
-               fp8_linear: str = "w8a16", batch_invariant: bool = False) -> MiniMaxM2ForCausalLM:
+               fp8_linear: str = "w8a16", batch_invariant: bool = False,
+               activation_quant: str = "auto") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -90,6 +130,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     FP8 linears on the Triton kernel). ``batch_invariant``: load in the batch-invariant mode
     (docs/model.md §7, ``MiniMaxM2ForCausalLM.use_batch_invariant``, applied before the choice);
     ValueError on a device other than the CPU.
+    ``activation_quant`` (EngineArgs.activation_quant): ``"auto"`` quantises the input of every
+    quantised linear as the checkpoint declares (W4A4, :func:`set_activation_quant`), ``"none"``
+    keeps them unquantised (W4A16); ValueError as :func:`resolve_activation_quant`.
     """
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     if batch_invariant and torch.device(device).type != "cpu":
@@ -107,6 +150,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
                                          packed=weight_dequant == "runtime", device=device):
             model.load_weight(name, tensor)
         model.kv_scales = read_kv_scales(plan)
+        set_activation_quant(model, plan, resolve_activation_quant(activation_quant, plan.quant))
     finally:
         plan.reader.close()
     for layer in model.model.layers:
@@ -115,3 +159,49 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         model.use_batch_invariant()
     choose_kernels(model, fp8_linear=fp8_linear)
     return model.eval()
+
+
+_FP4_KINDS = (LinearKind.NVFP4, LinearKind.NVFP4_CT, LinearKind.MXFP4)
+
+
+def set_activation_quant(model: MiniMaxM2ForCausalLM, plan: LoadPlan,
+                         scheme: ActivationScheme | None) -> None:
+    """Give every quantised (packed FP4) linear of ``plan`` its input quantisation (docs/checkpoints.md
+    §9): the experts of each layer (MiniMaxM2Experts.set_activation_quant) and any other FP4 Linear
+    (``Linear.input_quant``); linears the exclude list keeps dense stay unquantised. NVFP4 takes each
+    linear's input scale (formats/loader.py ``read_input_scales``). Raises ValueError when an NVFP4
+    checkpoint holds no input scale at all, or when a layer mixes FP4 and other experts."""
+    if scheme is None:
+        return
+    quantised = [name for name, kind in plan.kinds.items() if kind in _FP4_KINDS]
+    scales = read_input_scales(plan) if scheme is ActivationScheme.NVFP4 else {}
+    if scheme is ActivationScheme.NVFP4 and not scales:
+        raise ValueError(f"{plan.reader.path}: {plan.quant.source} declares NVFP4 input activations but the "
+                         "checkpoint holds no input_scale / input_global_scale tensor; pass activation_quant "
+                         "none to run W4A16")
+    for layer_idx, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{layer_idx}.block_sparse_moe.experts."
+        experts = [n for n in plan.kinds if n.startswith(prefix)]
+        fp4 = [n for n in experts if n in quantised]
+        if fp4 and len(fp4) != len(experts):
+            raise ValueError(f"layer {layer_idx}: {len(fp4)} of {len(experts)} expert linears are FP4; W4A4 "
+                             "needs all or none of a layer's experts quantised (activation_quant none)")
+        if fp4:
+            layer.block_sparse_moe.experts.set_activation_quant(scheme, {n: scales.get(n) for n in fp4})
+    for name in quantised:
+        if ".experts." in name:
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if not isinstance(module, Linear):
+            raise ValueError(f"{name}: W4A4 input quantisation of a quantised non-linear module is not "
+                             "supported (activation_quant none)")
+        scale = scales.get(name)
+        module.input_quant = (scheme, None if scale is None else torch.tensor(scale, dtype=torch.float32,
+                                                                                device=module_device(module)))
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of ``module``'s first buffer or parameter (cpu when it has none)."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")

@@ -27,6 +27,7 @@ from dataclasses import fields
 from typing import Any
 
 from m2serve.config.engine_args import (
+    ACTIVATION_QUANT_MODES,
     COMPUTE_DTYPES,
     FP8_LINEAR_MODES,
     KV_CACHE_FORMATS,
@@ -121,6 +122,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
     a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
       help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
+    a("--activation-quant", choices=list(ACTIVATION_QUANT_MODES),
+      help="auto: quantise quantised linears' inputs as the checkpoint declares (W4A4); none: W4A16")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -307,12 +310,12 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
     KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
     with a model loaded in this process the implementation picked per module and the resident
-    weight bytes, and for ``serve`` the URL."""
+    weight bytes, the activations' numerics (``numerics_banner``: W4A4 or not) and for ``serve`` the URL."""
     import torch
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
-    from m2serve.model.load import local_model, resident_weight_bytes, weights_banner
+    from m2serve.model.load import local_model, numerics_banner, resident_weight_bytes, weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -333,7 +336,7 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | {weights}{url}"
+        f"max context {llm.max_length} | {weights} | {numerics_banner(llm.args, llm.config)}{url}"
     )
 
 

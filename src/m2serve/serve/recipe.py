@@ -22,6 +22,7 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       max_batch_size: 256
       max_queue_size: 1024
       thinking_temperature: 1.0
+      activation_quant: auto         # auto (W4A4 as the checkpoint declares) | none (W4A16)
 
 :func:`recipe_overrides` flattens a recipe into the CLI's flag names (``--ep-size`` ->
 ``ep_size``); the CLI applies CLI > environment > recipe > defaults.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -67,6 +68,7 @@ class RuntimeSection(_Strict):
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_size: int | None = Field(default=None, ge=0)
     thinking_temperature: float | None = Field(default=None, ge=0.0)
+    activation_quant: Literal["auto", "none"] | None = None
 
 
 class Recipe(_Strict):
@@ -157,5 +159,6 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "max_batch_size": r.max_batch_size,
         "max_queue_size": r.max_queue_size,
         "thinking_temperature": r.thinking_temperature,
+        "activation_quant": r.activation_quant,
     }
     return {k: v for k, v in out.items() if v is not None}
