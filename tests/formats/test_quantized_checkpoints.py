@@ -842,3 +842,57 @@ def test_modelopt_nvfp4_w4a4_takes_each_experts_input_scale(modelopt_dir, tmp_pa
                        r"input_scale / input_global_scale tensor; pass activation_quant none"):
         load_model(d, dtype=torch.float32)
     load_model(d, dtype=torch.float32, activation_quant="none")
+
+
+# ---- --quantize-unquantized fp8: the bf16 attention / lm_head of an MXFP4 release in FP8 blocks --
+
+def test_quantize_unquantized_fp8_runs_mxfp4_attention_through_fp8(quark_dir, monkeypatch):
+    # docs/checkpoints.md §6 "Online FP8": attention q/k/v/o and lm_head are held as e4m3 codes +
+    # amax/448 block scales; the experts stay MXFP4; the forward equals a dense model holding the
+    # bit-exact dequantisation (formats/fp8.py, transformers-checked in test_fp8.py) of those codes
+    from m2serve.formats.fp8 import dequantize_fp8_block
+    from m2serve.kernels.ops import WeightFormat
+    from m2serve.model import linear as linear_mod
+    from m2serve.model.linear import Linear
+
+    base = load_model(quark_dir, dtype=torch.float32, weight_dequant="runtime")
+    quant = load_model(quark_dir, dtype=torch.float32, weight_dequant="runtime", quantize_unquantized="fp8")
+    cfg = quant.config
+    lins = {n: m for n, m in quant.named_modules() if isinstance(m, Linear)}
+    assert len(lins) == 4 * cfg.num_hidden_layers + 1 and all(m.packed for m in lins.values())
+    for name, m in lins.items():
+        w = base.get_submodule(name).weight
+        # per-element bound of a round-to-nearest e4m3 code: half an ulp (2^-4 relative), or half
+        # the smallest subnormal step (2^-10 x s) near zero
+        s_el = m.weight_scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
+        back = dequantize_fp8_block(m.weight_q, m.weight_scale_inv, torch.float32)
+        assert (back - w).abs().le(w.abs() * 2**-4 + s_el * 2**-10).all(), name
+        blk = torch.nn.functional.pad(w.abs(), (0, -w.shape[1] % 128, 0, -w.shape[0] % 128))
+        amax = blk.reshape(blk.shape[0] // 128, 128, -1, 128).amax(dim=(1, 3))
+        assert torch.equal(m.weight_scale_inv, torch.where(amax > 0, amax / 448, 1.0)), name
+        base.get_submodule(name).weight.data.copy_(back)  # the dense reference holds the same values
+    kernels = kernel_backend().available
+    label = kernel_backend().name if kernels else "torch"
+    assert quant.kernel_summary.counts[("linear", "FP8_BLOCK", label)] == len(lins)
+    assert quant.kernel_summary.counts[("experts", "MXFP4", label)] == cfg.num_hidden_layers
+
+    seen = []
+    real = linear_mod.cpu_linear
+    monkeypatch.setattr(linear_mod, "cpu_linear",
+                        lambda x, w, isa, *a: seen.append(w.fmt) or real(x, w, isa, *a))
+    cache = {k: SimpleKVCache.create(cfg, num_pages=8, page_size=4) for k in ("base", "quant")}
+    out = {}
+    for key, model in (("base", base), ("quant", quant)):
+        seen.clear()
+        c = cache[key]
+        prefill = model(c.batch([(0, [3, 1, 4, 1, 5, 9, 2, 6])], return_n_logits=10**6), c.storage)
+        out[key] = torch.cat([prefill, model(c.batch([(0, [7])]), c.storage)])
+        fmts = list(seen)
+    if kernels:  # the quantised model's prefill and decode ran every linear on FP8 codes
+        assert fmts == [WeightFormat.FP8_BLOCK] * 2 * len(lins)
+    torch.testing.assert_close(out["quant"], out["base"], rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_unquantized_value_checked(quark_dir):  # EngineArgs.quantize_unquantized
+    with pytest.raises(ValueError, match=r"quantize_unquantized='int4' is not supported; use one of"):
+        load_model(quark_dir, quantize_unquantized="int4")

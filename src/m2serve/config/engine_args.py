@@ -38,6 +38,9 @@ WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
 FP8_LINEAR_MODES = ("w8a16", "w8a8")
 #: Every accepted ``EngineArgs.activation_quant`` value (docs/checkpoints.md §9).
 ACTIVATION_QUANT_MODES = ("auto", "none")
+#: Every accepted ``EngineArgs.quantize_unquantized`` value: ``"none"`` (default, the checkpoint's
+#: bf16 linears stay bf16) or ``"fp8"`` (FP8-block at load, docs/checkpoints.md §6 "Online FP8").
+QUANTIZE_UNQUANTIZED_MODES = ("none", "fp8")
 
 
 @dataclass(slots=True)
@@ -61,6 +64,10 @@ class EngineArgs:
     activation_quant: "auto" (default: quantise every quantised linear's input as the checkpoint
         declares — Quark ``input_tensors`` MXFP4, NVFP4 input scales — W4A4, docs/checkpoints.md §9)
         or "none" (weight-only, W4A16; model/load.py ``resolve_activation_quant``).
+    quantize_unquantized: "none" (default) or "fp8": quantise, at load, the linears the checkpoint
+        leaves dense (attention and lm_head of the FP4 releases; every linear but the experts of a
+        bf16 one) to FP8 block 128x128 e4m3 with ``weight_scale_inv`` = amax / 448 per block
+        (model/load.py ``quantize_dense_linears``; docs/checkpoints.md §6 "Online FP8").
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -90,6 +97,7 @@ class EngineArgs:
     weight_dequant: str = "auto"
     fp8_linear: str = "w8a16"
     activation_quant: str = "auto"
+    quantize_unquantized: str = "none"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

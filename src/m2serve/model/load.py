@@ -6,11 +6,18 @@ from pathlib import Path
 
 import torch
 
-from m2serve.config.engine_args import ACTIVATION_QUANT_MODES, WEIGHT_DEQUANT_MODES, EngineArgs
+from m2serve.config.engine_args import (
+    ACTIVATION_QUANT_MODES,
+    QUANTIZE_UNQUANTIZED_MODES,
+    WEIGHT_DEQUANT_MODES,
+    EngineArgs,
+)
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import ParallelState
+from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.act_quant import ActivationScheme
 from m2serve.formats.detect import LinearKind, QuantSpec, checkpoint_quant_config, detect_quant
+from m2serve.formats.fp8 import PackedFP8, quantize_fp8_block
 from m2serve.formats.loader import (
     LoadPlan,
     ShardPlan,
@@ -42,6 +49,33 @@ def resolve_weight_dequant(weight_dequant: str, device: torch.device | str, dtyp
     if torch.device(device).type != "cpu":
         return "runtime"
     return "runtime" if kernels_apply(device, dtype) else "load"
+
+
+def quantize_dense_linears(model: torch.nn.Module) -> int:
+    """Quantise every :class:`Linear` under ``model`` that holds a dense weight (the linears the
+    checkpoint leaves unquantised: attention q/k/v/o and lm_head of the FP4 releases) to FP8 block
+    in place (``--quantize-unquantized fp8``, docs/checkpoints.md §6 "Online FP8").
+
+    Per 128x128 block (formats/fp8.py ``quantize_fp8_block``, the official FP8 release's
+    convention): ``s = amax / 448`` (1 for an all-zero block), ``q = e4m3(W / s)`` rounded to
+    nearest even; the Linear then holds ``weight_q`` e4m3 [out, in] and ``weight_scale_inv`` f32
+    [ceil(out/128), ceil(in/128)] exactly as if the checkpoint had shipped them. Quantised one
+    128-row scale band at a time, on the weight's device, so the fp32 temporaries are a band's.
+    Experts (MiniMaxM2Experts), the router and the embeddings are not Linears and stay as loaded.
+    Returns how many linears were quantised; call before ``choose_kernels``."""
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.packed:
+            continue
+        w = module.weight
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty(-(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=torch.float32, device=w.device)
+        for band, start in enumerate(range(0, n, FP8_BLOCK)):
+            q[start:start + FP8_BLOCK], s[band:band + 1] = quantize_fp8_block(w[start:start + FP8_BLOCK])
+        module.load(f"{name}.weight", PackedFP8(q, s, f"{name}.weight"))
+        count += 1
+    return count
 
 
 def resolve_activation_quant(activation_quant: str, quant: QuantSpec) -> ActivationScheme | None:
@@ -109,7 +143,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
                parallel: ParallelState | None = None, shard: ShardPlan | None = None,
                progress: bool | None = None, weight_dequant: str = "auto",
                fp8_linear: str = "w8a16", batch_invariant: bool = False,
-               activation_quant: str = "auto") -> MiniMaxM2ForCausalLM:
+               activation_quant: str = "auto", quantize_unquantized: str = "none") -> MiniMaxM2ForCausalLM:
     """Load a MiniMax-M2 checkpoint directory (BF16 or FP8 block) for inference.
 
     ``dtype`` is the activation/weight dtype (router stays fp32; FP8 weights are dequantised at
@@ -133,7 +167,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     ``activation_quant`` (EngineArgs.activation_quant): ``"auto"`` quantises the input of every
     quantised linear as the checkpoint declares (W4A4, :func:`set_activation_quant`), ``"none"``
     keeps them unquantised (W4A16); ValueError as :func:`resolve_activation_quant`.
+    ``quantize_unquantized="fp8"`` (EngineArgs field; default ``"none"``) first quantises the
+    linears left dense to FP8 block (:func:`quantize_dense_linears`). Raises ValueError naming the
+    field for a ``quantize_unquantized`` value not in QUANTIZE_UNQUANTIZED_MODES.
     """
+    if quantize_unquantized not in QUANTIZE_UNQUANTIZED_MODES:
+        raise ValueError(f"quantize_unquantized={quantize_unquantized!r} is not supported; "
+                         f"use one of {QUANTIZE_UNQUANTIZED_MODES}")
     weight_dequant = resolve_weight_dequant(weight_dequant, device, dtype)
     if batch_invariant and torch.device(device).type != "cpu":
         raise ValueError(f"batch_invariant: implemented for CPU devices only, not {device} "
@@ -155,6 +195,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         plan.reader.close()
     for layer in model.model.layers:
         layer.block_sparse_moe.experts.pack_for_kernels()
+    if quantize_unquantized == "fp8":
+        quantize_dense_linears(model)
     if batch_invariant:
         model.use_batch_invariant()
     choose_kernels(model, fp8_linear=fp8_linear)

@@ -60,10 +60,11 @@ def _dtype(args: EngineArgs) -> torch.dtype:
 
 def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str) -> Any:
     """This rank's shard of ``args.model`` with ``args.dtype``, ``args.weight_dequant``,
-    ``args.fp8_linear``, the batch-invariant mode and ``args.activation_quant``: the one load every
-    multi-rank path (spawned ranks, rank 0, torchrun ranks) goes through."""
+    ``args.fp8_linear``, the batch-invariant mode, ``args.activation_quant`` and
+    ``args.quantize_unquantized``: the one load every multi-rank path (spawned ranks, rank 0,
+    torchrun ranks) goes through."""
     return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant, args.fp8_linear,
-                           batch_invariant_enabled(args), args.activation_quant)
+                           batch_invariant_enabled(args), args.activation_quant, args.quantize_unquantized)
 
 
 def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str],

@@ -31,6 +31,7 @@ from m2serve.config.engine_args import (
     COMPUTE_DTYPES,
     FP8_LINEAR_MODES,
     KV_CACHE_FORMATS,
+    QUANTIZE_UNQUANTIZED_MODES,
     WEIGHT_DEQUANT_MODES,
     EngineArgs,
 )
@@ -124,6 +125,9 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
       help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
     a("--activation-quant", choices=list(ACTIVATION_QUANT_MODES),
       help="auto: quantise quantised linears' inputs as the checkpoint declares (W4A4); none: W4A16")
+    a("--quantize-unquantized", choices=list(QUANTIZE_UNQUANTIZED_MODES),
+      help="fp8: quantise the linears the checkpoint leaves in bf16 (attention, lm_head) to FP8 "
+           "blocks at load (default none)")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 

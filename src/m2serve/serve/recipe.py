@@ -10,6 +10,7 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       device_specs: [0, 1, 2, 3]     # GPU ids, or strings "gpu:0" / "cpu" / "cpu:2"
       data_parallel_degree: 8
       max_length: 32768
+      quantize_unquantized: fp8      # none | fp8 (docs/checkpoints.md §6 "Online FP8")
       kv_cache:
         device_memory_utilization: 0.8
         kv_cache_page_size: 128
@@ -58,6 +59,7 @@ class ModelSection(_Strict):
     device_specs: list[int | str] | str | None = None
     data_parallel_degree: int | None = Field(default=None, ge=1)
     max_length: int | None = Field(default=None, ge=1)
+    quantize_unquantized: str | None = None
     kv_cache: KVCacheSection | None = None
 
 
@@ -149,6 +151,7 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "devices": devices_from_specs(m.device_specs) if m.device_specs is not None else None,
         "data_parallel_degree": m.data_parallel_degree,
         "max_length": m.max_length,
+        "quantize_unquantized": m.quantize_unquantized,
         "device_memory_utilization": kv.device_memory_utilization,
         "kv_cache_page_size": kv.kv_cache_page_size,
         "kv_cache_format": kv.kv_cache_format,
