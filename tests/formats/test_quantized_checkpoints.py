@@ -864,7 +864,8 @@ def test_quantize_unquantized_fp8_runs_mxfp4_attention_through_fp8(quark_dir, mo
         w = base.get_submodule(name).weight
         # per-element bound of a round-to-nearest e4m3 code: half an ulp (2^-4 relative), or half
         # the smallest subnormal step (2^-10 x s) near zero
-        s_el = m.weight_scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:w.shape[0], :w.shape[1]]
+        s_el = m.weight_scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        s_el = s_el[:w.shape[0], :w.shape[1]]
         back = dequantize_fp8_block(m.weight_q, m.weight_scale_inv, torch.float32)
         assert (back - w).abs().le(w.abs() * 2**-4 + s_el * 2**-10).all(), name
         blk = torch.nn.functional.pad(w.abs(), (0, -w.shape[1] % 128, 0, -w.shape[0] % 128))
