@@ -171,3 +171,20 @@ def test_plan_prints_pages_per_replica_and_the_deployment_total(capsys):
     pages = int(per.split(" x ")[0].replace(",", ""))
     assert pages > 0
     assert lines["KV pages, deployment"].strip().startswith(f"8 replica(s) x {pages:,} = {8 * pages:,} pages")
+
+
+def test_quantize_unquantized_flag_and_recipe_key(tmp_path):
+    # docs/checkpoints.md §6 "Online FP8": CLI flag, recipe key model.quantize_unquantized, EngineArgs
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.serve.cli import engine_args_from
+
+    p = tmp_path / "r.yaml"
+    p.write_text("model:\n  quantize_unquantized: fp8\n")
+    assert _opts(["serve", "--config-file", str(p)])["quantize_unquantized"] == "fp8"
+    cli = _opts(["serve", "--config-file", str(p), "--quantize-unquantized", "none"])
+    assert cli["quantize_unquantized"] == "none"
+    args = EngineArgs(**engine_args_from(_opts(["serve", "--quantize-unquantized", "fp8"])))
+    assert args.quantize_unquantized == "fp8"
+    assert EngineArgs().quantize_unquantized == "none"
+    with pytest.raises(SystemExit):
+        _opts(["serve", "--quantize-unquantized", "int4"])
