@@ -9,7 +9,10 @@ CPU kernels run, bf16 uses the bf16 kernel) and decode greedily one token each, 
 tok/s, median process CPU ms per token (all threads: what the step computed, less sensitive to
 other processes),
 MB read per token; then the ratio of the first encoding's tok/s to the second's, from the medians
-and as the median of the per-pair ratios.
+and as the median of the per-pair ratios. An encoding written ``ENC+fp8`` (e.g. ``mxfp4+fp8``) loads
+ENC with ``quantize_unquantized="fp8"`` (its bf16 attention and lm_head quantised to FP8 blocks at
+load, docs/checkpoints.md §6). The first line names the CPU model, its ISA flags and the load
+average (formats.py ``machine_line``), printed again after the run.
 
     python benchmarks/decode_pair.py [--encodings fp8 bf16] [--threads 1] [--steps 32] [--cache DIR]
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from formats import PROMPT, build_all, bytes_per_decode_token
+from formats import PROMPT, build_all, bytes_per_decode_token, machine_line
 from m2serve.kernels.build import kernel_backend
 from m2serve.model.load import load_model
 from m2serve.model.simple_cache import SimpleKVCache
@@ -42,10 +45,13 @@ def main() -> None:
     root = args.cache or Path(tempfile.mkdtemp(prefix="m2serve-pair-"))
     try:
         paths = build_all(root)
+        print(machine_line())
         print(kernel_backend().banner())
         runs = {}
         for enc in args.encodings:
-            model = load_model(paths[enc], dtype=torch.bfloat16, progress=False)  # default flags
+            base, _, extra = enc.partition("+")
+            model = load_model(paths[base], dtype=torch.bfloat16, progress=False,  # default flags
+                               quantize_unquantized=extra or "none")
             pages = (PROMPT + args.steps) // 16 + 8
             cache = SimpleKVCache.create(model.config, num_pages=pages, page_size=16, dtype=torch.bfloat16)
             runs[enc] = (model, cache)
@@ -74,6 +80,7 @@ def main() -> None:
         cpu_ratio = statistics.median(cpu[b]) / statistics.median(cpu[a])
         print(f"{a} / {b} decode speed: {medians:.2f}x (medians), {pair:.2f}x (median of pairs), "
               f"{cpu_ratio:.2f}x (CPU time)")
+        print(machine_line())
     finally:
         if not args.cache:
             shutil.rmtree(root, ignore_errors=True)

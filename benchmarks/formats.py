@@ -202,6 +202,30 @@ def stream_gbs(threads: int, reps: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+#: ISA flags (``/proc/cpuinfo``) that decide which kernel paths run, in m2serve and in llama.cpp.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+             "avx512vbmi", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_line() -> str:
+    """What every benchmark figure is stated with: CPU model, the ISA flags of ``ISA_FLAGS`` it has,
+    online CPUs and the 1/5/15-minute load average, e.g. ``CPU: Intel(R) Xeon(R) Processor | ISA:
+    avx2 fma ... | 2 CPUs | load average 9.68 10.61 10.55`` (Linux ``/proc``; ``?`` elsewhere)."""
+    model, flags = "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name" and model == "?":
+                model = val.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(val.split())
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        load = "?"
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "?"
+    return f"CPU: {model} | ISA: {isa} | {os.cpu_count()} CPUs | load average {load}"
+
+
 def prompts(vocab_size: int, prefill: int) -> tuple[list[int], list[int]]:
     """The decode prompt (``PROMPT`` token ids) and the ``prefill``-token prompt every row uses."""
     return ([(7919 * i + 13) % vocab_size for i in range(PROMPT)],

@@ -34,6 +34,22 @@ of the Triton fused MoE (benchmarks/gpu_moe.py: every stored format at 256 exper
 a GPU fp32 reference and the torch grouped_mm path; decode time against the bandwidth bound of
 the expert bytes read; not run on a GPU yet).
 
+``--part weights`` (quantised weights kept as stored, docs/kernels.md §4) instead: FP8 weights
+generated on the device in memory at full width (hidden 3072, 2 layers; no checkpoint files):
+
+(w1) the Triton block-scaled FP8 linear, W8A16 and W8A8, vs a GPU fp32 reference (formats/
+     ``dequantize_fp8_block`` in fp32 + an fp32 matmul; W8A8 also vs the torch quantiser
+     ``quantize_fp8_act_groups`` + the same matmul), q_proj and o_proj shapes at 1, 32 and 512
+     rows, with the time per call next to ``F.linear`` on the bf16 weight; OK when both are within
+     1e-2 of max |reference| (W8A16 only under --cpu-smoke: the interpreter's fp8 rounding is
+     not the GPU's);
+(w2) decode tokens/s at batch 1 and 32 of the FP8 model (attention on the Triton linear, experts
+     on the torch reference) in both modes vs the bf16 model, in the same run, with each model's
+     resident weight bytes and its kernel choices;
+(w3) the load time of a synthetic FP8 checkpoint (bench dims, written to a temporary directory)
+     with ``load_model`` on the GPU: codes and scales copied as stored, no host dequantisation.
+Its figures go to ``$OUT/gpu_check_weights.json``.
+
 ``--part engine`` (issue 29 item 4) times the engine's decode step on the bench config in bf16:
 the step built as the runner builds it (``ragged_batch`` into persistent ``StepBuffers``, one
 host-to-device copy), the attention backend ``auto`` chose (triton on a GPU), at batch 1, 32 and
@@ -58,6 +74,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from m2serve.config.model_config import MiniMaxM2Config
+from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_act_groups, quantize_fp8_block
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
 from m2serve.model.experts import has_grouped_mm
 from m2serve.model.simple_cache import SimpleKVCache
@@ -456,14 +473,143 @@ def moe_part(device: str, smoke: bool) -> int:
     return 0 if out["ok"] else 1
 
 
+def build_fp8(cfg: MiniMaxM2Config, state: dict[str, torch.Tensor], device: str,
+              fp8_linear: str) -> MiniMaxM2ForCausalLM:
+    """The bf16 model of ``state`` with every attention and expert linear quantised to FP8 blocks
+    ON ``device`` and held as stored, then the per-module kernel choice (``fp8_linear`` mode)."""
+    from m2serve.model.kernel_choice import choose_kernels
+
+    model = build(cfg, {k: v for k, v in state.items()}, torch.bfloat16, device)
+    I = cfg.intermediate_size
+    for layer in model.model.layers:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(layer.self_attn, proj)
+            lin.load(proj, PackedFP8(*quantize_fp8_block(lin.weight.detach().float())))
+        ex = layer.block_sparse_moe.experts
+        w13, w2 = ex.w13.detach().float(), ex.w2.detach().float()
+        for e in range(ex.num_local):
+            for which, w in (("w1", w13[e, :I]), ("w3", w13[e, I:]), ("w2", w2[e])):
+                ex.load_expert(ex.start + e, which, PackedFP8(*quantize_fp8_block(w)))
+        ex.pack_for_kernels()
+    choose_kernels(model, fp8_linear=fp8_linear)
+    return model
+
+
+def _time_call(fn, device: str, reps: int) -> float:
+    fn()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t) / reps
+
+
+def check_weights(device: str, smoke: bool) -> dict:
+    """(w1)-(w3) of the module docstring (``smoke``: tiny dims, CPU, the kernel under Triton's
+    interpreter)."""
+    from m2serve.kernels.triton.fp8_linear import fp8_linear
+    from m2serve.model.load import resident_weight_bytes
+
+    out: dict = {"torch": torch.__version__, "device": device,
+                 "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None}
+    dims = TINY if smoke else BENCH
+    H = dims["hidden_size"]
+    Q = dims["num_attention_heads"] * dims["head_dim"]
+    act = torch.float32 if smoke else torch.bfloat16  # the interpreter computes fp32 (docs/kernels.md §1)
+    g = torch.Generator(device=device).manual_seed(0)
+    lin = {}
+    for name, (n, k) in {"q_proj": (Q, H), "o_proj": (H, Q)}.items():
+        w = torch.randn(n, k, generator=g, device=device) / k ** 0.5
+        q, s = quantize_fp8_block(w)
+        w_ref = dequantize_fp8_block(q, s, torch.float32)
+        w_bf16 = w_ref.to(torch.bfloat16)
+        for m in ((1, 5) if smoke else (1, 32, 512)):
+            x = torch.randn(m, k, generator=g, device=device).to(act)
+            ref = x.float() @ w_ref.T
+            xq, xs = quantize_fp8_act_groups(x.float())
+            ref8 = (xq.float() * xs.repeat_interleave(128, 1)) @ w_ref.T
+            row = {}
+            for mode, r in (("w8a16", ref), ("w8a8", ref8)):
+                y = fp8_linear(x, q, s, mode=mode).float()
+                row[mode] = {"rel_vs_ref": float((y - r).abs().max() / r.abs().max()),
+                             "rel_vs_fp32": float((y - ref).abs().max() / ref.abs().max())}
+                if not smoke:
+                    row[mode]["us"] = 1e6 * _time_call(
+                        lambda x=x, q=q, s=s, mode=mode: fp8_linear(x, q, s, mode=mode), device, 20)
+            if not smoke:
+                row["bf16_F.linear_us"] = 1e6 * _time_call(
+                    lambda x=x, w=w_bf16: torch.nn.functional.linear(x, w), device, 20)
+            lin[f"{name}_m{m}"] = row
+            print(f"[w1] {name} [{n}x{k}] m {m}: {row}")
+    out["fp8_linear"] = lin
+    # W8A8 is judged on the GPU only: the interpreter's fp8 rounding is not the GPU's (docs/kernels.md §1)
+    out["ok"] = all(v["w8a16"]["rel_vs_ref"] <= 1e-2 and (smoke or v["w8a8"]["rel_vs_ref"] <= 1e-2)
+                    for v in lin.values())
+    cfg = config(dims)
+    with torch.device("meta"):
+        shape_model = MiniMaxM2ForCausalLM(cfg)
+    state = random_state(shape_model, seed=1)
+    batches, steps = ((1,), 2) if smoke else ((1, 32), 20)
+    dec = {}
+    models = {"bf16": lambda: build(cfg, state, torch.bfloat16, device)}
+    models.update({f"fp8_{mode}": (lambda mode=mode: build_fp8(cfg, state, device, mode))
+                   for mode in ("w8a16", "w8a8")})
+    for label, make in models.items():
+        model = make()
+        dec[label] = {f"decode_b{b}_tok_s": time_decode(model, cfg, b, torch.bfloat16, device, steps)
+                      for b in batches}
+        dec[label]["resident_gib"] = resident_weight_bytes(model) / 2**30
+        summary = getattr(model, "kernel_summary", None)
+        dec[label]["kernels"] = summary.banner() if summary is not None else "dense bf16 (no choice pass)"
+        print(f"[w2] {label}: {dec[label]}")
+        del model
+    out["decode"] = dec
+    out["load"] = load_synthetic_fp8(device, TINY if smoke else BENCH)
+    print(f"[w3] {out['load']}")
+    return out
+
+
+def load_synthetic_fp8(device: str, dims: dict) -> dict:
+    """(w3): write an FP8 checkpoint of ``dims`` and time ``load_model`` onto ``device``; counts
+    the FP8 dequantisations that ran on the host during the load (0 expected)."""
+    import tempfile
+
+    from m2serve.formats import fp8 as fp8_mod
+    try:
+        from m2serve.checkpoints.tiny_random import build_tiny_random  # needs `tokenizers`
+    except ImportError as exc:
+        return {"skipped": f"cannot build a checkpoint here: {exc}"}
+    from m2serve.model.load import load_model, resident_weight_bytes
+
+    host = []
+    real = fp8_mod.dequantize_fp8_block
+    fp8_mod.dequantize_fp8_block = lambda q, *a, **k: host.append(q.device.type == "cpu") or real(q, *a, **k)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            path = build_tiny_random(os.path.join(tmp, "fp8"), variant="fp8",
+                                     **{k: v for k, v in dims.items() if k != "max_position_embeddings"})
+            built = time.perf_counter() - t
+            sync(device)
+            t = time.perf_counter()
+            model = load_model(path, dtype=torch.bfloat16, device=device)
+            sync(device)
+            return {"build_s": built, "load_s": time.perf_counter() - t, "host_dequantisations": sum(host),
+                    "resident_gib": resident_weight_bytes(model) / 2**30,
+                    "kernels": model.kernel_summary.banner()}
+    finally:
+        fp8_mod.dequantize_fp8_block = real
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="run the CPU-runnable parts on tiny dims")
-    ap.add_argument("--part", choices=("model", "attention", "moe", "engine"), default="model",
+    ap.add_argument("--part", choices=("model", "attention", "moe", "weights", "engine"), default="model",
                     help="model: the forward (this module's docstring); attention: the Triton paged "
                     "attention kernel (benchmarks/gpu_attention.py); moe: the Triton fused MoE "
-                    "(benchmarks/gpu_moe.py); engine: decode steps with and without CUDA graphs "
-                    "against the bandwidth bound")
+                    "(benchmarks/gpu_moe.py); weights: (w1)-(w3), quantised weights kept as stored; "
+                    "engine: decode steps with and without CUDA graphs against the bandwidth bound")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
         device = "cuda"
@@ -480,12 +626,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "engine":
         return engine_part(device, smoke=args.cpu_smoke and device == "cpu")
     t = time.perf_counter()
-    out = check(device, smoke=args.cpu_smoke and device == "cpu")
+    if args.part == "weights":
+        out = check_weights(device, smoke=args.cpu_smoke and device == "cpu")
+        ok = out["ok"]
+    else:
+        out = check(device, smoke=args.cpu_smoke and device == "cpu")
+        ok = all(v["ok"] for k, r in out.items() if k.startswith("logits_") for v in r.values())
     out["wall_s"] = time.perf_counter() - t
-    ok = all(v["ok"] for k, r in out.items() if k.startswith("logits_") for v in r.values())
     out["ok"] = ok
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "gpu_check.json")
+        name = "gpu_check_weights.json" if args.part == "weights" else "gpu_check.json"
+        path = os.path.join(os.environ["OUT"], name)
         with open(path, "w") as f:
             json.dump(out, f, indent=2)
         print(f"wrote {path}")

@@ -262,7 +262,7 @@ def main() -> None:
               f"{args.prefill}-token prefill, m2serve computing in bfloat16)")
         for threads in args.threads:
             bw = formats.stream_gbs(threads)
-            print(f"\n{threads} thread(s): streaming read {bw:.1f} GB/s")
+            print(f"\n{threads} thread(s): streaming read {bw:.1f} GB/s | {formats.machine_line()}")
             rows = []
             for row, ftype in PAIRS:
                 enc, mode, backend = row.split(":")
@@ -272,6 +272,7 @@ def main() -> None:
                 ll["bytes_per_token"] = llama_bytes[ftype]
                 rows += [("m2serve", f"{enc} {mode} ({m['backend']})", m), ("llama.cpp", ftype, ll)]
             print_table(bw, rows)
+            print(formats.machine_line())
     finally:
         if not args.cache:
             shutil.rmtree(root, ignore_errors=True)

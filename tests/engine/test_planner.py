@@ -142,9 +142,11 @@ def test_weight_bytes_per_device(m27, kw, want, published):
     assert want == published
     p = plan(m27, weight_dequant="runtime", **kw)
     assert p.weight_bytes == want and p.checkpoint_bytes == want
-    # default weight_dequant=load: the loader dequantises every FP8 linear to the compute dtype
+    # the default (auto) on a GPU keeps FP8 as stored (issue 30): the same bytes
+    assert plan(m27, **kw).weight_bytes == want
+    # weight_dequant=load: the loader dequantises every FP8 linear to the compute dtype
     # (bf16, 2 B): FP8 bytes and scales replaced by 2 B per element
-    loaded = plan(m27, **kw)
+    loaded = plan(m27, weight_dequant="load", **kw)
     assert loaded.checkpoint_bytes == want
     shards = {"gpu": (1, 1), GPU8: (8, 8 if kw.get("data_parallel_degree") != 8 else 1)}[kw["devices"]]
     ep, tp = shards[0], shards[1]
@@ -172,7 +174,8 @@ def test_fp4_weight_bytes(m27):
     assert plan(nv, devices="gpu", weight_dequant="runtime").weight_bytes == rest + nv_experts
     assert plan(mx, devices="gpu", weight_dequant="runtime").weight_bytes == rest + mx_experts
     dense = rest + L * E * EXPERT_ELEMS * 2
-    assert plan(nv, devices="gpu").weight_bytes == dense  # weight_dequant=load: bf16 experts
+    assert plan(nv, devices="gpu", weight_dequant="load").weight_bytes == dense  # bf16 experts
+    assert plan(nv, devices="gpu").weight_bytes == rest + nv_experts  # auto on a GPU: as stored
     # TP_TP tp 8 is allowed for NVFP4 (192 % 16 == 0, V7): experts split by I, attention by heads
     p = plan(nv, devices=GPU8, weight_dequant="runtime")
     assert p.mode is ParallelismMode.TP_TP

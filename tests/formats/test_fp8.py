@@ -80,3 +80,32 @@ def test_loaded_weights_bit_exact_vs_transformers_fp8_load(tiny_random_fp8_dir, 
         assert torch.equal(ex.w13[:, :I], rx.gate_up_proj[:, :I]), f"layer {n} w1"
         assert torch.equal(ex.w13[:, I:], rx.gate_up_proj[:, I:]), f"layer {n} w3"
         assert torch.equal(ex.w2, rx.down_proj), f"layer {n} w2"
+
+
+def test_quantize_block_hand_derived_values():
+    # --quantize-unquantized fp8 (docs/checkpoints.md §6 "Online FP8"), values worked out by hand:
+    # a [130, 200] weight has a 2x2 block grid whose last row band holds 2 rows and last column
+    # band 72 columns. Block (0, 0): amax 896 -> s = 2; 3 -> 1.5 (exact in e4m3); 2.125 -> 1.0625,
+    # halfway between e4m3 1.0 and 1.125 -> 1.0 (even mantissa); 2.375 -> 1.1875, halfway between
+    # 1.125 and 1.25 -> 1.25 (even). Block (0, 1) is all zero -> s = 1, q = 0. Block (1, 0):
+    # amax 0.75 -> s = 0.75 / 448; its 0.75 -> 448. Block (1, 1): amax 7 -> s = 7 / 448 = 1/64;
+    # 7 -> 448, 0.5 -> 32, -1/64 -> -1.
+    w = torch.zeros(130, 200)
+    w[0, 0], w[5, 7], w[9, 1], w[127, 127] = 896.0, 3.0, 2.125, -2.375
+    w[128, 3] = 0.75
+    w[129, 199], w[128, 150], w[129, 128] = 7.0, 0.5, -1 / 64
+    q, s = quantize_fp8_block(w)
+    assert q.shape == (130, 200) and s.shape == (2, 2)
+    assert s.tolist() == [[2.0, 1.0], [torch.tensor(0.75 / 448).item(), 1 / 64]]
+    qf = q.float()
+    assert (qf[0, 0].item(), qf[5, 7].item(), qf[9, 1].item(), qf[127, 127].item()) == \
+        (448.0, 1.5, 1.0, -1.25)
+    assert qf[:128, 128:].abs().sum().item() == 0
+    assert (qf[128, 3].item(), qf[129, 199].item(), qf[128, 150].item(), qf[129, 128].item()) == \
+        (448.0, 448.0, 32.0, -1.0)
+    assert torch.count_nonzero(qf) == 8
+    # the bit-exact dequantiser (transformers-checked above) returns the weight except the two ties
+    back = dequantize_fp8_block(q, s, torch.float32)
+    expect = w.clone()
+    expect[9, 1], expect[127, 127] = 2.0, -2.5
+    assert torch.equal(back, expect)

@@ -64,3 +64,17 @@ def test_llama_cpp_peer_skips_with_the_install_command_without_llama_cpp_python(
     assert done.returncode == 0, done.stderr
     assert "skipped, llama-cpp-python is not installed" in done.stdout
     assert 'CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install llama-cpp-python==0.3.36' in done.stdout
+
+
+def test_machine_line_names_cpu_isa_and_load():
+    # every benchmark figure is stated with the CPU model, its ISA flags and the load average
+    bench = _formats()
+    fields = {}
+    for ln in Path("/proc/cpuinfo").read_text().splitlines():
+        k, _, v = ln.partition(":")
+        fields.setdefault(k.strip(), v.strip())
+    cpu, isa, cpus, load = bench.machine_line().split(" | ")
+    assert cpu == f"CPU: {fields['model name']}"
+    assert isa.removeprefix("ISA: ").split() == [f for f in bench.ISA_FLAGS if f in fields["flags"].split()]
+    assert cpus == f"{os.cpu_count()} CPUs" and load.startswith("load average ")
+    assert all(float(x) >= 0 for x in load.removeprefix("load average ").split())

@@ -4,7 +4,7 @@ computes from the codes (nothing is dequantised), and the start banner and the L
 the backend in use; without the kernels ``auto`` dequantises at load and the banner gives the reason.
 
 Observed independently of the code under test: the PackedFP8 dequantisation (formats/) is counted
-by a wrapper, the kernels' grouped op by a wrapper around ``grouped_expert_ffn``'s module binding.
+by a wrapper, the kernels' grouped op by a wrapper around ``cpu_grouped_expert_ffn``'s module binding.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def test_default_path_is_packed_and_banner_names_the_backend(monkeypatch, caplog
     assert all(b.dtype != torch.bfloat16 or b.dim() < 3 for b in model.buffers())  # no dense experts
 
     dequants, grouped = [], []
-    real_dequant, real_ffn = PackedFP8.dequantize, experts_mod.grouped_expert_ffn
+    real_dequant, real_ffn = PackedFP8.dequantize, experts_mod.cpu_grouped_expert_ffn
     monkeypatch.setattr(PackedFP8, "dequantize", lambda self, dtype: dequants.append(dtype)
                         or real_dequant(self, dtype))
-    monkeypatch.setattr(experts_mod, "grouped_expert_ffn", lambda *a: grouped.append(1) or real_ffn(*a))
+    monkeypatch.setattr(experts_mod, "cpu_grouped_expert_ffn", lambda *a: grouped.append(1) or real_ffn(*a))
     out = llm.generate([[5, 17, 33, 2]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     assert dequants == []  # attention, experts: straight from the codes
@@ -69,5 +69,6 @@ def test_auto_without_kernels_dequantises_at_load_and_says_why(monkeypatch):
         kernel_backend.cache_clear()
     monkeypatch.delenv(build.ISA_ENV)
     assert resolve_weight_dequant("auto", "cpu", torch.float32) == "runtime"
-    assert resolve_weight_dequant("auto", "cuda", torch.bfloat16) == "load"  # CUDA: no packed kernels yet
+    # a GPU keeps codes and scales as stored (issue 30): never dequantised on the host
+    assert resolve_weight_dequant("auto", "cuda", torch.bfloat16) == "runtime"
     assert resolve_weight_dequant("load", "cpu", torch.bfloat16) == "load"

@@ -1,5 +1,6 @@
-"""model/linear.py on CPU: FP8-block and bf16 weights go through the packed kernels (no per-call
-dequantisation), with the values of dequantise + F.linear up to the fp32 summation order."""
+"""model/linear.py on CPU: once the choice pass (model/kernel_choice.py) has run, FP8-block and bf16
+weights go through the packed kernels (no per-call dequantisation), with the values of dequantise +
+F.linear up to the fp32 summation order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from m2serve.formats.fp8 import PackedFP8, quantize_fp8_block
 from m2serve.kernels.build import kernel_backend
+from m2serve.model.kernel_choice import choose_kernels
 from m2serve.model.linear import Linear
 
 
@@ -16,6 +18,7 @@ def test_fp8_linear_computes_from_codes_without_dequantising(monkeypatch):
     q, s = quantize_fp8_block(torch.randn(256, 384))
     lin = Linear(384, 256, torch.bfloat16)
     lin.load("q_proj.weight", PackedFP8(q, s))
+    choose_kernels(lin)
     want_w = PackedFP8(q, s).dequantize(torch.bfloat16)
 
     def forbidden(*args):
@@ -33,6 +36,7 @@ def test_fp8_linear_computes_from_codes_without_dequantising(monkeypatch):
 def test_bf16_linear_small_m_uses_kernel_and_matches():
     lin = Linear(320, 96, torch.bfloat16)
     lin.load("o_proj.weight", torch.randn(96, 320))
+    choose_kernels(lin)
     x = torch.randn(3, 320).to(torch.bfloat16)
     assert lin.stored_weight() is not None
     ref = F.linear(x.double(), lin.weight.double())
@@ -44,5 +48,6 @@ def test_bf16_linear_small_m_uses_kernel_and_matches():
 def test_fp32_linear_stays_on_aten():
     lin = Linear(64, 32, torch.float32)
     lin.load("w", torch.randn(32, 64))
+    assert choose_kernels(lin).counts == {("linear", "dense float32", "torch"): 1}
     x = torch.randn(2, 64)
     assert lin.stored_weight() is None and torch.equal(lin(x), F.linear(x, lin.weight))

@@ -312,3 +312,30 @@ def test_bf16_weights_one_two_three_rows_and_an_odd_last_row(isa):
         torch.testing.assert_close(linear(eye[:m], w, backend), w.q[0][:, :m].T, rtol=0, atol=0)
         x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
         _check_products(linear(x, w, backend), x, w.q[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_exponent_add_range_edges(isa):
+    # docs/kernels.md §6: groups with E8M0 exponent in [2, 252] are decoded by adding (e - 127) << 7
+    # to the bf16 bits of the E2M1 value; 1 and 253 (and 0, 254) take the fp32 path. Each row mixes
+    # groups on both sides of each edge, every nibble in every group; bf16 and fp32 activations
+    # must give the formula's values bit for bit (fp32-subnormal weights flush only on the BF16
+    # dot-product path, as in test_decoded_values_equal_the_formula_bit_for_bit).
+    n, k = 8, 256
+    codes = torch.arange(256, dtype=torch.uint8).repeat(n, k // 2 // 256 + 1)[:, : k // 2]
+    codes = torch.roll(codes, 1, 1).contiguous()
+    edges = torch.tensor([1, 2, 252, 253, 2, 1, 253, 252], dtype=torch.uint8)
+    scale = torch.stack([torch.roll(edges, i) for i in range(n)])
+    scale[3, 5], scale[6, 2] = 0, 254  # the subnormal scale and the largest, among fast groups
+    codes[:, : k // 2] &= torch.where(scale.repeat_interleave(16, 1) >= 253, 0x33, 0xFF).to(torch.uint8)
+    w = PackedWeights.stack([PackedFP4(FP4Scheme.MXFP4, codes, scale)])
+    backend = build.select_backend(isa)
+    for dtype in DTYPES:
+        want = w.dequantize(0, dtype)
+        eye = torch.eye(k, dtype=dtype)
+        for m in (1, 2, 3):
+            got = linear(eye[:m], w, backend)
+            want_t = want[:, :m].T
+            if dtype == torch.bfloat16:
+                want_t = torch.where((want_t.abs() < 2**-126) & (got == 0), 0, want_t)
+            torch.testing.assert_close(got, want_t, rtol=0, atol=0, equal_nan=True)

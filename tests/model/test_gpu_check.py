@@ -72,6 +72,19 @@ def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the
         assert d["bound_ms"] > 0 and d["kernel_over_bound"] == d["kernel_ms"] / d["bound_ms"]
 
 
+def test_weights_part_cpu_smoke(tmp_path):
+    # --part weights on tiny dims: the Triton FP8 linear under the interpreter vs the fp32
+    # reference, decode of the bf16 and FP8 models, and a synthetic FP8 checkpoint's load
+    r = _run("--part", "weights", "--cpu-smoke", out=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "gpu_check_weights.json").read_text())
+    assert res["ok"] and res["device"] == "cpu"
+    assert all(v["w8a16"]["rel_vs_ref"] <= 1e-5 for v in res["fp8_linear"].values())  # fp32 compute
+    assert set(res["decode"]) == {"bf16", "fp8_w8a16", "fp8_w8a8"}
+    assert res["decode"]["fp8_w8a16"]["resident_gib"] < res["decode"]["bf16"]["resident_gib"]
+    assert res["load"]["host_dequantisations"] == 0 and "FP8_BLOCK" in res["load"]["kernels"]
+
+
 def test_dims_are_the_tiny_random_and_bench_dims():
     sys.path.insert(0, str(SCRIPT.parent))
     try:

@@ -1,6 +1,6 @@
 """A step a GPU can capture (issue 29): the step's metadata in persistent buffers, the attention
 backend chosen once, and an op count that does not follow the batch (docs/serving.md §6.1,
-docs/kernels.md §4).
+docs/kernels.md §7).
 
 The op counts are observed with a TorchDispatchMode (tests/model/test_step_sync.py's ``SyncAudit``),
 independently of the code under test; kernel launches are counted at the kernel object. References:

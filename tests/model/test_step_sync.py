@@ -127,14 +127,14 @@ def test_engine_step_forward_has_no_host_sync(tiny_random_dir):
 def test_packed_experts_on_the_cpu_kernels_have_no_host_sync(tiny_random_fp8_dir, path):
     # issue 18: FP8 experts held packed run the grouped kernel op straight from the codes, so the
     # packed layer's one documented sync (reading the offsets to dequantise the active experts) is
-    # gone on CPU; the audit still catches it on the dequantising path (kernel weights removed)
-    from m2serve.kernels.build import kernel_backend
+    # gone on CPU; the audit still catches it on the dequantising path (the torch reference chosen)
+    from m2serve.kernels.build import KernelBackend, kernel_backend
+    from m2serve.model.kernel_choice import choose_kernels
 
     assert kernel_backend().available, kernel_backend().banner()
     model = load_model(tiny_random_fp8_dir, weight_dequant="runtime")
     if path == "dequantise":  # the dequantise-active-experts path of packed experts (CUDA, no kernels)
-        for layer in model.model.layers:
-            layer.block_sparse_moe.experts.kernel_weights = None
+        choose_kernels(model, KernelBackend("pytorch", None, "test"))
     audits = _audited(model)
     cache = SimpleKVCache.create(model.config, num_pages=8, page_size=4)
     batch = cache.batch([("a", [1, 2, 3, 4, 5]), ("b", [7, 8])])

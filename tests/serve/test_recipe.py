@@ -64,6 +64,17 @@ def test_plan_reports_mode_of_selection_function(name, capsys):
     assert "KV pages" in out
 
 
+def test_b200_fp8_plan_counts_weights_as_stored(capsys):
+    # issue 30 "Must show": the FP8 release on 8 GPUs at 141 GiB holds its weights as stored by
+    # default (33,478,216,704 B = 31.18 GiB per device, docs/serving.md §7), not as bf16 (59.87 GiB)
+    assert main(["plan", "--config-file", str(RECIPES / "minimax_m2_8x_b200.yaml"),
+                 "--device-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "weight_dequant runtime" in out
+    line = next(line for line in out.splitlines() if line.startswith("weight bytes / device"))
+    assert line.split()[4:] == ["31.18", "GiB", "(33,478,216,704", "B)"]
+
+
 def test_plan_console_script_on_hub_id():
     # the installed console script, a hub id resolved offline to the shipped config
     exe = Path(sys.executable).with_name("m2serve")
@@ -160,3 +171,20 @@ def test_plan_prints_pages_per_replica_and_the_deployment_total(capsys):
     pages = int(per.split(" x ")[0].replace(",", ""))
     assert pages > 0
     assert lines["KV pages, deployment"].strip().startswith(f"8 replica(s) x {pages:,} = {8 * pages:,} pages")
+
+
+def test_quantize_unquantized_flag_and_recipe_key(tmp_path):
+    # docs/checkpoints.md §6 "Online FP8": CLI flag, recipe key model.quantize_unquantized, EngineArgs
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.serve.cli import engine_args_from
+
+    p = tmp_path / "r.yaml"
+    p.write_text("model:\n  quantize_unquantized: fp8\n")
+    assert _opts(["serve", "--config-file", str(p)])["quantize_unquantized"] == "fp8"
+    cli = _opts(["serve", "--config-file", str(p), "--quantize-unquantized", "none"])
+    assert cli["quantize_unquantized"] == "none"
+    args = EngineArgs(**engine_args_from(_opts(["serve", "--quantize-unquantized", "fp8"])))
+    assert args.quantize_unquantized == "fp8"
+    assert EngineArgs().quantize_unquantized == "none"
+    with pytest.raises(SystemExit):
+        _opts(["serve", "--quantize-unquantized", "int4"])

@@ -33,9 +33,17 @@ def dtype_bytes(field: str, name: str) -> int:
 
 #: Every accepted ``EngineArgs.weight_dequant`` value (the planner refuses others; tests iterate it).
 WEIGHT_DEQUANT_MODES = ("auto", "load", "runtime")
+#: Every accepted ``EngineArgs.fp8_linear`` value: the Triton FP8 linear's activation mode
+#: (docs/kernels.md §4), bf16 activations (default) or per-token-group dynamic e4m3.
+FP8_LINEAR_MODES = ("w8a16", "w8a8")
+#: Every accepted ``EngineArgs.activation_quant`` value (docs/checkpoints.md §9).
+ACTIVATION_QUANT_MODES = ("auto", "none")
+#: Every accepted ``EngineArgs.quantize_unquantized`` value: ``"none"`` (default, the checkpoint's
+#: bf16 linears stay bf16) or ``"fp8"`` (FP8-block at load, docs/checkpoints.md §6 "Online FP8").
+QUANTIZE_UNQUANTIZED_MODES = ("none", "fp8")
 
 #: Every accepted ``EngineArgs.attention_backend`` value (``--attention-backend``, vLLM's and
-#: SGLang's flag name; docs/kernels.md §4): "torch" the reference and the CPU default, "triton" the
+#: SGLang's flag name; docs/kernels.md §7): "torch" the reference and the CPU default, "triton" the
 #: paged attention kernel (kernels/triton/attention.py), "auto" triton on a GPU where Triton imports.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -51,10 +59,20 @@ class EngineArgs:
     num_kv_pages: override the planner's page count (tests use tiny pools to force preemption). Like
         the planner's count, max_batch_input_tokens and max_batch_size, it is per data-parallel
         replica (docs/serving.md §8).
-    weight_dequant: "auto" (default: "runtime" where the packed-weight kernels run the activations on
-        the device — CPU, bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
+    weight_dequant: "auto" (default: "runtime" on a GPU, and on a CPU where the packed-weight kernels
+        run the activations — bf16/fp32, kernels built — else "load"), "load" (dequantise at load) or
         "runtime" (keep quantised weights as stored — FP8 linears, FP4 experts — and compute from them
         when used; model/load.py ``resolve_weight_dequant``).
+    fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,
+        the dequantised weights' values) or "w8a8" (activations quantised per token and 128-column
+        group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §4.
+    activation_quant: "auto" (default: quantise every quantised linear's input as the checkpoint
+        declares — Quark ``input_tensors`` MXFP4, NVFP4 input scales — W4A4, docs/checkpoints.md §9)
+        or "none" (weight-only, W4A16; model/load.py ``resolve_activation_quant``).
+    quantize_unquantized: "none" (default) or "fp8": quantise, at load, the linears the checkpoint
+        leaves dense (attention and lm_head of the FP4 releases; every linear but the experts of a
+        bf16 one) to FP8 block 128x128 e4m3 with ``weight_scale_inv`` = amax / 448 per block
+        (model/load.py ``quantize_dense_linears``; docs/checkpoints.md §6 "Online FP8").
     kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
         sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
@@ -84,6 +102,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_pages: int | None = None
     weight_dequant: str = "auto"
+    fp8_linear: str = "w8a16"
+    activation_quant: str = "auto"
+    quantize_unquantized: str = "none"
     kv_cache_memory_gib: float | None = None
     strict_tool_format: bool = False
     seed: int = 0

@@ -137,7 +137,10 @@ class LLMEngine:
         else:
             model = load_model(args.model, dtype=getattr(torch, args.dtype), device=devices[0],
                                weight_dequant=args.weight_dequant, attention_backend=args.attention_backend,
-                               batch_invariant=batch_invariant_enabled(args))
+                               fp8_linear=args.fp8_linear,
+                               batch_invariant=batch_invariant_enabled(args),
+                               activation_quant=args.activation_quant,
+                               quantize_unquantized=args.quantize_unquantized)
         return cls.from_model(model, config, args, device=devices[0])
 
     @classmethod

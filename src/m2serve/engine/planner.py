@@ -33,7 +33,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
 from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
 from m2serve.formats.detect import Encoding, detect_encoding
-from m2serve.model.load import resolve_weight_dequant
+from m2serve.model.load import numerics_banner, resolve_weight_dequant
 from m2serve.parallel.shard import rank_weight_bytes
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class MemoryPlan:
       0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
     kv_bytes_per_token: K and V of all layers for the KV heads this device holds.
+    numerics: which numerics the quantised linears run (model/load.py ``numerics_banner``: W4A4 as
+      the checkpoint declares, or unquantised activations).
     kv_source: how kv_budget_bytes was chosen (CPU: --kv-cache-memory-gib or its default rule).
     num_pages x page_size = kv_tokens: the pool of one data-parallel replica (each replica's engine
       scheduler has its own, docs/serving.md §8), so the longest context one replica can hold; the
@@ -91,6 +93,7 @@ class MemoryPlan:
     num_pages: int
     max_length: int
     kv_source: str = _GPU_KV_SOURCE
+    numerics: str = ""
 
     @property
     def static_bytes(self) -> int:
@@ -218,7 +221,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
         activation_bytes=activations, scratch_bytes=scratch, free_bytes=free_bytes, memory_source=source,
         device_memory_utilization=util, kv_cache_format=args.kv_cache_format, kv_budget_bytes=budget,
         kv_bytes_per_token=kv_per_token, page_size=S, num_pages=pages, max_length=max_length,
-        kv_source=kv_source)
+        kv_source=kv_source, numerics=numerics_banner(args, config))
 
 
 def cpu_kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, max_batch_size: int,
@@ -393,6 +396,7 @@ def format_plan(plan: MemoryPlan) -> str:
         ("parallel mode", f"{plan.mode.value}: {plan.num_devices} device(s), tp {plan.tp_size}, "
                           f"ep {plan.ep_size}, dp {plan.data_parallel_degree}"),
         ("weights", f"{plan.encoding}, compute {plan.dtype}, weight_dequant {plan.weight_dequant}"),
+        ("numerics", plan.numerics),
         ("weight bytes / device", gib(plan.weight_bytes)),
         ("  held packed (as stored)", gib(plan.checkpoint_bytes)),
         ("activations / device", gib(plan.activation_bytes)),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP, REFUSED_QUANT_METHODS
+from m2serve.formats.act_quant import ActivationScheme
 from m2serve.formats.safetensors_io import FLOAT_HEADER_DTYPES, TensorInfo
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -53,12 +54,19 @@ class QuantSpec:
     globs (``model.layers.0.self_attn*``, ``*self_attn*``); compressed-tensors patterns are exact
     module names or ``re:`` regexes matched from the start (``ct_patterns``), as its
     ``match_name`` does.
+
+    ``activations``: the FP4 input quantisation the config declares for its quantised linears
+    (W4A4, docs/checkpoints.md §9), None for weight-only. ``activations_unsupported``: why a declared
+    input quantisation cannot be reproduced (then ``activations`` is None; ``activation_quant auto``
+    refuses to load, ``none`` runs W4A16).
     """
 
     encoding: Encoding
     exclude: tuple[str, ...] = ()
     ct_patterns: bool = False
     source: str = "config.json"
+    activations: ActivationScheme | None = None
+    activations_unsupported: str | None = None
 
     def excluded_by(self, module: str) -> str | None:
         """The first pattern that excludes ``module`` (e.g. ``model.layers.0.self_attn.q_proj``)."""
@@ -185,8 +193,23 @@ def _modelopt(quant: dict[str, Any], source: str) -> QuantSpec:
                      "quantization_config.config_groups.group_0.weights.group_size", source, "NVFP4")
     if "group_size" in quant:
         _check_group(quant["group_size"], NVFP4_GROUP, "quantization.group_size", source, "NVFP4")
+    # ModelOpt's NVFP4 algorithm quantises the inputs too (W4A4); config_groups, when written, say so
+    inputs = (quant.get("config_groups") or {}).get("group_0", {}).get("input_activations")
+    declared = inputs is not None if weights else True
+    act, why = (_nvfp4_inputs(inputs or {}, "quantization_config.config_groups.group_0.input_activations",
+                              source) if declared else (None, None))
     return QuantSpec(Encoding.NVFP4, tuple(quant.get("ignore") or quant.get("exclude_modules") or ()),
-                     source=source)
+                     source=source, activations=act, activations_unsupported=why)
+
+
+def _nvfp4_inputs(inputs: dict[str, Any], field: str,
+                  source: str) -> tuple[ActivationScheme | None, str | None]:
+    """Declared NVFP4 input activations -> (NVFP4, None), or (None, why) when not 4-bit float per 16."""
+    got = (inputs.get("num_bits", 4), inputs.get("type", "float"), inputs.get("group_size", NVFP4_GROUP))
+    if got != (4, "float", NVFP4_GROUP):
+        return None, (f"{source}: {field} num_bits={got[0]!r} type={got[1]!r} group_size={got[2]!r} "
+                      f"is not NVFP4 input quantisation (4-bit float, group {NVFP4_GROUP})")
+    return ActivationScheme.NVFP4, None
 
 
 def _quark(quant: dict[str, Any], source: str) -> QuantSpec:
@@ -197,7 +220,29 @@ def _quark(quant: dict[str, Any], source: str) -> QuantSpec:
             raise ValueError(f"{source}: {field}.{key}={w.get(key)!r} is not supported "
                              f"(Quark MXFP4 needs {key}={val!r})")
     _check_group(w.get("group_size"), MXFP4_GROUP, f"{field}.group_size", source, "MXFP4")
-    return QuantSpec(Encoding.MXFP4, tuple(quant.get("exclude") or ()), source=source)
+    act, why = _quark_inputs((quant.get("global_quant_config") or {}).get("input_tensors"), source)
+    return QuantSpec(Encoding.MXFP4, tuple(quant.get("exclude") or ()), source=source, activations=act,
+                     activations_unsupported=why)
+
+
+#: Quark ``input_tensors`` m2serve reproduces: dynamic OCP MXFP4, "even" scales, half-even elements
+#: (the amd/MiniMax-M2.7-MXFP4 recipe; docs/checkpoints.md §9). Absent keys take these defaults.
+_QUARK_MX_INPUTS = {"dtype": "fp4", "qscheme": "per_group", "group_size": MXFP4_GROUP, "scale_format": "e8m0",
+                    "is_dynamic": True, "scale_calculation_mode": "even", "round_method": "half_even"}
+
+
+def _quark_inputs(inputs: dict[str, Any] | None,
+                  source: str) -> tuple[ActivationScheme | None, str | None]:
+    """Quark ``global_quant_config.input_tensors`` -> (MXFP4, None), (None, None) when absent (weight-
+    only), or (None, why) for an input quantisation other than :data:`_QUARK_MX_INPUTS`."""
+    if not inputs:
+        return None, None
+    for key, want in _QUARK_MX_INPUTS.items():
+        got = inputs.get(key, want)
+        if got != want:
+            return None, (f"{source}: quantization_config.global_quant_config.input_tensors.{key}={got!r} "
+                          f"is not supported (W4A4 MXFP4 inputs need {key}={want!r})")
+    return ActivationScheme.MXFP4, None
 
 
 _CT_FORMATS = {NVFP4_GROUP: "nvfp4-pack-quantized", MXFP4_GROUP: "mxfp4-pack-quantized"}
@@ -225,7 +270,17 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> QuantSpec:
     if len(sizes) > 1:
         raise ValueError(f"{source}: compressed-tensors config mixes NVFP4 and MXFP4 groups; not supported")
     enc = Encoding.NVFP4 if sizes == {NVFP4_GROUP} else Encoding.MXFP4
-    return QuantSpec(enc, tuple(quant.get("ignore") or ()), ct_patterns=True, source=source)
+    act = why = None
+    for gname, group in groups.items():
+        inputs = group.get("input_activations")
+        if inputs and enc is Encoding.NVFP4:
+            act, why = _nvfp4_inputs(inputs, f"quantization_config.config_groups.{gname}.input_activations",
+                                     source)
+        elif inputs:
+            why = (f"{source}: config_groups.{gname}.input_activations: compressed-tensors MXFP4 input "
+                   "quantisation is not supported (W4A4 MXFP4 follows Quark's rules)")
+    return QuantSpec(enc, tuple(quant.get("ignore") or ()), ct_patterns=True, source=source,
+                     activations=act if why is None else None, activations_unsupported=why)
 
 
 def linear_kind(weight: TensorInfo, companions: dict[str, TensorInfo]) -> LinearKind:

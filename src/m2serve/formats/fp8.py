@@ -40,6 +40,23 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return q, s
 
 
+def quantize_fp8_act_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 activation quantisation per token and per ``group`` columns (what a checkpoint's
+    ``activation_scheme: dynamic`` means; the W8A8 Triton linear does the same in its kernel):
+    x [M, K] (K a multiple of ``group``) -> (float8_e4m3fn [M, K], f32 scales [M, K/group]) with,
+    per row and group, ``s = amax(|x|) / 448`` (1 for an all-zero group) and
+    ``q = e4m3(clamp(x / s, ±448))`` (round to nearest even).
+    Raises ValueError naming K and the group when they do not divide."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"activation width {k} is not a multiple of the {group}-column group")
+    g = x.float().view(m, k // group, group)
+    amax = g.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (g / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, k), s
+
+
 def check_scale_grid(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> None:
     """Raise ValueError naming both shapes unless ``scale_inv`` is the [ceil(N/b), ceil(K/b)] grid of
     ``q`` [N, K]."""

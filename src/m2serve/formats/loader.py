@@ -129,8 +129,14 @@ def plan_checkpoint(reader: CheckpointReader, config: MiniMaxM2Config) -> LoadPl
 
 
 def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple[int, int] | None = None,
-                      cols: tuple[int, int] | None = None) -> torch.Tensor:
+                      cols: tuple[int, int] | None = None,
+                      device: torch.device | str | None = None) -> torch.Tensor:
     """Dense [N', K'] weight of linear ``name`` (canonical) in ``dtype``, optionally a slice.
+
+    ``device`` (default: where the reader puts it, the host) is where a quantised weight is
+    dequantised: its codes and scales move there as stored, then the formula runs there, so a GPU
+    target never dequantises on the host (the result is on ``device``; a dense weight is only cast,
+    on the host, and the model copies it).
 
     The one dispatch point per linear storage kind (docs/checkpoints.md §4): dense -> cast; FP8 block
     -> fp32 e4m3 x scale_inv product, one rounding (docs/checkpoints.md §6); NVFP4 / MXFP4 ->
@@ -143,8 +149,18 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     if kind is LinearKind.DENSE:
         return plan.reader.read(fname, rows, cols).to(dtype)
     if kind is LinearKind.FP8_BLOCK:
-        return dequantize_in_bands(packed_fp8(plan, name, rows, cols), dtype)
-    return dequantize_in_bands(packed_linear(plan, name, rows, cols), dtype)
+        return dequantize_in_bands(to_device(packed_fp8(plan, name, rows, cols), device), dtype)
+    return dequantize_in_bands(to_device(packed_linear(plan, name, rows, cols), device), dtype)
+
+
+def to_device(packed: PackedFP8 | PackedFP4, device: torch.device | str | None) -> PackedFP8 | PackedFP4:
+    """``packed`` with its codes and scales on ``device`` as stored (no conversion); itself for None."""
+    if device is None:
+        return packed
+    if isinstance(packed, PackedFP8):
+        return PackedFP8(packed.q.to(device), packed.scale.to(device), packed.name)
+    s2 = None if packed.scale_2 is None else packed.scale_2.to(device)
+    return PackedFP4(packed.scheme, packed.packed.to(device), packed.scale.to(device), s2, packed.name)
 
 
 #: Rows of a quantised weight dequantised at a time at load: one row of the FP8 scale grid.
@@ -221,14 +237,18 @@ def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
 
 
 def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = None,
-                 progress: bool | None = None,
-                 packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedFP4 | PackedFP8]]:
+                 progress: bool | None = None, packed: bool = False,
+                 device: torch.device | str | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | PackedFP4 | PackedFP8]]:
     """Yield ``(canonical name, tensor)`` one at a time, ready for the model.
 
     Linear weights: dense ``dtype`` via :func:`dequantize_linear`, except when ``packed``
     (``--weight-dequant runtime``): FP8 block linears come as :class:`PackedFP8` (:func:`packed_fp8`)
     and FP4 expert weights as :class:`PackedFP4` (:func:`packed_linear`), dequantised later when
-    used (per forward, per active expert). Router gate and correction
+    used (per forward, per active expert). ``device`` is the model's device: a quantised weight
+    that is dequantised here is dequantised THERE (:func:`dequantize_linear`), never on the host
+    for a GPU target; packed weights come as read (the model copies them to its device as
+    stored). Router gate and correction
     bias: float32 whatever the file holds (docs/model.md §5.1). Everything else: ``dtype``.
     ``shard`` is the rank's slice hook (module docstring). Raises CorruptTensorError for a
     tensor (or scale) holding NaN / inf, before it reaches the model. A tqdm bar counts bytes read; it is
@@ -254,7 +274,7 @@ def iter_weights(plan: LoadPlan, dtype: torch.dtype, shard: ShardPlan | None = N
             elif packed and kind in _FP4_SCHEMES and ".experts." in canon:
                 t = packed_linear(plan, canon, rows, cols)
             elif canon in plan.kinds:
-                t = dequantize_linear(plan, canon, dtype, rows, cols)
+                t = dequantize_linear(plan, canon, dtype, rows, cols, device)
             else:
                 target = torch.float32 if names.is_router(canon) else dtype
                 t = reader.read(fname, rows, cols).to(target)

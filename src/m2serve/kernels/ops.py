@@ -189,24 +189,24 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
-                   backend: KernelBackend | None = None, batch_invariant: bool = False) -> torch.Tensor:
-    """x [R, K] act, offsets int32 [E] (cumulative row ends, as F.grouped_mm's ``offs``) -> [R, N] act.
+def cpu_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights, isa: int,
+                       batch_invariant: bool = False) -> torch.Tensor:
+    """:func:`grouped_linear` through the C++ op with ISA code ``isa`` (build.py ``ISA_CODES``), no
+    backend query: for modules whose choice (kernels/choice.py) was made once after loading. x [R, K]
+    bf16/fp32 on CPU, offsets int32 [E] -> [R, N]; rows at or past offsets[-1] give 0.
+    ``batch_invariant``: every row on the kernels' GEMV path (module docstring)."""
+    scale = w.scale if w.scale is not None else w.q.new_empty(0)
+    gemv_rows = max(GEMV_ROWS, x.shape[0]) if batch_invariant else GEMV_ROWS
+    return torch.ops.m2serve_kernels.grouped_linear(
+        x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
+        isa, TILE_N, gemv_rows, MM_TILE_N)
 
-    Rows [offsets[e-1], offsets[e]) go through expert e; rows at or past offsets[-1] give 0.
-    ``backend`` defaults to :func:`kernel_backend`. ``batch_invariant``: every row on the kernels'
-    GEMV path (else :func:`rowwise_linear`), module docstring. Raises ValueError naming both widths
-    when x's K does not match the weights.
-    """
-    if x.shape[-1] != w.in_features:
-        raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
-                         f"in_features {w.in_features}")
-    backend = backend if backend is not None else kernel_backend()
-    if kernels_apply(x.device, x.dtype, backend):
-        scale = w.scale if w.scale is not None else w.q.new_empty(0)
-        return torch.ops.m2serve_kernels.grouped_linear(
-            x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
-            backend.isa, TILE_N, max(GEMV_ROWS, x.shape[0]) if batch_invariant else GEMV_ROWS, MM_TILE_N)
+
+def torch_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
+                         batch_invariant: bool = False) -> torch.Tensor:
+    """:func:`grouped_linear` as the reference: each expert with rows is dequantised (formats/, on
+    the weights' device) and run by ``F.linear`` (:func:`rowwise_linear` when ``batch_invariant``);
+    one host read of ``offsets``. Rows at or past offsets[-1] give 0."""
     out = x.new_zeros(x.shape[0], w.out_features)
     dense = rowwise_linear if batch_invariant else F.linear
     start = 0
@@ -217,19 +217,56 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
     return out
 
 
-def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
-    """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act.
+def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
+                   backend: KernelBackend | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """x [R, K] act, offsets int32 [E] (cumulative row ends, as F.grouped_mm's ``offs``) -> [R, N] act.
 
-    A bf16 weight with more than GEMV_ROWS rows of bf16 activations goes straight to ``F.linear``
-    (one multithreaded GEMM; the kernels would only tile the same GEMM), unless ``batch_invariant``
-    (:func:`grouped_linear`)."""
+    Rows [offsets[e-1], offsets[e]) go through expert e; rows at or past offsets[-1] give 0.
+    ``backend`` defaults to :func:`kernel_backend`; the kernels run when :func:`kernels_apply`, else
+    :func:`torch_grouped_linear`. This asks per call (for tests and benchmarks comparing backends);
+    the model's modules call :func:`cpu_grouped_linear` as chosen once. ``batch_invariant``: module
+    docstring. Raises ValueError naming both widths when x's K does not match the weights.
+    """
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
+                         f"in_features {w.in_features}")
+    backend = backend if backend is not None else kernel_backend()
+    if kernels_apply(x.device, x.dtype, backend):
+        return cpu_grouped_linear(x, offsets, w, backend.isa, batch_invariant)
+    return torch_grouped_linear(x, offsets, w, batch_invariant)
+
+
+def cpu_linear(x: torch.Tensor, w: PackedWeights, isa: int, batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., K] act (bf16/fp32, CPU) through the single weight of ``w`` (E = 1) -> [..., N] act,
+    by the C++ op with ISA code ``isa``. A bf16 weight with more than GEMV_ROWS rows of bf16
+    activations goes straight to ``F.linear`` (one multithreaded GEMM; the kernels would only tile
+    the same GEMM), unless ``batch_invariant`` (module docstring). Raises ValueError naming both
+    widths when x's K does not match the weights."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
+                         f"in_features {w.in_features}")
     rows = x.reshape(-1, x.shape[-1])
     if (w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS
             and not batch_invariant):
         return F.linear(x, w.q[0])
     offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
-    return grouped_linear(rows, offsets, w, backend, batch_invariant).view(*x.shape[:-1], w.out_features)
+    return cpu_grouped_linear(rows, offsets, w, isa, batch_invariant).view(*x.shape[:-1], w.out_features)
+
+
+def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., K] act through the single weight of ``w`` (E = 1) -> [..., N] act: :func:`cpu_linear`
+    when the kernels apply (``backend`` asked per call, default :func:`kernel_backend`), else the
+    weight dequantised (on its device) and ``F.linear`` (:func:`rowwise_linear` when
+    ``batch_invariant``). Raises ValueError as :func:`cpu_linear`."""
+    backend = backend if backend is not None else kernel_backend()
+    if kernels_apply(x.device, x.dtype, backend):
+        return cpu_linear(x, w, backend.isa, batch_invariant)
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
+                         f"in_features {w.in_features}")
+    dense = rowwise_linear if batch_invariant else F.linear
+    return dense(x, w.dequantize(0, x.dtype))
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
@@ -243,6 +280,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, batch_invariant: bool = False
     return rowwise_linear(x, w)
 
 
+def cpu_grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
+                           packed_w2: PackedWeights, isa: int, batch_invariant: bool = False) -> torch.Tensor:
+    """:func:`grouped_expert_ffn` by the C++ op with ISA code ``isa`` (no backend query)."""
+    gate, up = cpu_grouped_linear(x_sorted, offsets, packed_w13, isa, batch_invariant).chunk(2, dim=-1)
+    return cpu_grouped_linear(F.silu(gate) * up, offsets, packed_w2, isa, batch_invariant)
+
+
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
                        packed_w2: PackedWeights, backend: KernelBackend | None = None,
                        batch_invariant: bool = False) -> torch.Tensor:
@@ -251,8 +295,8 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13
     x_sorted [R, H] act (rows sorted by local expert), offsets int32 [E_loc] cumulative row ends,
     packed_w13 [E_loc, 2·I_loc, H] (w1 rows then w3 rows), packed_w2 [E_loc, H, I_loc] -> [R, H] act:
     ``w2 · (silu(w1·x) ⊙ (w3·x))`` per expert, with the same roundings to the activation dtype as
-    model/experts.py's ``expert_ffn`` on dequantised weights. ``batch_invariant`` as for
-    :func:`grouped_linear`.
+    model/experts.py's ``expert_ffn`` on dequantised weights. ``backend`` and ``batch_invariant`` as
+    for :func:`grouped_linear`.
     """
     gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend, batch_invariant).chunk(2, dim=-1)
     return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend, batch_invariant)

@@ -26,7 +26,7 @@ after 1,024 cached, so SDPA: never clearly slower, one fused op per request. The
 gather took 20-28x SDPA's time on the first case and 1.25-2.4x on the second, 0.82-0.92x on the
 one-request prefill chunk.
 
-GPU choice: the ``triton`` attention backend (docs/kernels.md §4), chosen once when the model is
+GPU choice: the ``triton`` attention backend (docs/kernels.md §7), chosen once when the model is
 built (:func:`resolve_attention_backend`): :func:`attend_kernel` runs the paged attention kernel
 of kernels/triton/attention.py, one launch per layer over the whole ragged step, reading the
 batch's block tables directly (no per-request work, so a decode step can be captured). The loop
@@ -289,7 +289,7 @@ def attend_kernel(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext,
 
 def resolve_attention_backend(name: str, device: torch.device | str) -> str:
     """The attention backend for ``name`` (config/engine_args.py ATTENTION_BACKENDS) on ``device``:
-    "torch" or "triton" (docs/kernels.md §4). "auto" is triton on CUDA where Triton imports, else
+    "torch" or "triton" (docs/kernels.md §7). "auto" is triton on CUDA where Triton imports, else
     torch (the CPU default; under the CPU interpreter the kernel is a test path, not a fast one).
     Raises ValueError naming the choices for an unknown name, and for "triton" where Triton does
     not import (naming the import error)."""

@@ -167,7 +167,7 @@ class MiniMaxM2ForCausalLM(nn.Module):
         super().__init__()
         parallel = parallel or ParallelState()
         device = torch.get_default_device()
-        # chosen once (docs/kernels.md §4): "torch" (reference, CPU default) or "triton" (one kernel launch)
+        # chosen once (docs/kernels.md §7): "torch" (reference, CPU default) or "triton" (one kernel launch)
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.attention_kernel = triton_kernel() if self.attention_backend == "triton" else None
         self.lower_right_masks = device.type == "cuda"  # torch backend: no materialised [n, L] mask

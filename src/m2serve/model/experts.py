@@ -17,10 +17,10 @@ left uninitialised) and the combine zeroes them with a ``where`` (their weight b
 
 ``grouped_rows`` is the seam for other weight formats: it takes (rows sorted by expert [R, H],
 offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held. Packed
-(runtime dequantisation) experts on CPU with the kernels built (m2serve/kernels) run
-``grouped_expert_ffn`` straight from the stored codes: two grouped calls, no host read. Elsewhere
-(CUDA, fp16, no kernels) it dequantises the active experts (one host read of the offsets), then
-grouped_mm.
+(runtime dequantisation) experts whose kernel choice (made once after loading,
+model/kernel_choice.py) is the CPU kernels run ``cpu_grouped_expert_ffn`` straight from the stored
+codes: two grouped calls, no host read. Otherwise (the torch reference: CUDA, fp16, no kernels) it
+dequantises the active experts on their device (one host read of the offsets), then grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
 :func:`expert_ffn` per expert hit, ``unique_consecutive`` + ``.tolist()``): the test reference,
@@ -38,16 +38,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
+from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
 from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl
 from m2serve.kernels.ops import (
     FP4_FORMATS,
     PackedWeights,
     WeightFormat,
-    grouped_expert_ffn,
-    kernels_apply,
+    cpu_grouped_expert_ffn,
+    cpu_grouped_linear,
     rowwise_linear,
 )
+
+#: W4A4 input quantisation of the expert products: (activations [R, K], 0 = w13's input / 1 = w2's)
+#: -> the same activations quantised-dequantised (docs/checkpoints.md §9). None = unquantised.
+InputQuant = Callable[[torch.Tensor, int], torch.Tensor]
 
 FP8_SCHEME = "fp8_block"  # MiniMaxM2Experts.scheme of experts held as FP8 block codes
 
@@ -68,41 +74,57 @@ def has_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def grouped_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor) -> torch.Tensor:
+                   w2: torch.Tensor, quant: InputQuant | None = None) -> torch.Tensor:
     """All experts' SwiGLU in two grouped GEMMs: rows [offsets[e-1], offsets[e]) go through expert e.
 
     x [R, H] act sorted by expert, offsets int32 [E_loc] (end of each expert's rows; rows past
     offsets[-1] are skipped and come back uninitialised), w13 [E_loc, 2·I_loc, H], w2 [E_loc, H,
     I_loc] -> [R, H] act. ``grouped_mm`` takes mat_b as [E, K, N]: the transposed views of the
-    [E, N, K] weights (the column-major layout the CUDA kernel wants).
+    [E, N, K] weights (the column-major layout the CUDA kernel wants). ``quant`` (W4A4) quantises
+    each product's input first.
     """
-    gate, up = F.grouped_mm(x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [R, I_loc] each
-    return F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    q = quant or _no_quant
+    gate, up = F.grouped_mm(q(x, 0), w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [R, I_loc] each
+    return F.grouped_mm(q(F.silu(gate) * up, 1), w2.transpose(1, 2), offs=offsets)
+
+
+def _no_quant(x: torch.Tensor, which: int) -> torch.Tensor:
+    return x
 
 
 def loop_swiglu(x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                quant: InputQuant | None = None,
                 linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
-    """:func:`grouped_swiglu` as a Python loop of :func:`expert_ffn` over the experts (host reads
-    of ``offsets``): the fallback where grouped_mm does not run, and with ``linear`` =
-    ``rowwise_linear`` the batch-invariant mode's path where the kernels do not run (docs/model.md
-    §7). Rows past offsets[-1] are zero."""
+    """:func:`grouped_swiglu` as a Python loop over the experts (host reads of ``offsets``): the
+    fallback where grouped_mm does not run, and with ``linear`` = ``rowwise_linear`` the
+    batch-invariant mode's path where the kernels do not run (docs/model.md §7). ``quant`` (W4A4)
+    quantises each product's input first. Rows past offsets[-1] are zero."""
+    q = quant or _no_quant
+    ends = offsets.tolist()
+    spans = [(e, s, t) for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends)) if t > s]
+    xq = q(x, 0)
+    h = x.new_zeros(x.shape[0], w2.shape[2])  # [R, I_loc]
+    for e, s, t in spans:
+        gate, up = linear(xq[s:t], w13[e]).chunk(2, dim=-1)
+        h[s:t] = F.silu(gate) * up
+    hq = q(h, 1)
     out = torch.zeros_like(x)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = expert_ffn(x[start:end], w13[e], w2[e], linear)
-        start = end
+    for e, s, t in spans:
+        out[s:t] = linear(hq[s:t], w2[e])
     return out
 
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               quant: InputQuant | None = None,
                linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """One expert's SwiGLU: ``w2 · (silu(w1·x) ⊙ (w3·x))``.
 
-    x [N, H] act, w13 [2·I_loc, H] (w1 rows then w3 rows), w2 [H, I_loc] -> [N, H] act.
+    x [N, H] act, w13 [2·I_loc, H] (w1 rows then w3 rows), w2 [H, I_loc] -> [N, H] act. ``quant``
+    (W4A4, this expert's) quantises each product's input first.
     """
-    gate, up = linear(x, w13).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w2)
+    q = quant or _no_quant
+    gate, up = linear(q(x, 0), w13).chunk(2, dim=-1)
+    return linear(q(F.silu(gate) * up, 1), w2)
 
 
 def expert_offsets(key: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -128,7 +150,8 @@ class MiniMaxM2Experts(nn.Module):
     activates (:meth:`expert_weights`), with the same formula (and so the same values) as
     dequantising at load. :meth:`pack_for_kernels` (called once after load) sets ``kernel_weights``
     (w13, w2 as m2serve/kernels' PackedWeights) so that :meth:`grouped_rows` runs the C++ kernels on
-    the codes where they apply (same values up to the fp32 summation order).
+    the codes where they apply (same values up to the fp32 summation order), once :meth:`set_choice`
+    picked them (model/kernel_choice.py, after loading); until then the torch reference runs.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, start: int, num_local: int,
@@ -140,9 +163,29 @@ class MiniMaxM2Experts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
                                requires_grad=False)
+        self.act_dtype = self.w13.dtype  # activations (the dense parameters' dtype, kept when packed)
         self.scheme: FP4Scheme | str | None = None  # set when the experts are held packed (FP8_SCHEME)
         self.kernel_weights: tuple[PackedWeights, PackedWeights] | None = None  # pack_for_kernels
-        self.batch_invariant = False  # use_batch_invariant
+        self.batch_invariant = False  # use_batch_invariant (before the kernel choice)
+        self.choice: KernelChoice = TORCH_CHOICE  # set_choice, once after loading
+        self.act_scheme: ActivationScheme | None = None  # W4A4 inputs (set_activation_quant)
+
+    def weight_format(self) -> WeightFormat | None:
+        """The experts' format for the kernel choice (kernels/choice.py): the packed format when
+        ``kernel_weights`` are set (:meth:`pack_for_kernels`), else None: dense experts run
+        grouped_mm, and packed ones without kernel weights the dequantising reference."""
+        if self.kernel_weights is not None:
+            return self.kernel_weights[0].fmt
+        return None
+
+    def set_choice(self, choice: KernelChoice) -> None:
+        """Run the experts by ``choice`` from now on. Raises ValueError naming the choice when it is
+        the CPU kernels without ``kernel_weights`` (:meth:`pack_for_kernels`) or the Triton slot."""
+        if choice.impl is LinearImpl.CPU_PACKED and (self.kernel_weights is None or choice.isa is None):
+            raise ValueError(f"kernel choice {choice.label}: experts have no kernel weights or ISA")
+        if choice.impl is LinearImpl.TRITON:
+            raise ValueError("kernel choice triton: no Triton expert kernel is available yet")
+        self.choice = choice
 
     def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
@@ -210,15 +253,22 @@ class MiniMaxM2Experts(nn.Module):
         (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
 
         Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
-        (runtime dequantisation) where the kernels apply (``kernel_weights`` set, CPU, bf16/fp32
-        activations, kernels built): ``grouped_expert_ffn`` on the stored codes, no host read either
-        (rows past offsets[-1] come back 0). Other packed experts: the offsets are read on the host
-        once (the layer's one sync in that case) and only the ACTIVE experts are dequantised,
+        (runtime dequantisation) whose ``choice`` is the CPU kernels (made once after loading:
+        ``kernel_weights`` set, CPU, bf16/fp32 activations, kernels built): ``cpu_grouped_expert_ffn``
+        on the stored codes, no host read either (rows past offsets[-1] come back 0). Other packed
+        experts (the torch reference): the offsets are read on the host once (the layer's one sync
+        in that case) and only the ACTIVE experts are dequantised (on their device),
         stacked and run by grouped_mm with their offsets (dequantising all E_loc would hold every
         expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
-        if self.kernel_weights is not None and kernels_apply(x.device, x.dtype):
-            return grouped_expert_ffn(x, offsets, *self.kernel_weights, None, self.batch_invariant)
+        quant = self.input_quant(offsets)
+        if self.choice.impl is LinearImpl.CPU_PACKED:
+            isa, invariant = self.choice.isa, self.batch_invariant
+            if quant is None:
+                return cpu_grouped_expert_ffn(x, offsets, *self.kernel_weights, isa, invariant)
+            w13, w2 = self.kernel_weights
+            gate, up = cpu_grouped_linear(quant(x, 0), offsets, w13, isa, invariant).chunk(2, dim=-1)
+            return cpu_grouped_linear(quant(F.silu(gate) * up, 1), offsets, w2, isa, invariant)
         if self.scheme is None:
             w13, w2 = self.w13, self.w2
         else:
@@ -230,10 +280,58 @@ class MiniMaxM2Experts(nn.Module):
             w13, w2 = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
             offsets = torch.tensor([ends[e] for e in active], dtype=torch.int32, device=x.device)
         if self.batch_invariant:
-            return loop_swiglu(x, offsets, w13, w2, rowwise_linear)
+            return loop_swiglu(x, offsets, w13, w2, quant, rowwise_linear)
         if has_grouped_mm(x.dtype, x.device):
-            return grouped_swiglu(x, offsets, w13, w2)
-        return loop_swiglu(x, offsets, w13, w2)
+            return grouped_swiglu(x, offsets, w13, w2, quant)
+        return loop_swiglu(x, offsets, w13, w2, quant)
+
+    def set_activation_quant(self, scheme: ActivationScheme, input_scales: dict[str, float | None]) -> None:
+        """Quantise the input of every expert product (W4A4, docs/checkpoints.md §9) with ``scheme``.
+        NVFP4: ``input_scales`` maps hub names (``...experts.E.w1.weight``) to each linear's input
+        scale; this rank keeps its experts' as ``input_scale`` f32 [E_loc, 2] (w13's input, w2's).
+        Raises ValueError naming both tensors when an expert's w1 and w3 scales differ (they share
+        one input), or naming the tensor when one is missing."""
+        self.act_scheme = scheme
+        if scheme is not ActivationScheme.NVFP4:
+            return
+        by_expert: dict[tuple[int, str], float] = {}
+        for name, value in input_scales.items():
+            parts = name.split(".")
+            expert, which = int(parts[parts.index("experts") + 1]), parts[parts.index("experts") + 2]
+            if value is None:
+                raise ValueError(f"{name}: no input scale for an NVFP4 W4A4 linear")
+            by_expert[expert, which] = value
+        table = torch.empty(self.num_local, 2, dtype=torch.float32)
+        for e in range(self.num_local):
+            g = self.start + e
+            w1, w3, w2 = (by_expert[g, w] for w in ("w1", "w3", "w2"))
+            if w1 != w3:
+                raise ValueError(f"experts.{g}.w1.input_scale {w1} != experts.{g}.w3.input_scale {w3}: "
+                                 "w1 and w3 share one input, W4A4 needs one scale for it "
+                                 "(activation_quant none)")
+            table[e, 0], table[e, 1] = w1, w2
+        self.register_buffer("input_scale", table.to(self._device()))
+
+    def _device(self) -> torch.device:
+        return next(iter((*self.parameters(), *self.buffers()))).device
+
+    def input_quant(self, offsets: torch.Tensor, expert: int | None = None) -> InputQuant | None:
+        """The W4A4 quantisation of this layer's expert inputs (None when unquantised): rows sorted by
+        expert with ``offsets`` int32 [E_loc] (each row quantised with its expert's NVFP4 input scale,
+        found on the device by ``searchsorted``, no host read), or all rows of local ``expert``."""
+        scheme = self.act_scheme
+        if scheme is None:
+            return None
+        if scheme is ActivationScheme.MXFP4:
+            return lambda t, which: quantize_activations(t, scheme)
+        if expert is not None:
+            return lambda t, which: quantize_activations(t, scheme, self.input_scale[expert, which])
+
+        def nvfp4(t: torch.Tensor, which: int) -> torch.Tensor:
+            rows = torch.arange(t.shape[0], dtype=offsets.dtype, device=t.device)
+            e = torch.searchsorted(offsets, rows, right=True).clamp(max=self.num_local - 1)  # [R]
+            return quantize_activations(t, scheme, self.input_scale[e, which, None])
+        return nvfp4
 
     def use_batch_invariant(self) -> None:
         """Switch to the batch-invariant mode (docs/model.md §7), once after load: :meth:`grouped_rows`
@@ -282,7 +380,8 @@ class MiniMaxM2Experts(nn.Module):
         for e, c in zip(experts.tolist(), counts.tolist()):
             sel = order[s: s + c]
             w13, w2 = self.expert_weights(e, x.dtype)
-            out[sel] = expert_ffn(x[sel], w13, w2)
+            quant = self.input_quant(offsets=None, expert=e)
+            out[sel] = expert_ffn(x[sel], w13, w2) if quant is None else expert_ffn(x[sel], w13, w2, quant)
             s += c
         return out
 

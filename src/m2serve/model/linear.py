@@ -1,20 +1,26 @@
 """Bias-free linear layer holding its weight [out, in] (uninitialised until loaded), dense or as
 stored in FP8 block form (``--weight-dequant runtime``, docs/checkpoints.md §6 execution choices).
 
-On CPU, bf16 and FP8-block weights go through the packed-weight kernels (m2serve/kernels) when
-they are built: same values as dequantise + ``F.linear``, up to the fp32 summation order.
+The implementation is chosen once after loading (model/kernel_choice.py, kernels/choice.py) and
+kept in ``choice``: on CPU, bf16 and FP8-block weights go through the packed-weight kernels
+(m2serve/kernels) when they are built, with the same values as dequantise + ``F.linear`` up to the
+fp32 summation order; elsewhere the torch reference. Until a choice is made the reference runs.
 ``batch_invariant`` (set once after load, docs/model.md §7): a row's result does not depend on the
 other rows of the call (kernels/ops.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
 from m2serve.config.quant import FP8_BLOCK
+from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.kernels.ops import PackedWeights, WeightFormat, dense_linear
-from m2serve.kernels.ops import linear as packed_linear
+from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl, triton_fp8_linear
+from m2serve.kernels.ops import PackedWeights, WeightFormat, cpu_linear, dense_linear
 
 
 class Linear(nn.Module):
@@ -23,8 +29,10 @@ class Linear(nn.Module):
     Unlike nn.Linear, construction does not initialise the (possibly huge) weight. :meth:`load`
     with a :class:`PackedFP8` replaces the (never filled) ``weight`` by buffers ``weight_q``
     float8_e4m3fn [out, in] and ``weight_scale_inv`` f32 [ceil(out/128), ceil(in/128)]; forward then
-    computes straight from the codes (m2serve/kernels; elsewhere it dequantises per call) with the
-    same values as dequantising at load. A bf16 weight with bf16 activations also uses the kernels.
+    computes straight from the codes (m2serve/kernels; elsewhere it dequantises per call, on the
+    weight's device) with the same values as dequantising at load. A bf16 weight with bf16
+    activations also uses the kernels. ``choice`` (:meth:`set_choice`, made once after loading)
+    says which; the forward asks nothing per call.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
@@ -33,6 +41,15 @@ class Linear(nn.Module):
         self.packed = False
         self.act_dtype = self.weight.dtype
         self.batch_invariant = False  # the batch-invariant mode (module docstring)
+        self.choice: KernelChoice = TORCH_CHOICE
+        self._stored: PackedWeights | None = None
+        self._triton: Callable[..., torch.Tensor] | None = None
+        #: offset of the first row inside its first 128-row scale band (a TP slice that splits a
+        #: band; the loader only cuts on band boundaries today, so 0)
+        self.row0 = 0
+        #: W4A4: (scheme, fp32 input scale or None) when this linear's input is quantised
+        #: (docs/checkpoints.md §9; set after load by model/load.py ``set_activation_quant``)
+        self.input_quant: tuple[ActivationScheme, torch.Tensor | None] | None = None
 
     def load(self, name: str, w: torch.Tensor | PackedFP8) -> None:
         """Copy hub tensor ``name`` into place: dense [out, in] (any float dtype, cast to the weight's), or
@@ -49,6 +66,7 @@ class Linear(nn.Module):
             self.weight.data.copy_(w)
             return
         if not self.packed:
+            self.choice, self._stored, self._triton = TORCH_CHOICE, None, None  # void for the dense weight
             n, k = self.weight.shape
             self.act_dtype, device = self.weight.dtype, self.weight.device
             del self.weight
@@ -78,9 +96,35 @@ class Linear(nn.Module):
             return PackedWeights(WeightFormat.BF16, self.weight[None])
         return None
 
+    def weight_format(self) -> WeightFormat | None:
+        """The weight's format for the kernel choice (kernels/choice.py): FP8_BLOCK when packed, BF16
+        for a dense bf16 weight, None for another dense dtype (fp32 / fp16 stay on ``F.linear``)."""
+        stored = self.stored_weight()
+        return None if stored is None else stored.fmt
+
+    def set_choice(self, choice: KernelChoice) -> None:
+        """Run this linear by ``choice`` from now on (kernels/choice.py ``choose_impl`` for this weight's
+        device, :meth:`weight_format` and ``act_dtype``). Raises ValueError naming the choice when it
+        needs stored weights this linear does not have (CPU kernels: a stored weight and an ISA;
+        Triton: FP8 codes)."""
+        self._stored = self._triton = None
+        if choice.impl is LinearImpl.CPU_PACKED:
+            stored = self.stored_weight()
+            if stored is None or choice.isa is None:
+                raise ValueError(f"kernel choice {choice.label}: this linear has no stored weight or ISA")
+            self._stored = stored
+        elif choice.impl is LinearImpl.TRITON:
+            if not self.packed:
+                raise ValueError(f"kernel choice {choice.label}: this linear is not held in FP8")
+            self._triton = partial(triton_fp8_linear(), row0=self.row0, mode=choice.mode)
+        self.choice = choice
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out], same dtype."""
-        stored = self.stored_weight() if x.dtype == self.act_dtype else None
-        if stored is None:
-            return dense_linear(x, self.dense_weight(), self.batch_invariant)
-        return packed_linear(x, stored, batch_invariant=self.batch_invariant)
+        """x [..., in] act -> [..., out] act, by ``choice`` (no backend query here)."""
+        if self.input_quant is not None:  # W4A4: quantise-dequantise the input first (§9)
+            x = quantize_activations(x, *self.input_quant)
+        if self._stored is not None:
+            return cpu_linear(x, self._stored, self.choice.isa, self.batch_invariant)
+        if self._triton is not None:
+            return self._triton(x, self.weight_q, self.weight_scale_inv)
+        return dense_linear(x, self.dense_weight(), self.batch_invariant)

@@ -8,7 +8,7 @@ lists and hands it to every layer (STYLE.md habit 4: no global context). Sizes, 
 lists come from Python ints; device tensors are made from them by host-to-device copies (pinned,
 ``non_blocking`` on CUDA). Nothing in the forward reads a device value back.
 
-The attention backend (docs/kernels.md §4) decides what is built. ``triton``: nothing per request;
+The attention backend (docs/kernels.md §7) decides what is built. ``triton``: nothing per request;
 the kernel reads the batch's block tables, query starts and context lengths (int32, already on the
 device: with the runner's persistent buffers they arrived in the step's one copy), so the step's
 op count does not depend on the batch. ``torch`` (the reference): each request's page ids,

@@ -59,10 +59,13 @@ def _dtype(args: EngineArgs) -> torch.dtype:
 
 
 def load_rank(args: EngineArgs, state: ParallelState, device: torch.device | str) -> Any:
-    """This rank's shard of ``args.model`` with ``args.dtype`` and ``args.weight_dequant``: the one
-    load every multi-rank path (spawned ranks, rank 0, torchrun ranks) goes through."""
-    return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant,
-                           args.attention_backend, batch_invariant_enabled(args))
+    """This rank's shard of ``args.model`` with ``args.dtype``, ``args.weight_dequant``,
+    ``args.fp8_linear``, the batch-invariant mode, ``args.activation_quant`` and
+    ``args.quantize_unquantized`` and ``args.attention_backend``: the one load every multi-rank
+    path (spawned ranks, rank 0, torchrun ranks) goes through."""
+    return load_rank_model(args.model, state, _dtype(args), device, args.weight_dequant, args.fp8_linear,
+                           batch_invariant_enabled(args), args.activation_quant, args.quantize_unquantized,
+                           args.attention_backend)
 
 
 def _serve_rank(rank: int, world_size: int, args: EngineArgs, dep: Deployment, devices: list[str],

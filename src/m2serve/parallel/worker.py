@@ -62,15 +62,19 @@ class KVSpec:
 
 def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", weight_dequant: str = "load",
-                    attention_backend: str = "auto", batch_invariant: bool = False) -> Any:
+                    fp8_linear: str = "w8a16", batch_invariant: bool = False,
+                    activation_quant: str = "auto", quantize_unquantized: str = "none",
+                    attention_backend: str = "auto") -> Any:
     """Load this rank's share of the checkpoint at ``path``: only the slices of its shard plan
     are read from disk (``safe_open(...).get_slice``), so resident weights are about its share.
     ``weight_dequant`` as for model/load.py ``load_model`` (``"runtime"`` keeps quantised weights
-    packed on every rank, which is what the planner counts); ``batch_invariant`` likewise."""
+    packed on every rank, which is what the planner counts); ``fp8_linear``, ``batch_invariant``,
+    ``activation_quant`` (W4A4 inputs) and ``quantize_unquantized`` as for ``load_model``."""
     config = MiniMaxM2Config.from_pretrained(path)
     return load_model(path, dtype=dtype, device=device, parallel=state, shard=make_shard_plan(config, state),
-                      weight_dequant=weight_dequant, attention_backend=attention_backend,
-                      batch_invariant=batch_invariant)
+                      weight_dequant=weight_dequant, fp8_linear=fp8_linear, batch_invariant=batch_invariant,
+                      activation_quant=activation_quant, quantize_unquantized=quantize_unquantized,
+                      attention_backend=attention_backend)
 
 
 def replica_batch(batch: ForwardBatch, replica: int) -> ForwardBatch:

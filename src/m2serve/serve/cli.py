@@ -27,9 +27,12 @@ from dataclasses import fields
 from typing import Any
 
 from m2serve.config.engine_args import (
+    ACTIVATION_QUANT_MODES,
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
+    FP8_LINEAR_MODES,
     KV_CACHE_FORMATS,
+    QUANTIZE_UNQUANTIZED_MODES,
     WEIGHT_DEQUANT_MODES,
     EngineArgs,
 )
@@ -120,7 +123,14 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
       help="CPU: GiB of KV pages per rank")
     a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
     a("--attention-backend", choices=list(ATTENTION_BACKENDS),
-      help="auto: triton on a GPU where Triton imports, else torch (docs/kernels.md §4)")
+      help="auto: triton on a GPU where Triton imports, else torch (docs/kernels.md §7)")
+    a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
+      help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
+    a("--activation-quant", choices=list(ACTIVATION_QUANT_MODES),
+      help="auto: quantise quantised linears' inputs as the checkpoint declares (W4A4); none: W4A16")
+    a("--quantize-unquantized", choices=list(QUANTIZE_UNQUANTIZED_MODES),
+      help="fp8: quantise the linears the checkpoint leaves in bf16 (attention, lm_head) to FP8 "
+           "blocks at load (default none)")
     a("--log-level", choices=["debug", "info", "warning", "error"])
 
 
@@ -306,12 +316,13 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
     KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
-    and for ``serve`` the URL."""
+    with a model loaded in this process the implementation picked per module and the resident
+    weight bytes, the activations' numerics (``numerics_banner``: W4A4 or not) and for ``serve`` the URL."""
     import torch
 
     from m2serve.config.parallel import select_parallelism_mode
     from m2serve.engine.planner import GiB, checkpoint_encoding, kv_pool_bytes, num_devices
-    from m2serve.model.load import weights_banner
+    from m2serve.model.load import local_model, numerics_banner, resident_weight_bytes, weights_banner
 
     enc = checkpoint_encoding(llm.config).value
     world = max(num_devices(llm.args.devices), torchrun_world_size())
@@ -320,14 +331,21 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     pages = stats.replicas[0].kv_pages_total if stats.replicas else stats.kv_pages_total   # per replica
     dp = f" per replica x {len(stats.replicas)} replicas" if len(stats.replicas) > 1 else ""
     url = f" | http://{opts['host']}:{opts['port']}/v1" if "port" in opts else ""
-    attention = getattr(llm.engine.runner.model, "attention_backend", llm.args.attention_backend)
+    engine_model = getattr(getattr(llm.engine, "runner", None), "model", None)
+    model = local_model(engine_model)  # rank 0's for a multi-rank model
+    weights = weights_banner(llm.args, model)
+    if getattr(model, "kernel_summary", None) is not None:  # loaded in this process: count what it holds
+        rank = "" if model is engine_model else " on rank 0"
+        weights += f" | resident weights {resident_weight_bytes(model) / GiB:.2f} GiB{rank}"
+    attention = getattr(model, "attention_backend", llm.args.attention_backend)
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | attention {attention} | {weights_banner(llm.args)}{url}"
+        f"max context {llm.max_length} | attention {attention} | {weights} | "
+        f"{numerics_banner(llm.args, llm.config)}{url}"
     )
 
 

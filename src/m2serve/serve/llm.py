@@ -36,7 +36,7 @@ from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.sampling import SamplingParams, TokenLogprobs
-from m2serve.model.load import weights_banner
+from m2serve.model.load import local_model, weights_banner
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.chat_pipeline import CompletionOutput, ToolCallResult
 from m2serve.serve.errors import APIError
@@ -143,7 +143,8 @@ class LLM:
         self.reasoning_parser = reasoning_parser
         self.thinking_temperature = thinking_temperature
         self.requests = RequestTable(engine if engine is not None else LLMEngine.from_args(self.args))
-        log.info("%s", weights_banner(self.args))
+        runner = getattr(self.engine, "runner", None)
+        log.info("%s", weights_banner(self.args, local_model(getattr(runner, "model", None))))
         self.max_length = self.engine.max_length
         self.reasoning_end_ids = (tok.think_end_id, tok.tool_call_id)
         self._ids = itertools.count()

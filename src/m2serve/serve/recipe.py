@@ -10,6 +10,7 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       device_specs: [0, 1, 2, 3]     # GPU ids, or strings "gpu:0" / "cpu" / "cpu:2"
       data_parallel_degree: 8
       max_length: 32768
+      quantize_unquantized: fp8      # none | fp8 (docs/checkpoints.md §6 "Online FP8")
       kv_cache:
         device_memory_utilization: 0.8
         kv_cache_page_size: 128
@@ -22,6 +23,7 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       max_batch_size: 256
       max_queue_size: 1024
       thinking_temperature: 1.0
+      activation_quant: auto         # auto (W4A4 as the checkpoint declares) | none (W4A16)
 
 :func:`recipe_overrides` flattens a recipe into the CLI's flag names (``--ep-size`` ->
 ``ep_size``); the CLI applies CLI > environment > recipe > defaults.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -57,6 +59,7 @@ class ModelSection(_Strict):
     device_specs: list[int | str] | str | None = None
     data_parallel_degree: int | None = Field(default=None, ge=1)
     max_length: int | None = Field(default=None, ge=1)
+    quantize_unquantized: str | None = None
     kv_cache: KVCacheSection | None = None
 
 
@@ -67,6 +70,7 @@ class RuntimeSection(_Strict):
     max_batch_size: int | None = Field(default=None, ge=1)
     max_queue_size: int | None = Field(default=None, ge=0)
     thinking_temperature: float | None = Field(default=None, ge=0.0)
+    activation_quant: Literal["auto", "none"] | None = None
 
 
 class Recipe(_Strict):
@@ -147,6 +151,7 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "devices": devices_from_specs(m.device_specs) if m.device_specs is not None else None,
         "data_parallel_degree": m.data_parallel_degree,
         "max_length": m.max_length,
+        "quantize_unquantized": m.quantize_unquantized,
         "device_memory_utilization": kv.device_memory_utilization,
         "kv_cache_page_size": kv.kv_cache_page_size,
         "kv_cache_format": kv.kv_cache_format,
@@ -157,5 +162,6 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "max_batch_size": r.max_batch_size,
         "max_queue_size": r.max_queue_size,
         "thinking_temperature": r.thinking_temperature,
+        "activation_quant": r.activation_quant,
     }
     return {k: v for k, v in out.items() if v is not None}

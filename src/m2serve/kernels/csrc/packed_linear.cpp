@@ -20,7 +20,9 @@
 // there). ISA: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL/DQ), chosen by the caller;
 // the vector functions carry GCC target attributes, so the file builds without -march flags. With
 // bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
-// (the fused GEMV), and for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables.
+// (the fused GEMV), for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables, and for
+// MXFP4 a 16-bit table lookup plus an exponent add (gemv_mxfp4_avx512). Per-call scratch lives in
+// thread_local buffers that only grow (no allocation per decode step besides the output tensors).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -424,6 +426,72 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
 }
 #undef M2_DOT32
 
+// MXFP4 straight to bf16, 64 columns (two 32-column groups) at a time: a 2^(e-127) scale only moves
+// the exponent, so for group exponents e in [MXFP4_FAST_LO, MXFP4_FAST_HI] every nonzero product
+// e2m1 x 2^(e-127) is a normal, finite bf16 (|e2m1| in [0.5, 6]) whose bits are the bf16 bits of the
+// E2M1 value plus (e - 127) << 7: exactly the fp32 product rounded once (exact here). Zero codes
+// keep ±0. A 16-bit table lookup (vpermw) replaces the fp32 decode, multiply and rounding of the
+// general path (e2m1x32_avx512); groups outside the range take that path.
+constexpr int MXFP4_FAST_LO = 2, MXFP4_FAST_HI = 252;
+alignas(64) constexpr uint16_t E2M1_BF16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+// Interleave of the low (index j) and high (32 + j) nibbles of bytes 0-15 (first) and 16-31 (second).
+alignas(64) constexpr uint16_t NIBBLE_ORDER[2][32] = {
+    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+
+// 32 packed bytes (64 columns) with group exponents ea (columns 0-31) and eb (32-63), both in the fast
+// range -> 64 bf16 weights in column order, as two registers.
+M2_AVX512 inline void mxfp4x64_bf16(const uint8_t* p, int ea, int eb, __m512i& wa, __m512i& wb) {
+  const __m512i table = _mm512_load_si512(E2M1_BF16), nib = _mm512_set1_epi16(0xF), mag = _mm512_set1_epi16(7);
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi16(b, 4);
+  const __m512i c0 = _mm512_permutex2var_epi16(lo, _mm512_load_si512(NIBBLE_ORDER[0]), hi);
+  const __m512i c1 = _mm512_permutex2var_epi16(lo, _mm512_load_si512(NIBBLE_ORDER[1]), hi);
+  const __m512i v0 = _mm512_permutexvar_epi16(c0, table), v1 = _mm512_permutexvar_epi16(c1, table);
+  wa = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(c0, mag), v0, _mm512_set1_epi16(int16_t((ea - 127) * 128)));
+  wb = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(c1, mag), v1, _mm512_set1_epi16(int16_t((eb - 127) * 128)));
+}
+
+// MXFP4 rows [n0, n1) of expert e against R activation rows xb [R, K] bf16 (K a multiple of 64, group
+// 32) -> y [R, N] f32: the exponent-add decode above (out-of-range groups: the fp32 path), two
+// independent vdpbf16ps chains per activation row, the next weight row prefetched.
+template <int R>
+M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                     float* y, int64_t N) {
+  const int64_t K = w.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    const uint8_t* sp = static_cast<const uint8_t*>(w.s) + e * w.s_e + n * w.s_n;
+    __m512 acc[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + k / 2), _MM_HINT_T0);  // the next row
+      const int ea = sp[k / 32], eb = sp[k / 32 + 1];
+      __m512i wa, wb;
+      if (ea >= MXFP4_FAST_LO && ea <= MXFP4_FAST_HI && eb >= MXFP4_FAST_LO && eb <= MXFP4_FAST_HI) {
+        mxfp4x64_bf16(p + k / 2, ea, eb, wa, wb);
+      } else {
+        __m512 v0, v1, v2, v3;
+        e2m1x32_avx512(p + k / 2, v0, v1);
+        e2m1x32_avx512(p + k / 2 + 16, v2, v3);
+        const __m512 sa = _mm512_set1_ps(e8m0_to_f(uint8_t(ea))), sb = _mm512_set1_ps(e8m0_to_f(uint8_t(eb)));
+        wa = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v1, sa), _mm512_mul_ps(v0, sa));
+        wb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v3, sb), _mm512_mul_ps(v2, sb));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)wa, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)wb, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
 // bf16 weights, R (1 or 2) activation rows, weight rows n and n + 1, K a multiple of 64: four or
 // more independent vdpbf16ps chains (one row alone would wait on the instruction's latency).
 template <int R>
@@ -466,9 +534,23 @@ M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_
     if (n == n1) return;
     n0 = n;  // an odd last row: below
   }
+  const bool mx = w.fmt == MXFP4 && w.block_k == 32 && w.K % 64 == 0;
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const uint16_t* xr = xb + r0 * w.K;
     float* yr = y + r0 * N;
+    if (mx) {
+      switch (std::min<int64_t>(8, rows - r0)) {
+        case 1: gemv_mxfp4_avx512<1>(w, e, n0, n1, xr, yr, N); break;
+        case 2: gemv_mxfp4_avx512<2>(w, e, n0, n1, xr, yr, N); break;
+        case 3: gemv_mxfp4_avx512<3>(w, e, n0, n1, xr, yr, N); break;
+        case 4: gemv_mxfp4_avx512<4>(w, e, n0, n1, xr, yr, N); break;
+        case 5: gemv_mxfp4_avx512<5>(w, e, n0, n1, xr, yr, N); break;
+        case 6: gemv_mxfp4_avx512<6>(w, e, n0, n1, xr, yr, N); break;
+        case 7: gemv_mxfp4_avx512<7>(w, e, n0, n1, xr, yr, N); break;
+        default: gemv_mxfp4_avx512<8>(w, e, n0, n1, xr, yr, N); break;
+      }
+      continue;
+    }
     switch (std::min<int64_t>(8, rows - r0)) {
       case 1: gemv_bf16_avx512<1>(w, e, n0, n1, xr, yr, N, gs16); break;
       case 2: gemv_bf16_avx512<2>(w, e, n0, n1, xr, yr, N, gs16); break;
@@ -730,7 +812,23 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   // FP8 block on that path: per-block bf16 tables (needs VBMI), 64-column steps; a task is one scale
   // band of block_n weight rows, so that each table serves a whole block
   const bool fp8_table = fused && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
-  const int64_t gemv_tile = fp8_table ? block_n : tile_n;
+  // GEMV task height: tile_n rows; on the table path a whole scale band (each table then serves
+  // block_n rows), halved while there are fewer than kTasksPerThread tasks per thread and the half
+  // still divides the band (a task never straddles two bands) and is >= tile_n: with a few bands
+  // (a 1,024-row linear has 8) most threads would otherwise idle, since at::parallel_for hands each
+  // thread one contiguous share of the tasks. Each sub-band builds its band's tables (256 bytes
+  // per block, a few hundred instructions) again. Per-row sums do not depend on the task height.
+  constexpr int64_t kTasksPerThread = 4;
+  int64_t gemv_experts = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = ends[e] - (e ? ends[e - 1] : 0);
+    gemv_experts += rows > 0 && rows <= gemv_rows;
+  }
+  int64_t gemv_tile = fp8_table ? block_n : tile_n;
+  const int64_t want_tasks = kTasksPerThread * at::get_num_threads();
+  while (fp8_table && gemv_tile % 2 == 0 && gemv_tile / 2 >= tile_n &&
+         gemv_experts * ((N + gemv_tile - 1) / gemv_tile) < want_tasks)
+    gemv_tile /= 2;
   struct Task { int64_t e, r0, r1, n0, n1; };
   std::vector<Task> tasks, gemm;  // GEMV tiles (threads split over them); experts with many rows
   for (int64_t e = 0; e < E; ++e) {
@@ -745,11 +843,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   at::Tensor y32 = at::empty({R, N}, x.options().dtype(at::kFloat));
   if (ends.empty() || ends.back() < R) y32.narrow(0, E ? ends.back() : 0, R - (E ? ends.back() : 0)).zero_();
   at::Tensor xf = (fused || tasks.empty() || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
-  // activations of the GEMV rows in FP8 order (fp8_order_column), once per call
-  std::vector<uint16_t> x_fp8;
+  // activations of the GEMV rows in FP8 order (fp8_order_column), once per call, into a buffer
+  // this thread keeps (it only grows: no allocation per decode step)
+  thread_local std::vector<uint16_t> x_fp8;
 #if M2_X86
   if (fp8_table && !tasks.empty()) {
-    x_fp8.resize(R * K);
+    if (x_fp8.size() < size_t(R * K)) x_fp8.resize(R * K);
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
@@ -760,15 +859,21 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   }
 #endif
   float* yp = y32.data_ptr<float>();
+  const uint16_t* xfp = x_fp8.data();  // the caller's buffer (a thread_local name in the lambda would
+                                       // be each worker's own)
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(K), scratch(K / 16 + 1);
-    std::vector<uint8_t> tabs(fp8_table ? 256 * (K / block_k) : 0);
+    // per-thread scratch kept across calls (grown on demand; never freed while the thread lives)
+    thread_local std::vector<float> buf, scratch;
+    thread_local std::vector<uint8_t> tabs;
+    if (buf.size() < size_t(K)) buf.resize(K);
+    if (scratch.size() < size_t(K / 16 + 1)) scratch.resize(K / 16 + 1);
+    if (fp8_table && tabs.size() < size_t(256 * (K / block_k))) tabs.resize(256 * (K / block_k));
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
       const int64_t rows = tk.r1 - tk.r0;
       if (fp8_table) {
 #if M2_X86
-        gemv_fp8_band(w, tk.e, tk.n0, tk.n1, x_fp8.data() + tk.r0 * K, rows, yp + tk.r0 * N, N, tabs.data());
+        gemv_fp8_band(w, tk.e, tk.n0, tk.n1, xfp + tk.r0 * K, rows, yp + tk.r0 * N, N, tabs.data());
 #endif
         continue;
       }

@@ -35,7 +35,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KERNEL_MODULES: tuple[str, ...] = ("m2serve.kernels.triton.attention", "m2serve.kernels.triton.moe")
+KERNEL_MODULES: tuple[str, ...] = ("m2serve.kernels.triton.attention", "m2serve.kernels.triton.moe",
+                                   "m2serve.kernels.triton.fp8_linear")
 SM90 = GPUTarget("cuda", 90, 32)
 
 _REGISTRY: dict[str, Variant] = {}

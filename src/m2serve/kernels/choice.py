@@ -1,0 +1,113 @@
+"""Which implementation runs a linear (or a layer's experts): chosen once, after loading
+(docs/checkpoints.md §6 "Execution choices").
+
+A module learns its weight format only when its weights are loaded, so the choice cannot be made at
+construction, and making it per call would put a backend query (and the Python around it) in every
+forward. model/kernel_choice.py walks the loaded model once and gives every linear and expert group
+the :class:`KernelChoice` of :func:`choose_impl`; the forward then just runs it.
+
+Inputs of the choice: the device the weights live on, the weight format (ops.py ``WeightFormat``;
+None for a dense weight that is not bf16), the activation dtype, the CPU kernels' backend
+(build.py) and the formats the Triton GPU kernels cover. Another input (such as a batch-invariant
+mode) is another argument here, not a test in the forward.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from m2serve.config.engine_args import FP8_LINEAR_MODES
+from m2serve.kernels.build import KernelBackend
+from m2serve.kernels.ops import WeightFormat
+
+#: The module of the Triton FP8 linear, imported only when a module is given that choice
+#: (docs/kernels.md §1: nothing imports the Triton package eagerly).
+TRITON_FP8_LINEAR = "m2serve.kernels.triton.fp8_linear"
+#: Compute capability from which GPUs have FP8 tensor cores (Ada sm_89, Hopper sm_90, Blackwell).
+FP8_TENSOR_CORES = (8, 9)
+
+
+class LinearImpl(enum.Enum):
+    """How a module computes ``x · dequant(W)ᵀ``.
+
+    CPU_PACKED: the C++ kernels (``m2serve_kernels::grouped_linear``) straight from the stored codes.
+    TRITON: the Triton GPU kernels on the stored codes (:func:`triton_formats`: FP8 block linears).
+    TORCH: the reference, dequantise on the weights' device with
+    formats/' formulas then aten (``F.linear`` / ``grouped_mm``); a dense weight is used as is.
+    """
+
+    CPU_PACKED = "cpu-packed"
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """One module's implementation. ``isa``: the CPU kernels' ISA code (build.py ``ISA_CODES``) for
+    CPU_PACKED, else None. ``mode``: the Triton FP8 linear's ``w8a16`` / ``w8a8`` for TRITON, else
+    None. ``label``: what the start banner prints (e.g. ``cpu-avx512``, ``triton-w8a16``, ``torch``)."""
+
+    impl: LinearImpl
+    isa: int | None = None
+    label: str = "torch"
+    mode: str | None = None
+
+
+TORCH_CHOICE = KernelChoice(LinearImpl.TORCH)
+
+#: Activation dtypes the CPU kernels take (packed_linear.cpp).
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def triton_formats(device: torch.device) -> frozenset[WeightFormat]:
+    """Weight formats the Triton kernels run on ``device``: FP8_BLOCK linears on CUDA when Triton is
+    installed (docs/kernels.md §4), else none (the torch reference)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return frozenset()
+    return frozenset({WeightFormat.FP8_BLOCK})
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device`` (major, minor)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def triton_fp8_linear() -> Callable[..., torch.Tensor]:
+    """The Triton FP8 linear's launcher (kernels/triton/fp8_linear.py ``fp8_linear``), imported now."""
+    return importlib.import_module(TRITON_FP8_LINEAR).fp8_linear
+
+
+def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype: torch.dtype,
+                backend: KernelBackend, fp8_linear: str = "w8a16", grouped: bool = False) -> KernelChoice:
+    """The implementation for weights of ``fmt`` held on ``device`` with ``act_dtype`` activations.
+
+    CPU: the C++ kernels when ``backend`` is available, the activations are bf16 or fp32 and the
+    weight is one of ``WeightFormat`` (every packed format, and bf16), else the torch reference.
+    CUDA: the Triton kernels for a format :func:`triton_formats` lists with bf16 activations
+    (``fp8_linear``, EngineArgs.fp8_linear: ``w8a16`` or ``w8a8``), else the torch reference;
+    ``grouped`` (a layer's experts) always the torch reference there (no grouped Triton kernel). Any
+    other device (meta, ...): the torch reference. No tensor is touched. Raises ValueError naming
+    the field for an unknown ``fp8_linear``, or ``w8a8`` on a GPU without FP8 tensor cores.
+    """
+    if fp8_linear not in FP8_LINEAR_MODES:
+        raise ValueError(f"fp8_linear={fp8_linear!r} is not supported; use one of {FP8_LINEAR_MODES}")
+    device = torch.device(device)
+    if fmt is None:
+        return TORCH_CHOICE
+    if device.type == "cpu":
+        if backend.available and act_dtype in CPU_KERNEL_DTYPES:
+            return KernelChoice(LinearImpl.CPU_PACKED, backend.isa, backend.name)
+        return TORCH_CHOICE
+    triton_ok = not grouped and act_dtype == torch.bfloat16 and fmt in triton_formats(device)
+    if device.type == "cuda" and triton_ok:
+        if fp8_linear == "w8a8" and device_capability(device) < FP8_TENSOR_CORES:
+            raise ValueError(f"fp8_linear=w8a8 needs FP8 tensor cores (compute capability >= "
+                             f"{FP8_TENSOR_CORES}); {device} has {device_capability(device)}: use w8a16")
+        return KernelChoice(LinearImpl.TRITON, None, f"triton-{fp8_linear}", fp8_linear)
+    return TORCH_CHOICE
