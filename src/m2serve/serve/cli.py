@@ -53,6 +53,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "thinking_temperature": None,
     "chat_template": None,
     "grace_period": 30.0,
+    "exclude_tools_when_tool_choice_none": False,
     "log_level": "info",
 }
 GENERATE_DEFAULTS: dict[str, Any] = {
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
     s.add_argument("--max-request-bytes", type=int, help="largest request body accepted (beyond: 413)")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction,
+                   default=None, help="with tool_choice none, leave the tools out of the prompt too "
+                   "(vLLM's flag; by default they are rendered and no call can be generated)")
     s.add_argument("--thinking-signing-key", help="key of thinking-block signatures and sealed reasoning "
                    "(/v1/messages, /v1/responses); default: random per process")
 
@@ -426,6 +430,7 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
         model_aliases=aliases,
         max_request_bytes=int(opts["max_request_bytes"]),
         thinking_signing_key=opts.get("thinking_signing_key"),
+        exclude_tools_when_tool_choice_none=bool(opts.get("exclude_tools_when_tool_choice_none")),
     )
     app = build_app(engine, settings)
     print(banner(llm, opts), flush=True)

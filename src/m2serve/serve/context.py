@@ -21,7 +21,10 @@ class ServerSettings:
     """HTTP-level settings. api_key None = no authentication; retry_after_s: the 503 Retry-After;
     max_request_bytes: the largest request body accepted (beyond: 413); thinking_signing_key: the key
     of thinking signatures and sealed reasoning (None: a random key per process, so signatures do not
-    survive a restart; set it to share them across restarts and replicas)."""
+    survive a restart; set it to share them across restarts and replicas);
+    exclude_tools_when_tool_choice_none: with ``tool_choice`` none the tools are not rendered into the
+    prompt either (vLLM's ``--exclude-tools-when-tool-choice-none``); by default they are, and the
+    grammar keeps every call out of the output."""
 
     served_model_name: str
     api_key: str | None = None
@@ -29,6 +32,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_request_bytes: int = 32 * 2**20
     thinking_signing_key: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,9 @@ Bodies (``ConstraintSpec`` builders):
   or trailing newline, which P15 would strip; never ``</parameter>``, ``<parameter name=`` or
   ``</invoke>``, which end a value, P10); any other parameter is compact JSON (``json.dumps``
   separators) matching its schema.
-- ``no_tool_call_spec`` (``tool_choice`` none): any text that does not contain ``<minimax:tool_call>`` under
-  any tokenisation (the tag token and the tag spelt by ordinary tokens are both excluded).
+- ``no_tool_call_spec`` (``tool_choice`` none): any text that contains no tool-call syntax under any
+  tokenisation: the tag token, and ``minimax:tool_call``, ``<invoke``, ``</invoke``, ``<parameter``,
+  ``</parameter`` spelt by ordinary tokens, are all excluded.
 - ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
   matching the schema (json_object: any object).
 - ``regex_spec`` / ``choice_spec`` / ``lark_spec``: vLLM ``structured_outputs`` regex / choice / grammar.
@@ -81,6 +82,10 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 _STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
                     "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
                     "writeOnly"}  # the last eight are annotations
+
+#: Text ``tool_choice`` none forbids in the answer (``no_tool_call_spec``): the pieces of MiniMax's
+#: tool-call syntax (docs/parsers.md §3), so no call leaks as text under any tokenisation.
+NO_TOOL_CALL_TEXT = ("minimax:tool_call", "<invoke", "</invoke", "<parameter", "</parameter")
 
 #: Bits per int32 word of llguidance's token bitmask (the engine's TokenConstraint layout,
 #: engine/constraint.py BITMASK_WORD_BITS; text/ cannot import engine/).
@@ -169,10 +174,13 @@ def lark_spec(grammar: str, field: str = "structured_outputs.grammar") -> Constr
 
 
 def no_tool_call_spec() -> ConstraintSpec:
-    """Body = any text without ``<minimax:tool_call>`` (the tag's token is excluded with every special
-    token, since text terminals never match special tokens; its spelling is excluded by the regex)."""
+    """Body = any text without the tool-call syntax: no ``<minimax:tool_call>`` (its token is excluded
+    with every special token, since text terminals never match special tokens) and none of
+    ``NO_TOOL_CALL_TEXT`` spelt with ordinary tokens. Forbidding the tag alone was not enough: a model
+    that wants to call a tool then writes the call's body as text (``>\n<invoke name="get_weather">``)."""
+    banned = "|".join(re.escape(t).replace("/", "\\/") for t in NO_TOOL_CALL_TEXT)
     return ConstraintSpec("none", "tool_choice",
-                          f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)<minimax:tool_call>(?s:.*)/\n")
+                          f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)({banned})(?s:.*)/\n")
 
 
 def free_spec() -> ConstraintSpec:

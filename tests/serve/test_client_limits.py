@@ -1,0 +1,165 @@
+"""Agent clients against tiny-chat in process (issue 26 items 2, 5, 6, 8): the official ``anthropic`` and
+``openai`` SDKs over FastAPI's TestClient (an ``httpx.Client``), so the real wire shapes are checked
+without a server process.
+
+- Anthropic ``max_tokens`` is a cap clamped to the room left in the 4,096-token context (stop reason
+  ``max_tokens`` when reached); the OpenAI routes keep vLLM's 400.
+- ``tool_choice`` none: no tool-call syntax as text on any API (the model writes ``<invoke name=...``
+  as text when only the tag is forbidden), and ``--exclude-tools-when-tool-choice-none``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anthropic
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from m2serve.serve.api import ServerSettings, build_app
+from m2serve.serve.async_engine import AsyncEngine
+from m2serve.serve.cli import _make_llm, build_parser, resolve_options
+
+MODEL = "tiny-chat"
+QUESTION = "What's the weather in Paris?"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+DESCRIPTION = "Get the weather for a city"
+CHAT_TOOL = {"type": "function",
+             "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA}}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": DESCRIPTION, "input_schema": SCHEMA}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": DESCRIPTION, "parameters": SCHEMA}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    parser = build_parser()
+    argv = ["serve", "--dtype", "float32", "--kv-cache-page-size", "16", "--num-kv-pages", "512"]
+    return _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
+
+
+def _client(llm, **settings):
+    return TestClient(build_app(AsyncEngine(llm), ServerSettings(served_model_name=MODEL, **settings)))
+
+
+@pytest.fixture(scope="module")
+def http(llm):
+    with _client(llm) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def claude(http):
+    return anthropic.Anthropic(base_url=str(http.base_url), api_key="-", http_client=http, max_retries=0,
+                               timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oai(http):
+    return openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="-", http_client=http, max_retries=0,
+                               timeout=120)
+
+
+# --------------------------------------------------------------------------- item 2: max_tokens
+
+
+def _prompt_leaving(claude, max_length: int, room: int) -> tuple[str, int]:
+    """A user prompt whose chat prompt leaves about ``room`` tokens of the context, and its token count."""
+    def count(k: int) -> int:
+        content = "Repeat after me: " + "sky " * k
+        messages = [{"role": "user", "content": content}]
+        return claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    base, per = count(0), count(1) - count(0)
+    k = (max_length - room - base) // per
+    return "Repeat after me: " + "sky " * k, count(k)
+
+
+@pytest.mark.parametrize("max_tokens", [16384, 128000])  # pydantic-ai's and LiteLLM's defaults
+def test_anthropic_max_tokens_is_a_cap(claude, llm, caplog, max_tokens):
+    prompt, n_prompt = _prompt_leaving(claude, llm.max_length, 6)
+    room = llm.max_length - n_prompt
+    assert 0 < room <= 8  # tiny-chat's reasoning alone is longer
+    with caplog.at_level(logging.DEBUG, logger="m2serve.serve.chat_pipeline"):
+        msg = claude.messages.create(model=MODEL, max_tokens=max_tokens, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": prompt}])
+    assert msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == room
+    assert [r.message for r in caplog.records if "clamped" in r.message] == [
+        f"max_tokens {max_tokens} clamped to {room}: the prompt has {n_prompt} tokens of the "
+        f"{llm.max_length}-token context"]
+    # streamed: the same cap, and the SDK's accumulator ends with the same stop reason
+    with claude.messages.stream(model=MODEL, max_tokens=max_tokens, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": prompt}]) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == room
+
+
+def test_anthropic_short_answer_under_a_large_cap(claude):
+    msg = claude.messages.create(model=MODEL, max_tokens=128000, extra_body={"temperature": 0},
+                                 messages=[{"role": "user", "content": "Hello!"}])
+    assert msg.stop_reason == "end_turn" and msg.content[-1].type == "text" and msg.content[-1].text
+
+
+def test_openai_routes_keep_the_400(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, max_tokens=16384,
+                                    messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["param"] == "max_tokens" and "4096" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=MODEL, max_output_tokens=128000, input="Hi")
+    assert e.value.body["param"] == "max_output_tokens"
+
+
+# --------------------------------------------------------------------------- item 5: tool_choice none
+
+
+# MiniMax's tool-call syntax (docs/parsers.md §3), written out here rather than imported
+TOOL_SYNTAX = ("minimax:tool_call", "<invoke", "</invoke>", "<parameter", "</parameter>")
+
+
+def _no_tool_syntax(text: str | None) -> None:
+    assert not any(t in (text or "") for t in TOOL_SYNTAX), text
+
+
+def test_tool_choice_none_chat(oai):
+    r = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=64, tools=[CHAT_TOOL],
+                                    tool_choice="none", messages=[{"role": "user", "content": QUESTION}])
+    m = r.choices[0].message
+    assert not m.tool_calls
+    _no_tool_syntax(m.content)
+    # streamed: the same text, still without the syntax
+    chunks = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=64, tools=[CHAT_TOOL],
+                                         tool_choice="none", stream=True,
+                                         messages=[{"role": "user", "content": QUESTION}])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (m.content or "")
+
+
+def test_tool_choice_none_anthropic(claude):
+    msg = claude.messages.create(model=MODEL, max_tokens=64, extra_body={"temperature": 0},
+                                 tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"},
+                                 messages=[{"role": "user", "content": QUESTION}])
+    assert [b.type for b in msg.content if b.type == "tool_use"] == []
+    for b in msg.content:
+        if b.type == "text":
+            _no_tool_syntax(b.text)
+
+
+def test_tool_choice_none_responses(oai):
+    r = oai.responses.create(model=MODEL, input=QUESTION, tools=[RESPONSES_TOOL], tool_choice="none",
+                             temperature=0, max_output_tokens=64)
+    assert [o.type for o in r.output if o.type == "function_call"] == []
+    _no_tool_syntax(r.output_text)
+
+
+def test_exclude_tools_when_tool_choice_none(llm):
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "tools": [CHAT_TOOL], "tool_choice": "none",
+            "messages": [{"role": "user", "content": QUESTION}]}
+    bare = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    usage = {}
+    for exclude in (False, True):
+        with _client(llm, exclude_tools_when_tool_choice_none=exclude) as client:
+            usage[exclude] = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+            usage["bare"] = client.post("/v1/chat/completions", json=bare).json()["usage"]["prompt_tokens"]
+    assert usage[True] == usage["bare"] < usage[False]  # the tools' text left the prompt
