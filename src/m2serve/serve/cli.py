@@ -385,7 +385,10 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown.
 
     The listening socket is bound first (:func:`bind_listen_socket`; a taken port is an OSError
-    before the model loads), then the model loads and uvicorn serves on that socket.
+    before the model loads), then uvicorn serves on that socket while the model loads in a background
+    thread: until it is ready ``/health`` answers 503 ``{"status": "loading"}`` and every other route
+    503 in its API's shape (api.py ``build_loading_app``). A load that fails stops the server and is
+    raised here (the CLI reports it, exit 2).
     ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
     On SIGTERM uvicorn stops accepting connections and gives in-flight requests
     ``grace_period`` seconds; at that deadline every request still running ends in its API's shape
@@ -404,36 +407,49 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
 
         async def shutdown(self, sockets: Any = None) -> None:
             grace = float(opts["grace_period"])
+            if app.state.ctx is None:  # stopped while the model was loading: nothing in flight
+                await super().shutdown(sockets)
+                return
             timer = asyncio.get_running_loop().call_later(grace, end_in_flight, app.state.ctx, grace)
             try:
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()
 
-    from m2serve.serve.api import ServerSettings, build_app
+    from m2serve.serve.api import ServerSettings, build_loading_app
     from m2serve.serve.async_engine import AsyncEngine
     from m2serve.serve.metrics import ServerMetrics
 
     # Only the process that hosts HTTP binds: a torchrun rank > 0 never serves HTTP.
-    sock = bind_listen_socket(opts["host"], int(opts["port"])) if os.environ.get("RANK", "0") == "0" else None
-    if sock is not None:
-        opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
-    log.info("loading model %s", opts.get("model") or "(the embedded default)")
-    llm = llm or _make_llm(opts)
-    if llm is None:  # a torchrun worker rank: it served steps until rank 0 shut down
+    if os.environ.get("RANK", "0") != "0":
+        _make_llm(opts)  # a torchrun worker rank: serves steps until rank 0 shuts down
         return 0
-    engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
-    aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
-    settings = ServerSettings(
-        served_model_name=llm.served_model_name,
-        api_key=opts.get("api_key"),
-        model_aliases=aliases,
-        max_request_bytes=int(opts["max_request_bytes"]),
-        thinking_signing_key=opts.get("thinking_signing_key"),
-        exclude_tools_when_tool_choice_none=bool(opts.get("exclude_tools_when_tool_choice_none")),
-    )
-    app = build_app(engine, settings)
-    print(banner(llm, opts), flush=True)
+    sock = bind_listen_socket(opts["host"], int(opts["port"]))
+    opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
+    metrics = ServerMetrics()
+
+    def load() -> tuple[AsyncEngine, ServerSettings]:
+        """Runs while the server already answers (503 loading, api.py build_loading_app)."""
+        log.info("loading model %s", opts.get("model") or "(the embedded default)")
+        built = llm or _make_llm(opts)
+        engine = AsyncEngine(built, metrics, opts.get("max_queue_size"))
+        aliases = tuple(a for a in (opts.get("model"), str(built.model_path)) if a)
+        settings = ServerSettings(
+            served_model_name=built.served_model_name,
+            api_key=opts.get("api_key"),
+            model_aliases=aliases,
+            max_request_bytes=int(opts["max_request_bytes"]),
+            thinking_signing_key=opts.get("thinking_signing_key"),
+            exclude_tools_when_tool_choice_none=bool(opts.get("exclude_tools_when_tool_choice_none")),
+        )
+        print(banner(built, opts), flush=True)
+        return engine, settings
+
+    def stop_on_load_error() -> None:
+        server.should_exit = True
+
+    app = build_loading_app(load, opts.get("api_key"), metrics, int(opts["max_request_bytes"]),
+                            on_load_error=stop_on_load_error)
     config = uvicorn.Config(
         app,
         host=opts["host"],
@@ -449,6 +465,8 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    if app.state.load_error is not None:  # reported like any start-up error (exit 2)
+        raise app.state.load_error
     return 0
 
 
