@@ -163,3 +163,40 @@ def test_exclude_tools_when_tool_choice_none(llm):
             usage[exclude] = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
             usage["bare"] = client.post("/v1/chat/completions", json=bare).json()["usage"]["prompt_tokens"]
     assert usage[True] == usage["bare"] < usage[False]  # the tools' text left the prompt
+
+
+# --------------------------------------------------------------------------- item 8: routes
+
+
+def test_retrieve_model(oai, llm):
+    card = oai.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model")
+    assert card.model_extra["max_model_len"] == llm.max_length
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+
+
+def test_response_input_items(oai):
+    first = oai.responses.create(model=MODEL, input="Hello!", temperature=0, max_output_tokens=4)
+    page = oai.responses.input_items.list(first.id)
+    listed = [(i.type, i.role, [c.text for c in i.content]) for i in page.data]
+    assert listed == [("message", "user", ["Hello!"])]
+    items = [{"type": "message", "role": "user", "content": "Hi"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}]}]
+    r = oai.responses.create(model=MODEL, input=items, previous_response_id=first.id, temperature=0,
+                             max_output_tokens=4)
+    newest_first = oai.responses.input_items.list(r.id).data
+    texts = [i.content[0].text for i in newest_first]
+    assert texts == ["Bye", "Hello.", "Hi"]  # this request's items only, OpenAI's default order desc
+    asc = oai.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in asc.data] == ["Hi", "Hello."] and asc.has_more
+    rest = oai.responses.input_items.list(r.id, order="asc", after=asc.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["Bye"] and not rest.has_more
+    assert len({i.id for i in newest_first}) == 3
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.input_items.list(r.id, limit=0)
+    assert e.value.body["param"] == "limit"

@@ -340,11 +340,11 @@ _STATUS_TEXT = {
 def _statuses(path: str, method: str, has_body: bool) -> list[int]:
     """The error statuses the server really answers on ``method path`` (see the module docstring)."""
     out = []
-    if has_body:
+    if has_body or path.endswith("/input_items"):  # a bad body / a bad query (limit, order, after)
         out.append(400)
     if not path.startswith(_AUTH_FREE):
         out.append(401)
-    if has_body or path.startswith("/v1/responses/"):
+    if has_body or path.startswith(("/v1/responses/", "/v1/models/")):
         out.append(404)  # unknown model / stored response
     if method == "post":
         out.append(413)

@@ -26,6 +26,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
+import m2serve
 from m2serve.config.engine_args import (
     COMPUTE_DTYPES,
     FP8_LINEAR_MODES,
@@ -109,34 +110,40 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--config-file", help="recipe YAML with MAX keys (recipes/*.yaml)")
     a("--model", help="checkpoint directory or hub id")
     a("--devices", help="cpu | cpu:N (N CPU ranks) | gpu | gpu:0,1,...")
-    a("--data-parallel-degree", type=int)
-    a("--ep-size", type=int)
-    a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None)
+    a("--data-parallel-degree", type=int, help="attention data-parallel replicas (MAX's DP)")
+    a("--ep-size", type=int, help="expert-parallel ranks the MoE experts are split over")
+    a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None,
+      help="combine the experts' outputs with one all-reduce instead of all-to-all")
     a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
     a("--max-length", type=int, help="max context in tokens")
-    a("--device-memory-utilization", type=float)
-    a("--kv-cache-page-size", type=int)
-    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
+    a("--device-memory-utilization", type=float,
+      help="GPU: fraction of device memory the planner may use (weights, activations, KV pages)")
+    a("--kv-cache-page-size", type=int, help="tokens per KV cache page")
+    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS), help="KV cache element format")
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
-    a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
+    a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES),
+      help="quantised weights: dequantise at load, or keep them as stored and dequantise when used "
+           "(runtime); auto picks runtime on a GPU and where the CPU kernels run")
     a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
       help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
-    a("--log-level", choices=["debug", "info", "warning", "error"])
+    a("--log-level", choices=["debug", "info", "warning", "error"], help="logging level")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--served-model-name")
+    a("--served-model-name", help="the model name the APIs answer to and report")
     a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
     a("--max-batch-size", type=int, help="max running requests")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+      help="reuse the KV pages of a prompt prefix already computed")
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
     a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
-    a("--tool-parser", choices=["minimax_m2", "none"])
+    a("--tool-parser", choices=["minimax_m2", "none"], help="how tool calls are read from the output")
     a("--strict-tool-format", action=argparse.BooleanOptionalAction, default=None,
       help="refuse to start when the chat template writes tool calls the tool parser cannot read")
-    a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
+    a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"],
+      help="how reasoning is split from the answer (append_think: kept in the content)")
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
     a("--threads", type=int, help="intra-op CPU threads per process")
     a("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
@@ -146,13 +153,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree. Defaults are None so that unset flags fall through to env/recipe/defaults."""
     parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving")
+    parser.add_argument("--version", action="version", version=f"m2serve {m2serve.__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_deployment_flags(s)
     _add_engine_flags(s)
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
+    s.add_argument("--host", help="address to listen on")
+    s.add_argument("--port", type=int, help="port to listen on (0 = any free port)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also M2SERVE_API_KEY)")
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
@@ -168,10 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(g)
     g.add_argument("prompts", nargs="*", help="prompts")
     g.add_argument("--prompts-file", help="one prompt per line")
-    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--max-tokens", type=int, help="most tokens generated per prompt")
     g.add_argument("--temperature", type=float, help="0 = greedy")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float, help="nucleus sampling: smallest token set with this probability")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = all)")
     g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
     g.add_argument(
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
@@ -180,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("build-kernels", help="build the packed-weight CPU kernels now (else: on first use)")
     pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
-    pl.add_argument("--max-batch-size", type=int)
+    pl.add_argument("--max-batch-size", type=int, help="max running requests")
     pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
     engine_defaults = {f.name: f.default for f in fields(EngineArgs)}
     for sp, defaults in ((s, SERVE_DEFAULTS), (g, GENERATE_DEFAULTS), (pl, PLAN_DEFAULTS)):
