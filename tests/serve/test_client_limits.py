@@ -11,6 +11,7 @@ without a server process.
 from __future__ import annotations
 
 import logging
+import time
 
 import anthropic
 import openai
@@ -20,6 +21,7 @@ from fastapi.testclient import TestClient
 from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
+from m2serve.serve.context import ResponseStore
 
 MODEL = "tiny-chat"
 QUESTION = "What's the weather in Paris?"
@@ -200,3 +202,44 @@ def test_response_input_items(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.input_items.list(r.id, limit=0)
     assert e.value.body["param"] == "limit"
+
+
+# --------------------------------------------------------------------------- item 6: grammar cost
+
+
+def test_oversized_grammar_inputs_are_a_fast_400(oai, claude):
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        choices = [str(i) for i in range(100_000)]
+        oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Pick"}],
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert e.value.body["param"] == "structured_outputs.choice"
+    assert e.value.body["message"] == "structured_outputs.choice: 100000 choices, more than the limit of 1024"
+    schema = {"type": "object", "properties": {"city": {"enum": [f"city {i}" for i in range(5000)]}}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        fmt = {"type": "json_schema", "schema": schema}
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Pick"}],
+                               extra_body={"output_config": {"format": fmt}})
+    assert e.value.body["error"]["message"] == ("output_config.format: an enum of 5000 values, more than the "
+                                                "limit of 1024")
+    big = "start: " + " | ".join(f'"w{i:06d}"' for i in range(40_000))
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Pick", max_tokens=4,
+                               extra_body={"structured_outputs": {"grammar": big}})
+    assert e.value.body["param"] == "structured_outputs.grammar"
+    assert "more than the limit of 262144 bytes" in e.value.body["message"]
+    assert time.monotonic() - t0 < 20
+
+
+def test_response_store_is_bounded_in_bytes():
+    store = ResponseStore(size=100, max_bytes=1000)
+    for i in range(10):
+        store.put(f"r{i}", {"text": "x" * 200})  # 212 bytes of JSON each: {"text": "x..."}
+    assert list(store.items) == ["r6", "r7", "r8", "r9"] and store.num_bytes == 4 * 212
+    assert store.pop("r9") == {"text": "x" * 200} and store.num_bytes == 3 * 212
+    store.put("big", {"text": "y" * 5000})  # alone larger than the budget: kept, the rest evicted
+    assert list(store.items) == ["big"] and store.get("big") is not None
+    by_count = ResponseStore(size=2, max_bytes=10**6)
+    for i in range(3):
+        by_count.put(f"r{i}", {"i": i})
+    assert list(by_count.items) == ["r1", "r2"]

@@ -11,7 +11,8 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   (from ``encrypted_content`` opened with the server key, else its ``content`` / ``summary`` text), so
   the template keeps the current tool loop's reasoning (interleaved thinking).
 - ``previous_response_id``: the stored conversation of that response (a bounded in-memory store of the
-  last ``RESPONSE_STORE_SIZE`` = 1024 responses created with ``store`` true, the default); unknown or
+  last ``RESPONSE_STORE_SIZE`` = 1024 responses created with ``store`` true, the default, and at most
+  ``RESPONSE_STORE_BYTES`` = 256 MiB of their JSON); unknown or
   evicted -> 404 naming the field.
 - ``tools`` (function), ``tool_choice`` ``auto`` / ``none`` / ``required`` / a named function
   (``{"type": "function", "name": ...}``), ``parallel_tool_calls``, ``max_output_tokens``,
@@ -56,7 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from m2serve.serve import chat_pipeline as cp
-from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
+from m2serve.serve.context import RESPONSE_STORE_BYTES, RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
 from m2serve.serve.protocol import APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
@@ -99,6 +100,9 @@ class StoredResponse:
 
 
 # --------------------------------------------------------------------------- request -> chat job
+
+
+_KEPT = f"{RESPONSE_STORE_SIZE} stored responses, up to {RESPONSE_STORE_BYTES // 2**20} MiB of JSON"
 
 
 def _id(prefix: str) -> str:
@@ -290,7 +294,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
             raise APIError(
                 404,
                 f"previous_response_id {req.previous_response_id!r} is unknown or was evicted "
-                f"(the server keeps the last {RESPONSE_STORE_SIZE} stored responses, in memory); "
+                f"(the server keeps the last {_KEPT}, in memory); "
                 "send the whole conversation as input instead",
                 "not_found_error",
                 "previous_response_id",
@@ -612,7 +616,7 @@ def _stored(ctx: ServeContext, response_id: str) -> StoredResponse:
         raise APIError(
             404,
             f"response {response_id!r} is unknown or was evicted (the server keeps the last "
-            f"{RESPONSE_STORE_SIZE} stored responses, in memory)",
+            f"{_KEPT}, in memory)",
             "not_found_error",
             "response_id",
         )
