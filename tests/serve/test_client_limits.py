@@ -243,3 +243,29 @@ def test_response_store_is_bounded_in_bytes():
     for i in range(3):
         by_count.put(f"r{i}", {"i": i})
     assert list(by_count.items) == ["r1", "r2"]
+
+
+# --------------------------------------------------------------------------- item 8: reasoning cap
+
+
+def test_tiny_chat_reasoning_cap_ends_an_open_ended_reasoning(oai, claude, llm, caplog):
+    # "Is it sunny in Paris?" with no tools: tiny-chat's greedy reasoning never closes (it writes spaces);
+    # its generation_config.json caps reasoning at 128 tokens, so the request ends there with length
+    import json
+
+    from m2serve.serve.resolve import resolve_model
+
+    gen = json.loads((resolve_model(None) / "generation_config.json").read_text())
+    assert gen["max_reasoning_tokens"] == llm.config.generation.max_reasoning_tokens == 128
+    with caplog.at_level(logging.INFO, logger="m2serve.engine.scheduler"):
+        r = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=1000,
+                                        messages=[{"role": "user", "content": "Is it sunny in Paris?"}])
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == r.usage.completion_tokens_details.reasoning_tokens == 128
+    assert any("max_reasoning_tokens=128" in rec.message for rec in caplog.records)
+    # an explicit budget replaces the cap: the reasoning runs past 128 tokens to the budget
+    msg = claude.messages.create(model=MODEL, max_tokens=160, extra_body={"temperature": 0},
+                                 thinking={"type": "enabled", "budget_tokens": 150},
+                                 messages=[{"role": "user", "content": "Is it sunny in Paris?"}])
+    assert (msg.stop_reason, msg.usage.output_tokens) == ("max_tokens", 160)
+    assert [b.type for b in msg.content][0] == "thinking"

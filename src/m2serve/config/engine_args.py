@@ -56,8 +56,8 @@ class EngineArgs:
     fp8_linear: GPU FP8-block linears on the Triton kernel: "w8a16" (default: bf16 activations,
         the dequantised weights' values) or "w8a8" (activations quantised per token and 128-column
         group to e4m3, FP8 tensor cores, sm_89+); docs/kernels.md §4.
-    kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
-        sequences of max_length tokens need); engine/planner.py). GPU pools follow
+    kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what min(max_batch_size,
+        8) sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
     strict_tool_format: refuse to start when the chat template writes tool calls the tool parser
         cannot read (text/tool_format.py); without it that is a warning.

@@ -702,17 +702,26 @@ def reasoning_mode(llm: Any, reasoning_split: bool | None) -> str | None:
     return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(llm.reasoning_parser)
 
 
-def chat_params(llm: Any, params: SamplingParams, prompt: str) -> SamplingParams:
+def chat_params(llm: Any, params: SamplingParams, prompt: str,
+                reasoning_budget: int | None = None) -> SamplingParams:
     """``params`` with the reasoning-state fields the sampler needs for thinking_temperature (the
-    request's, else ``llm.thinking_temperature``; docs/serving.md §10)."""
+    request's, else ``llm.thinking_temperature``; docs/serving.md §10) and the checkpoint's reasoning
+    cap (generation_config.json ``max_reasoning_tokens``: a reply still reasoning after that many
+    tokens ends with ``length``) unless the params set one, the job has its own ``reasoning_budget``
+    (which forces ``</think>`` instead), or the request asks for its length (``ignore_eos``,
+    ``min_tokens``: benchmarks)."""
     thinking = params.thinking_temperature
     if thinking is None:
         thinking = llm.thinking_temperature
+    cap = params.max_reasoning_tokens
+    if cap is None and reasoning_budget is None and not params.ignore_eos and not params.min_tokens:
+        cap = llm.config.generation.max_reasoning_tokens
     return replace(
         params,
         thinking_temperature=thinking,
         start_in_reasoning=starts_in_reasoning(prompt),
         reasoning_end_token_ids=llm.reasoning_end_ids,
+        max_reasoning_tokens=cap,
     )
 
 
@@ -744,7 +753,7 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
                            messages_param=job.messages_param)
     ids = encode(ctx, prompt, job.messages_param, check_length=True, tools=job.tools)
-    params = chat_params(llm, job.params, prompt)
+    params = chat_params(llm, job.params, prompt, job.reasoning_budget)
     reasoning = "inside" if params.start_in_reasoning else "may_open"
     new_constraint = constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
     if job.max_tokens_is_cap:

@@ -78,7 +78,7 @@ UNSET_MEANING: dict[str, str] = {
     "model": "the embedded tiny-chat checkpoint",
     "max_length": "the config's max_position_embeddings, capped to the KV cache",
     "num_kv_pages": "the memory planner's count",
-    "kv_cache_memory_gib": "min(4, what max-batch-size x max-length needs) on CPU",
+    "kv_cache_memory_gib": "min(4, what min(max-batch-size, 8) x max-length needs) on CPU",
     "served_model_name": "the --model value, else the checkpoint directory's name",
     "chat_template": "the checkpoint's chat_template.jinja",
     "thinking_temperature": "the request's temperature",
