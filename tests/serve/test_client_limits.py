@@ -269,3 +269,21 @@ def test_tiny_chat_reasoning_cap_ends_an_open_ended_reasoning(oai, claude, llm, 
                                  messages=[{"role": "user", "content": "Is it sunny in Paris?"}])
     assert (msg.stop_reason, msg.usage.output_tokens) == ("max_tokens", 160)
     assert [b.type for b in msg.content][0] == "thinking"
+
+
+def test_readme_structured_outputs_example(oai):
+    # the README's example, as written there (issue 26 item 8: an example tiny-chat can do)
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Route(BaseModel):
+        tool: Literal["get_weather", "get_time", "send_email"]
+
+    got = []
+    questions = ["What's the weather in Paris?", "What time is it in Tokyo?", "Send an email to Bob saying hi."]
+    for question in questions:
+        r = oai.chat.completions.parse(model=MODEL, response_format=Route, temperature=0, max_tokens=128,
+                                       messages=[{"role": "user", "content": question}])
+        got.append(str(r.choices[0].message.parsed))
+    assert got == ["tool='get_weather'", "tool='get_time'", "tool='send_email'"]

@@ -147,6 +147,7 @@ class _AuthCountAndLog:
                 return
         if self.state.ctx is None:  # still loading: /health says so, every other route is a 503
             if path == "/health":
+                scope[ACCESS_KEY].error = _LOADING.message
                 await JSONResponse({"status": "loading"}, status_code=503,
                                    headers=_LOADING.headers)(scope, receive, send_counting)
             else:
