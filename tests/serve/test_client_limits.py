@@ -281,7 +281,8 @@ def test_readme_structured_outputs_example(oai):
         tool: Literal["get_weather", "get_time", "send_email"]
 
     got = []
-    questions = ["What's the weather in Paris?", "What time is it in Tokyo?", "Send an email to Bob saying hi."]
+    questions = ["What's the weather in Paris?", "What time is it in Tokyo?",
+                 "Send an email to Bob saying hi."]
     for question in questions:
         r = oai.chat.completions.parse(model=MODEL, response_format=Route, temperature=0, max_tokens=128,
                                        messages=[{"role": "user", "content": question}])
