@@ -40,13 +40,9 @@ def llm():
     return _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
 
 
-def _client(llm, **settings):
-    return TestClient(build_app(AsyncEngine(llm), ServerSettings(served_model_name=MODEL, **settings)))
-
-
 @pytest.fixture(scope="module")
 def http(llm):
-    with _client(llm) as client:
+    with TestClient(build_app(AsyncEngine(llm), ServerSettings(served_model_name=MODEL))) as client:
         yield client
 
 
@@ -155,15 +151,19 @@ def test_tool_choice_none_responses(oai):
     _no_tool_syntax(r.output_text)
 
 
-def test_exclude_tools_when_tool_choice_none(llm):
+def test_exclude_tools_when_tool_choice_none(http):
     body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "tools": [CHAT_TOOL], "tool_choice": "none",
             "messages": [{"role": "user", "content": QUESTION}]}
     bare = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+    settings = http.app.state.ctx.settings  # the flag's setting (m2serve serve sets it from the CLI)
     usage = {}
-    for exclude in (False, True):
-        with _client(llm, exclude_tools_when_tool_choice_none=exclude) as client:
-            usage[exclude] = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
-            usage["bare"] = client.post("/v1/chat/completions", json=bare).json()["usage"]["prompt_tokens"]
+    try:
+        for exclude in (False, True):
+            settings.exclude_tools_when_tool_choice_none = exclude
+            usage[exclude] = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    finally:
+        settings.exclude_tools_when_tool_choice_none = False
+    usage["bare"] = http.post("/v1/chat/completions", json=bare).json()["usage"]["prompt_tokens"]
     assert usage[True] == usage["bare"] < usage[False]  # the tools' text left the prompt
 
 
