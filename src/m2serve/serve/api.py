@@ -87,6 +87,8 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"x-api-key", b"").decode("latin-1")
 
 
+# The ASGI scope key set on a /health answered "loading" (an expected 503: access-logged at INFO).
+_LOADING_KEY = "m2serve.loading"
 # The answer of every route but /health while the model loads (see build_loading_app).
 _LOADING = APIError(503, "the model is still loading; retry when GET /health answers 200", "server_error",
                     code="model_loading", headers={"Retry-After": "1"})
@@ -116,10 +118,10 @@ class _AuthCountAndLog:
             ms = (time.perf_counter() - start) * 1e3
             line = (f"{scope.get('method')} {path} {status[0]} {ms:.1f} ms "
                     f"prompt_tokens={record.prompt_tokens} completion_tokens={record.completion_tokens}")
-            if status[0] >= 400 or status[0] == 0:
+            if (status[0] >= 400 or status[0] == 0) and not scope.get(_LOADING_KEY):
                 access_log.warning("%s error=%r", line, record.error)
             else:
-                access_log.info("%s", line)
+                access_log.info("%s%s", line, " (loading)" if scope.get(_LOADING_KEY) else "")
 
     async def _handle(self, scope: dict, receive: Any, send: Any, status: list[int]) -> None:
         path = scope["path"]
@@ -146,8 +148,8 @@ class _AuthCountAndLog:
                 await error_response(e, scope)(scope, receive, send_counting)
                 return
         if self.state.ctx is None:  # still loading: /health says so, every other route is a 503
-            if path == "/health":
-                scope[ACCESS_KEY].error = _LOADING.message
+            if path == "/health":  # expected while loading: logged at INFO, not as an error
+                scope[_LOADING_KEY] = True
                 await JSONResponse({"status": "loading"}, status_code=503,
                                    headers=_LOADING.headers)(scope, receive, send_counting)
             else:
