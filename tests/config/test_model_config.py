@@ -209,3 +209,17 @@ def test_eos_outside_vocabulary_refused(eos):  # issue 16 item 5; vocab_size 200
                                          r"outside the vocabulary \(vocab_size=200064: ids 0\.\.200063\)"):
         MiniMaxM2Config.from_dict(RELEASE, {"eos_token_id": eos}, source="cfg.json")
     assert MiniMaxM2Config.from_dict(RELEASE, {"eos_token_id": 200063}).eos_token_ids == (200063,)
+
+
+def test_max_reasoning_tokens_from_generation_config():
+    # issue 26 item 8: the checkpoint's reasoning cap (docs/model.md §1); absent -> no cap
+    from m2serve.config.model_config import MiniMaxM2Config
+
+    cfg = {"architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 512,
+           "vocab_size": 1536, "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert MiniMaxM2Config.from_dict(cfg, {}).generation.max_reasoning_tokens is None
+    assert MiniMaxM2Config.from_dict(cfg, {"max_reasoning_tokens": 64}).generation.max_reasoning_tokens == 64
+    for bad in (0, -3, "many", True):
+        with pytest.raises(ValueError, match="max_reasoning_tokens"):
+            MiniMaxM2Config.from_dict(cfg, {"max_reasoning_tokens": bad})

@@ -350,12 +350,15 @@ TINY_PAGE = 16 * 2 * 2 * 4 * 128 * 2   # S x (K, V) x L x Hkv x D x bf16 = 65,53
 @pytest.mark.parametrize("kw, pages", [
     (dict(max_batch_size=8), 8 * 4096 // 16),                          # 8 x 256 pages = 128 MiB < 4 GiB
     (dict(max_batch_size=8, max_length=1000), 8 * 63),                 # ceil(1000 / 16) = 63 pages each
-    (dict(max_batch_size=512), 4 * GiB // TINY_PAGE),                  # 32 GiB wanted: the 4 GiB cap
+    (dict(max_batch_size=512), 8 * 4096 // 16),                        # 8 sequences, not 512 (32 GiB)
+    (dict(max_batch_size=4), 4 * 4096 // 16),                          # fewer than 8 running: 4
+    (dict(max_batch_size=8, max_length=2**20), 4 * GiB // TINY_PAGE),  # 8 x 1 Mi tokens: the 4 GiB cap
     (dict(max_batch_size=8, kv_cache_memory_gib=0.5), GiB // 2 // TINY_PAGE),   # explicit size wins
     (dict(devices="cpu:2", max_batch_size=8), 8 * 4096 // 16),         # TP over 2 ranks: half the bytes
 ])
 def test_cpu_kv_pool_rule(kw, pages):
-    cfg = MiniMaxM2Config.from_dict(TINY_CPU)
+    cfg = MiniMaxM2Config.from_dict({**TINY_CPU, "max_position_embeddings": 2**20})
+    kw = {"max_length": 4096, **kw}
     args = EngineArgs(**{"devices": "cpu", "dtype": "float32", "kv_cache_page_size": 16, **kw})
     p = plan_memory(cfg, args)
     assert p.kv_bytes_per_token * 16 == TINY_PAGE // num_devices(args.devices)  # per rank
@@ -372,7 +375,7 @@ def test_cpu_kv_pool_explicit_size_that_does_not_fit(m27):
 
 
 def test_cpu_kv_pool_release(m27, caplog):
-    # 256 x 196,608 tokens want far more than 4 GiB: 4 GiB // (128 x 253,952 B) = 132 pages
+    # 8 x 196,608 tokens x 253,952 B want more than 4 GiB: 4 GiB // (128 x 253,952 B) = 132 pages
     p = plan(m27, devices="cpu", weight_dequant="runtime")
     assert p.num_pages == 4 * GiB // (128 * KV_TOKEN_BF16) == 132
     assert p.max_length == 132 * 128 and "4 GiB CPU default" in format_plan(p)

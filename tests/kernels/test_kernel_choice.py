@@ -47,9 +47,11 @@ def test_choice_table(device, fmt, dtype, backend, want):
     assert (choice.isa == backend.isa) if want is LinearImpl.CPU_PACKED else choice.isa is None
     assert choice.label == {LinearImpl.CPU_PACKED: backend.name, LinearImpl.TRITON: "triton-w8a16",
                             LinearImpl.TORCH: "torch"}[want]
-    # a layer's experts never take the (linear-only) Triton kernel
-    assert choose_impl(device, fmt, dtype, backend, grouped=True).impl is (
-        LinearImpl.TORCH if want is LinearImpl.TRITON else want)
+    # a layer's experts held as stored take the Triton fused MoE on CUDA with bf16 activations
+    grouped = choose_impl(device, fmt, dtype, backend, grouped=True)
+    fused = device == "cuda" and fmt is not None and dtype == torch.bfloat16
+    assert grouped.impl is (LinearImpl.TRITON if fused else want)
+    assert grouped.label == ("triton-moe" if fused else choice.label)
 
 
 def test_w8a8_needs_fp8_tensor_cores(monkeypatch):

@@ -236,3 +236,30 @@ def test_bad_shapes_and_mixed_formats_are_refused_by_name():
         fused_moe(h, ids, torch.ones(2, 2), ws[0][0], ws[1][0], ws[2][0])
     with pytest.raises(ValueError, match="300 local experts"):
         align_blocks(ids.reshape(-1), 300)
+
+
+@pytest.mark.parametrize("fmt,I", [("fp8_block", 128), ("nvfp4_modelopt", 32), ("mxfp4", 32)])
+def test_experts_given_the_triton_choice_run_the_fused_moe(fmt, I):
+    # the per-module choice's Triton slot for experts (kernels/choice.py): forward and the EP rows
+    # path through fused_moe on the module's stored buffers, against its torch reference path
+    from m2serve.kernels.choice import KernelChoice, LinearImpl
+    from m2serve.model.experts import MiniMaxM2Experts
+
+    E, H, start, T, k = 4, 64, 4, 5, 3
+    g = torch.Generator().manual_seed(23)
+    m = MiniMaxM2Experts(H, I, start, E, dtype=torch.float32)
+    for e in range(E):
+        for which, (n, kk) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            m.load_expert(start + e, which, _one(fmt, n, kk, g)[0])
+    m.pack_for_kernels()
+    ids, tw = _route(T, k, 2 * E, seed=24)  # global ids 0..7: half held here
+    h = torch.randn(T, H, generator=g)
+    ref, ref_rows = m.forward_loop(h, ids, tw), m.rows_loop(h, ids[:, 0].clamp(0, E - 1))
+    m.set_choice(KernelChoice(LinearImpl.TRITON, None, "triton-moe"))
+    launcher, stacks = m._fused
+    assert launcher is fused_moe
+    calls = []
+    m._fused = (lambda *a: calls.append(1) or launcher(*a), stacks)
+    _close(m(h, ids, tw), ref)
+    _close(m.rows(h, ids[:, 0].clamp(0, E - 1)), ref_rows)
+    assert len(calls) == 2

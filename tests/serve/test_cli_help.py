@@ -43,7 +43,8 @@ def test_help_text_prints_the_defaults(command):
     assert ("--max-batch-input-tokens MAX_BATCH_INPUT_TOKENS tokens per step, prefill chunks and decodes "
             "together (default: 8192)") in text
     if command == "serve":
-        assert "--port PORT (default: 8000)" in text and "--host HOST (default: 127.0.0.1)" in text
+        assert "--port PORT port to listen on (0 = any free port) (default: 8000)" in text
+        assert "--host HOST address to listen on (default: 127.0.0.1)" in text
 
 
 @pytest.mark.parametrize("command, flag", [("serve", "--prot"), ("generate", "--max-tokns"),
@@ -53,3 +54,26 @@ def test_mistyped_flag_prints_its_subcommand_usage(command, flag):
     assert r.returncode == 2
     assert r.stderr.startswith(f"usage: m2serve {command} "), r.stderr
     assert f"m2serve {command}: error: unrecognized arguments: {flag}" in r.stderr
+
+
+def test_every_flag_has_a_description():
+    # issue 26 item 8: "(default: ...)" alone is not a description
+    parser = build_parser()
+    subs = _subcommands(parser)
+    sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(c.help for c in sub_action._choices_actions), "a subcommand without a description"
+    bare = []
+    for name, p in [("m2serve", parser), *subs.items()]:
+        for act in p._actions:
+            if act.dest == "help" or isinstance(act, argparse._SubParsersAction):
+                continue
+            if len((act.help or "").split("(default:")[0].strip()) < 3:
+                bare.append(f"{name} {'/'.join(act.option_strings) or act.dest}: {act.help!r}")
+    assert not bare, "flags without a description:\n" + "\n".join(bare)
+
+
+def test_version_flag():
+    import m2serve
+
+    r = subprocess.run([EXE, "--version"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (0, f"m2serve {m2serve.__version__}")

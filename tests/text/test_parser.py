@@ -229,3 +229,18 @@ def test_returned_deltas_never_change():  # issue 16 item 2: deltas are immutabl
     assert args == {0: '{"city": "Paris"}', 1: '{"days": 5}'}  # hand-derived P17/P24
     with pytest.raises(AttributeError):  # frozen: a consumer cannot change a delta either
         kept[0].content = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("depth", [128, 129, 600, 100_000])
+def test_deeply_nested_argument_keeps_the_call(depth):
+    # issue 26 item 8 / P16: an object nested 600 levels deep raised RecursionError inside the parser
+    # and the call was lost (P20); past 128 levels the value stays its text and the call is returned
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "object"}}}}}]
+    value = '{"a": ' * depth + "1" + "}" * depth
+    text = (f'<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">{value}</parameter>\n'
+            "</invoke>\n</minimax:tool_call>")
+    out = parse_output(text, tools, mode="split")
+    assert out.content is None and [c.name for c in out.tool_calls] == ["f"]
+    expected = json.loads(value) if depth <= 128 else value
+    assert out.tool_calls[0].arguments == json.dumps({"x": expected}, ensure_ascii=False)

@@ -9,7 +9,8 @@ Reads RUN/ckpt.pt and RUN/tokenizer/ (train.py) and writes OUT/ with:
   ``e_score_correction_bias`` fp32; embedding, lm_head and all norms bf16 — as in the FP8 release
   (docs/checkpoints.md §7);
 - ``config.json`` with the release's ``quantization_config`` (docs/checkpoints.md §4);
-- ``generation_config.json`` (bos ``]~b]``, eos ``[e~[``, temperature 1.0, top_p 0.95, top_k 40);
+- ``generation_config.json`` (bos ``]~b]``, eos ``[e~[``, temperature 1.0, top_p 0.95, top_k 40, and
+  m2serve's ``max_reasoning_tokens`` cap, MAX_REASONING_TOKENS);
 - ``tokenizer.json``, ``tokenizer_config.json`` and the repository's ``chat_template.jinja``
   (kept in tiny-chat/).
 The directory is written to a temp dir and renamed into place (an existing OUT is replaced).
@@ -32,6 +33,10 @@ from m2serve.formats.fp8 import dequantize_fp8_block, quantize_fp8_block
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "src/m2serve/checkpoints/tiny-chat/chat_template.jinja"  # m2serve.checkpoints.CHAT_TEMPLATE
 MAX_POSITIONS = 4096
+# The reasoning cap of generation_config.json (docs/model.md §1): above the longest reasoning of the
+# training data (two-call turns), below where an out-of-distribution prompt's greedy reasoning, which
+# never closes (`"Is it sunny in Paris?"` with no tools: spaces), would run to the context limit.
+MAX_REASONING_TOKENS = 128
 FP8_QUANT = {
     "quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
@@ -152,7 +157,8 @@ def export(run_dir: Path, out_dir: Path) -> Path:
         _dump(tmp / "config.json", config_json(dims, ids["]~!b["], ids["[e~["]))
         _dump(tmp / "generation_config.json", {
             "bos_token_id": ids["]~b]"], "eos_token_id": ids["[e~["], "pad_token_id": ids["]!p~["],
-            "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 40})
+            "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 40,
+            "max_reasoning_tokens": MAX_REASONING_TOKENS})
         shutil.copyfile(run_dir / "tokenizer" / "tokenizer.json", tmp / "tokenizer.json")
         tcfg = json.loads((run_dir / "tokenizer" / "tokenizer_config.json").read_text())
         tcfg["model_max_length"] = MAX_POSITIONS

@@ -73,8 +73,8 @@ class EngineArgs:
         leaves dense (attention and lm_head of the FP4 releases; every linear but the experts of a
         bf16 one) to FP8 block 128x128 e4m3 with ``weight_scale_inv`` = amax / 448 per block
         (model/load.py ``quantize_dense_linears``; docs/checkpoints.md §6 "Online FP8").
-    kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what max_batch_size
-        sequences of max_length tokens need); engine/planner.py). GPU pools follow
+    kv_cache_memory_gib: CPU only: GiB of KV pages per rank (None = min(4 GiB, what min(max_batch_size,
+        8) sequences of max_length tokens need); engine/planner.py). GPU pools follow
         device_memory_utilization.
     strict_tool_format: refuse to start when the chat template writes tool calls the tool parser
         cannot read (text/tool_format.py); without it that is a warning.

@@ -27,12 +27,15 @@ class GenerationDefaults:
     """Sampling defaults from ``generation_config.json`` used when a request omits them.
 
     temperature / top_p / top_k are ``None`` when the file does not set them (the sampler's own
-    defaults then apply: temperature 1.0, top_p 1.0, top_k disabled).
+    defaults then apply: temperature 1.0, top_p 1.0, top_k disabled). max_reasoning_tokens (an m2serve
+    key, not a transformers one): a chat reply still reasoning after this many tokens ends there,
+    ``finish_reason`` ``length`` (SamplingParams.max_reasoning_tokens; None = no cap; docs/model.md §1).
     """
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    max_reasoning_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,12 @@ class MiniMaxM2Config:
                 return int(value)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(name, value, "an integer")
+            return value
+
+        def positive(name: str, value: Any) -> int:
+            value = integer(name, value)
+            if value < 1:
+                raise bad(name, value, "an integer >= 1")
             return value
 
         def number(name: str, value: Any) -> float:
@@ -239,7 +248,8 @@ class MiniMaxM2Config:
             bos_token_id=gen.get("bos_token_id"), eos_token_ids=eos_ids,
             generation=GenerationDefaults(
                 temperature=_opt(gen, "temperature", number), top_p=_opt(gen, "top_p", number),
-                top_k=_opt(gen, "top_k", integer)),
+                top_k=_opt(gen, "top_k", integer),
+                max_reasoning_tokens=_opt(gen, "max_reasoning_tokens", positive)),
             quantization_config=quant, source=source,
         )
 

@@ -5,8 +5,9 @@ smallest over the devices):
 
     static_d    = weights_d + activations_d + scratch_d
     kv_budget_d = floor(free_d * device_memory_utilization - static_d)       GPU
-    kv_budget_d = kv_cache_memory_gib, default min(4 GiB, max_batch_size     CPU (as vLLM's CPU
-                  x ceil(max_length / page_size) pages)                      KV-cache space)
+    kv_budget_d = kv_cache_memory_gib, default min(4 GiB,                    CPU (vLLM's CPU KV-cache
+                  min(max_batch_size, 8) x ceil(max_length / page_size)      space is 4 GiB)
+                  pages)
     pages       = kv_budget_d // (page_size * kv_bytes_per_token_d)
 
 On CPU the pool is a fixed size, not "what RAM is free right now": RAM is shared with the rest of
@@ -44,6 +45,10 @@ MiB = 1024 ** 2
 MULTI_DEVICE_RESERVE = 256 * MiB
 #: Default ceiling of the CPU KV pool per rank (vLLM's CPU KV-cache space default is 4 GiB too).
 CPU_KV_DEFAULT_BYTES = 4 * GiB
+#: Full-context sequences the default CPU KV pool holds (a modest concurrency: shorter requests share
+#: the pages, so more of them run at once). Sizing it for max_batch_size (256) sequences made the
+#: 16 MB tiny-chat hold a 4 GiB pool (its 4,096-token context x 256), 4.4 GB of RSS.
+CPU_KV_DEFAULT_SEQUENCES = 8
 _GPU_KV_SOURCE = "free x device_memory_utilization - static"
 
 
@@ -229,9 +234,10 @@ def cpu_kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, max_batch_size:
     """The CPU KV pool per rank in bytes, and where the figure comes from (no memory is measured,
     so two starts give the same pages).
 
-    ``args.kv_cache_memory_gib`` GiB when set, else min(4 GiB, ``max_batch_size`` sequences of
-    ``max_length`` tokens (args.max_length, else max_position_embeddings) in whole pages of
-    ``page_bytes``). Raises ValueError for a kv_cache_memory_gib that is not a positive number.
+    ``args.kv_cache_memory_gib`` GiB when set, else min(4 GiB, min(``max_batch_size``,
+    CPU_KV_DEFAULT_SEQUENCES) sequences of ``max_length`` tokens (args.max_length, else
+    max_position_embeddings) in whole pages of ``page_bytes``). Raises ValueError for a
+    kv_cache_memory_gib that is not a positive number.
     """
     gib = args.kv_cache_memory_gib
     if gib is not None:
@@ -239,9 +245,10 @@ def cpu_kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, max_batch_size:
             raise ValueError(f"kv_cache_memory_gib={gib!r} must be a positive number of GiB")
         return int(gib * GiB), f"--kv-cache-memory-gib {gib:g}"
     length = args.max_length or config.max_position_embeddings
-    need = max_batch_size * -(-length // args.kv_cache_page_size) * page_bytes
+    seqs = min(max_batch_size, CPU_KV_DEFAULT_SEQUENCES)
+    need = seqs * -(-length // args.kv_cache_page_size) * page_bytes
     if need <= CPU_KV_DEFAULT_BYTES:
-        return need, f"max_batch_size {max_batch_size} x max_length {length} (under the 4 GiB default)"
+        return need, f"{seqs} sequences x max_length {length} (under the 4 GiB default)"
     return CPU_KV_DEFAULT_BYTES, "4 GiB CPU default (set --kv-cache-memory-gib for more)"
 
 

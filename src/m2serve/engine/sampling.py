@@ -60,7 +60,9 @@ class SamplingParams:
       counts, for prompt positions), thinking_temperature (used instead of temperature while the
       request is in reasoning), reasoning_end_token_ids (ids that end reasoning: ``</think>`` 200051 and
       ``<minimax:tool_call>`` 200052 in the release tokenizer; the serve layer looks them up)
-      and start_in_reasoning (the prompt ends in ``<think>``, docs/parsers.md P1).
+      and start_in_reasoning (the prompt ends in ``<think>``, docs/parsers.md P1),
+      max_reasoning_tokens (None = no cap: a request still in reasoning after this many reasoning
+      tokens finishes with ``length``; chat requests get the checkpoint's generation_config.json cap).
 
     Handled above the engine (serve/):
       stop (strings, detected by the output processor on detokenised text, which then aborts the
@@ -87,6 +89,7 @@ class SamplingParams:
     thinking_temperature: float | None = None
     reasoning_end_token_ids: tuple[int, ...] = ()
     start_in_reasoning: bool = False
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _str_tuple(self.stop, "stop")
@@ -132,6 +135,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"invalid sampling parameter min_tokens={self.min_tokens}: must be "
                              f"<= max_tokens={self.max_tokens}")
+        need(self.max_reasoning_tokens is None
+             or (integer(self.max_reasoning_tokens) and self.max_reasoning_tokens >= 1),
+             "max_reasoning_tokens", ">= 1 or null (no cap)")
         need(integer(self.n) and self.n >= 1, "n", ">= 1")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -19,12 +19,15 @@ requests. Stop strings are matched above the engine (serve/output.py), which abo
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.request import Request, RequestStatus
 from m2serve.engine.sampling import PenaltyState, SamplerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -227,14 +230,20 @@ class Scheduler:
     @staticmethod
     def _finish_reason(r: Request, token_id: int) -> str | None:
         """Why ``r`` stops after ``token_id`` was appended: "stop" (a stop_token_id, eos unless
-        ignore_eos, or its constraint terminated), "length" (max_tokens or the max context), else
-        None. The one place finish is decided (stop strings aside, serve/output.py)."""
+        ignore_eos, or its constraint terminated), "length" (max_tokens, the max context, or
+        max_reasoning_tokens reasoning tokens without the reasoning's end), else None. The one place
+        finish is decided (stop strings aside, serve/output.py)."""
         p = r.sampling_params
         if token_id in p.stop_token_ids or (not p.ignore_eos and token_id in r.state.eos_token_ids):
             return "stop"
         if r.constraint is not None and r.constraint.is_terminated():
             return "stop"
         if (p.max_tokens is not None and r.num_output_tokens >= p.max_tokens) or r.num_tokens >= r.max_length:
+            return "length"
+        if (p.max_reasoning_tokens is not None and r.state.in_reasoning
+                and r.state.num_reasoning_tokens >= p.max_reasoning_tokens):
+            log.info("request %s: still reasoning after max_reasoning_tokens=%d tokens; finished with "
+                     "length", r.request_id, p.max_reasoning_tokens)
             return "length"
         return None
 

@@ -29,6 +29,8 @@ from m2serve.kernels.ops import WeightFormat
 #: The module of the Triton FP8 linear, imported only when a module is given that choice
 #: (docs/kernels.md §1: nothing imports the Triton package eagerly).
 TRITON_FP8_LINEAR = "m2serve.kernels.triton.fp8_linear"
+#: The module of the Triton fused MoE (docs/kernels.md §5), imported only when experts are given it.
+TRITON_MOE = "m2serve.kernels.triton.moe"
 #: Compute capability from which GPUs have FP8 tensor cores (Ada sm_89, Hopper sm_90, Blackwell).
 FP8_TENSOR_CORES = (8, 9)
 
@@ -37,7 +39,8 @@ class LinearImpl(enum.Enum):
     """How a module computes ``x · dequant(W)ᵀ``.
 
     CPU_PACKED: the C++ kernels (``m2serve_kernels::grouped_linear``) straight from the stored codes.
-    TRITON: the Triton GPU kernels on the stored codes (:func:`triton_formats`: FP8 block linears).
+    TRITON: the Triton GPU kernels on the stored codes (:func:`triton_formats`: FP8 block linears,
+    experts in every stored format through the fused MoE).
     TORCH: the reference, dequantise on the weights' device with
     formats/' formulas then aten (``F.linear`` / ``grouped_mm``); a dense weight is used as is.
     """
@@ -65,12 +68,13 @@ TORCH_CHOICE = KernelChoice(LinearImpl.TORCH)
 CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def triton_formats(device: torch.device) -> frozenset[WeightFormat]:
-    """Weight formats the Triton kernels run on ``device``: FP8_BLOCK linears on CUDA when Triton is
-    installed (docs/kernels.md §4), else none (the torch reference)."""
+def triton_formats(device: torch.device, grouped: bool = False) -> frozenset[WeightFormat]:
+    """Weight formats the Triton kernels run on ``device`` when Triton is installed, else none (the
+    torch reference): on CUDA, FP8_BLOCK linears (docs/kernels.md §4) and, for a layer's experts
+    (``grouped``), every stored format through the fused MoE (docs/kernels.md §5)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return frozenset()
-    return frozenset({WeightFormat.FP8_BLOCK})
+    return frozenset(WeightFormat) if grouped else frozenset({WeightFormat.FP8_BLOCK})
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
@@ -83,6 +87,11 @@ def triton_fp8_linear() -> Callable[..., torch.Tensor]:
     return importlib.import_module(TRITON_FP8_LINEAR).fp8_linear
 
 
+def triton_fused_moe() -> Callable[..., torch.Tensor]:
+    """The Triton fused MoE's launcher (kernels/triton/moe.py ``fused_moe``), imported now."""
+    return importlib.import_module(TRITON_MOE).fused_moe
+
+
 def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype: torch.dtype,
                 backend: KernelBackend, fp8_linear: str = "w8a16", grouped: bool = False) -> KernelChoice:
     """The implementation for weights of ``fmt`` held on ``device`` with ``act_dtype`` activations.
@@ -91,7 +100,7 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
     weight is one of ``WeightFormat`` (every packed format, and bf16), else the torch reference.
     CUDA: the Triton kernels for a format :func:`triton_formats` lists with bf16 activations
     (``fp8_linear``, EngineArgs.fp8_linear: ``w8a16`` or ``w8a8``), else the torch reference;
-    ``grouped`` (a layer's experts) always the torch reference there (no grouped Triton kernel). Any
+    ``grouped`` (a layer's experts, held as stored): the Triton fused MoE (label ``triton-moe``). Any
     other device (meta, ...): the torch reference. No tensor is touched. Raises ValueError naming
     the field for an unknown ``fp8_linear``, or ``w8a8`` on a GPU without FP8 tensor cores.
     """
@@ -104,7 +113,9 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
         if backend.available and act_dtype in CPU_KERNEL_DTYPES:
             return KernelChoice(LinearImpl.CPU_PACKED, backend.isa, backend.name)
         return TORCH_CHOICE
-    triton_ok = not grouped and act_dtype == torch.bfloat16 and fmt in triton_formats(device)
+    triton_ok = act_dtype == torch.bfloat16 and fmt in triton_formats(device, grouped)
+    if device.type == "cuda" and triton_ok and grouped:
+        return KernelChoice(LinearImpl.TRITON, None, "triton-moe")
     if device.type == "cuda" and triton_ok:
         if fp8_linear == "w8a8" and device_capability(device) < FP8_TENSOR_CORES:
             raise ValueError(f"fp8_linear=w8a8 needs FP8 tensor cores (compute capability >= "

@@ -41,7 +41,7 @@ from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
 from m2serve.formats.fp8 import PackedFP8
-from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl
+from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl, triton_fused_moe
 from m2serve.kernels.ops import (
     FP4_FORMATS,
     PackedWeights,
@@ -169,6 +169,7 @@ class MiniMaxM2Experts(nn.Module):
         self.batch_invariant = False  # use_batch_invariant (before the kernel choice)
         self.choice: KernelChoice = TORCH_CHOICE  # set_choice, once after loading
         self.act_scheme: ActivationScheme | None = None  # W4A4 inputs (set_activation_quant)
+        self._fused = None  # (fused_moe, (w1, w3, w2) stacks) when the choice is the Triton fused MoE
 
     def weight_format(self) -> WeightFormat | None:
         """The experts' format for the kernel choice (kernels/choice.py): the packed format when
@@ -179,13 +180,18 @@ class MiniMaxM2Experts(nn.Module):
         return None
 
     def set_choice(self, choice: KernelChoice) -> None:
-        """Run the experts by ``choice`` from now on. Raises ValueError naming the choice when it is
-        the CPU kernels without ``kernel_weights`` (:meth:`pack_for_kernels`) or the Triton slot."""
+        """Run the experts by ``choice`` from now on: the Triton choice runs kernels/triton/moe.py
+        ``fused_moe`` on the stored w1 / w3 / w2 (:meth:`forward`, :meth:`rows`). Raises ValueError
+        naming the choice when it is the CPU kernels or Triton without ``kernel_weights``
+        (:meth:`pack_for_kernels`: experts held as stored), or the CPU kernels without an ISA."""
         if choice.impl is LinearImpl.CPU_PACKED and (self.kernel_weights is None or choice.isa is None):
             raise ValueError(f"kernel choice {choice.label}: experts have no kernel weights or ISA")
-        if choice.impl is LinearImpl.TRITON:
-            raise ValueError("kernel choice triton: no Triton expert kernel is available yet")
+        if choice.impl is LinearImpl.TRITON and self.kernel_weights is None:
+            raise ValueError(f"kernel choice {choice.label}: experts are not held as stored")
         self.choice = choice
+        self._fused = None
+        if choice.impl is LinearImpl.TRITON:  # the launcher and the stacks it reads, once
+            self._fused = (triton_fused_moe(), tuple(self._stacked(w) for w in ("w1", "w3", "w2")))
 
     def load_expert(self, expert: int, which: str, w: torch.Tensor | PackedFP4 | PackedFP8) -> None:
         """Copy hub tensor ``experts.{expert}.{which}.weight`` (global expert id) into place.
@@ -218,6 +224,9 @@ class MiniMaxM2Experts(nn.Module):
         """
         if legacy:
             return self.forward_loop(h, ids, weights)
+        if self.choice.impl is LinearImpl.TRITON:  # kernels/triton/moe.py: sort, w13, w2, weights
+            fused_moe, stacks = self._fused
+            return fused_moe(h, ids, weights, *stacks, self.start)
         T, k = ids.shape
         E = self.num_local
         local = ids.reshape(-1) - self.start                       # [T·k]
@@ -244,6 +253,10 @@ class MiniMaxM2Experts(nn.Module):
         """x [R, H] act, local_ids [R] int64 in [0, E_loc) -> [R, H] act: row r through expert
         ``start + local_ids[r]``, grouped (the receiving side of the EP exchange,
         model/collectives.py)."""
+        if self.choice.impl is LinearImpl.TRITON:  # each row one slot of weight 1
+            fused_moe, stacks = self._fused
+            ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+            return fused_moe(x, local_ids[:, None], ones, *stacks, 0).to(x.dtype)
         order = torch.argsort(local_ids, stable=True)
         y = self.grouped_rows(x.index_select(0, order), expert_offsets(local_ids, self.num_local))
         return torch.empty_like(y).index_copy_(0, order, y)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from m2serve.kernels.build import KernelBackend, kernel_backend
-from m2serve.kernels.choice import choose_impl
+from m2serve.kernels.choice import TORCH_CHOICE, LinearImpl, choose_impl
 from m2serve.model.experts import MiniMaxM2Experts
 from m2serve.model.linear import Linear
 
@@ -57,6 +57,10 @@ def choose_kernels(model: nn.Module, backend: KernelBackend | None = None,
             continue
         fmt = module.weight_format()
         choice = choose_impl(_device(module), fmt, act, backend, fp8_linear, grouped=kind == "experts")
+        if choice.impl is LinearImpl.TRITON and getattr(module, "act_scheme", None) is not None:
+            # W4A4 experts: the fused MoE does not quantise its inputs yet (docs/checkpoints.md §9,
+            # the seam formats/act_quant.py quantize_activations), so they keep the torch reference
+            choice = TORCH_CHOICE
         module.set_choice(choice)
         name = fmt.name if fmt is not None else f"dense {str(act).removeprefix('torch.')}"
         summary.counts[(kind, name, choice.label)] += 1

@@ -9,7 +9,9 @@ called: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``
 OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request (also
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
 API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
-Retry-After when the waiting queue is full or the engine is down, 500 when an engine step failed or a
+Retry-After when the waiting queue is full or the engine is down, and on every route while the model
+loads (:func:`build_loading_app`: the port answers from the start; ``/health`` is then 503
+``{"status": "loading"}``), 500 when an engine step failed or a
 route raised an error nothing else caught: the middleware's catch-all answers it in the API's shape
 (a stream already under way ends with an error event in its shape), logs the traceback, counts and
 logs the 500 like any answer, and the keep-alive connection stays open. A bad request never reaches the
@@ -30,8 +32,9 @@ import ctypes
 import ctypes.util
 import logging
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,12 +50,14 @@ from m2serve.serve.anthropic import messages as anthropic_messages
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.context import ACCESS_KEY, AccessRecord, ModelCapabilities, ServeContext, ServerSettings
 from m2serve.serve.errors import APIError, anthropic_error_body, openai_error_body
+from m2serve.serve.metrics import ServerMetrics
 from m2serve.serve.openai import chat, completions, models, responses
 from m2serve.serve.protocol import sse
 from m2serve.serve.sealing import Sealer
 
-__all__ = ["ServerSettings", "build_app"]
+__all__ = ["ServerSettings", "build_app", "build_loading_app"]
 
+log = logging.getLogger(__name__)
 access_log = logging.getLogger("m2serve.access")
 log = logging.getLogger(__name__)
 
@@ -82,14 +87,23 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"x-api-key", b"").decode("latin-1")
 
 
-class _AuthCountAndLog:
-    """ASGI middleware: API-key check (all routes but health/version/metrics), the request-body size
-    limit (413 beyond ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter, the
-    access log and the catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI
-    (not BaseHTTPMiddleware), so client disconnects still reach streaming responses."""
+# The ASGI scope key set on a /health answered "loading" (an expected 503: access-logged at INFO).
+_LOADING_KEY = "m2serve.loading"
+# The answer of every route but /health while the model loads (see build_loading_app).
+_LOADING = APIError(503, "the model is still loading; retry when GET /health answers 200", "server_error",
+                    code="model_loading", headers={"Retry-After": "1"})
 
-    def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int) -> None:
+
+class _AuthCountAndLog:
+    """ASGI middleware: API-key check (all routes but health/version/metrics), the 503 of every route
+    while the model loads (/health: ``{"status": "loading"}``), the request-body size limit (413 beyond
+    ``max_bytes``), the ``m2serve_requests_total{endpoint, status}`` counter, the access log and the
+    catch-all for uncaught route errors (a JSON 500 in the API's shape). Pure ASGI (not
+    BaseHTTPMiddleware), so client disconnects still reach streaming responses."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: Any, max_bytes: int, state: Any) -> None:
         self.app, self.api_key, self.metrics, self.max_bytes = app, api_key, metrics, max_bytes
+        self.state = state  # the app's state: ``ctx`` is None while the model loads
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -104,10 +118,10 @@ class _AuthCountAndLog:
             ms = (time.perf_counter() - start) * 1e3
             line = (f"{scope.get('method')} {path} {status[0]} {ms:.1f} ms "
                     f"prompt_tokens={record.prompt_tokens} completion_tokens={record.completion_tokens}")
-            if status[0] >= 400 or status[0] == 0:
+            if (status[0] >= 400 or status[0] == 0) and not scope.get(_LOADING_KEY):
                 access_log.warning("%s error=%r", line, record.error)
             else:
-                access_log.info("%s", line)
+                access_log.info("%s%s", line, " (loading)" if scope.get(_LOADING_KEY) else "")
 
     async def _handle(self, scope: dict, receive: Any, send: Any, status: list[int]) -> None:
         path = scope["path"]
@@ -133,6 +147,14 @@ class _AuthCountAndLog:
                                   "'x-api-key: <key>'", "authentication_error", code="invalid_api_key")
                 await error_response(e, scope)(scope, receive, send_counting)
                 return
+        if self.state.ctx is None:  # still loading: /health says so, every other route is a 503
+            if path == "/health":  # expected while loading: logged at INFO, not as an error
+                scope[_LOADING_KEY] = True
+                await JSONResponse({"status": "loading"}, status_code=503,
+                                   headers=_LOADING.headers)(scope, receive, send_counting)
+            else:
+                await error_response(_LOADING, scope)(scope, receive, send_counting)
+            return
         too_large = APIError(413, f"the request body is larger than the server's limit of {self.max_bytes} "
                                   "bytes (--max-request-bytes)", code="request_too_large")
         length = headers.get(b"content-length")
@@ -251,12 +273,51 @@ async def _trim_native_heap(period_s: float) -> None:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    engine = app.state.ctx.engine
-    engine.start(asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    loader = None
+    if app.state.ctx is None:
+        loader = asyncio.ensure_future(_load(app, loop))
+    else:
+        app.state.ctx.engine.start(loop)
     trimmer = asyncio.ensure_future(_trim_native_heap(TRIM_PERIOD_S))
     yield
     trimmer.cancel()
-    engine.shutdown()
+    if loader is not None:
+        loader.cancel()
+    if app.state.ctx is not None:
+        app.state.ctx.engine.shutdown()
+
+
+async def _load(app: FastAPI, loop: asyncio.AbstractEventLoop) -> None:
+    """Run ``app.state.load`` in a daemon thread (the server answers 503 meanwhile), then serve its
+    engine. A load that raises is kept in ``app.state.load_error`` and ``app.state.on_load_error`` is
+    called (the CLI stops the server and reports it)."""
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            done.set_result(value) if ok else done.set_exception(value)
+
+    def run() -> None:
+        try:
+            result, ok = app.state.load(), True
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop, which reports it
+            result, ok = e, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop closed meanwhile (the server stopped while loading)
+            pass
+
+    threading.Thread(target=run, name="m2serve-load", daemon=True).start()
+    try:
+        engine, settings = await done
+    except Exception as e:
+        app.state.load_error = e
+        log.error("loading the model failed: %s", e)
+        app.state.on_load_error()
+        return
+    install(app, engine, settings)
+    engine.start(loop)
 
 
 def _object(**props: Any) -> dict[str, Any]:
@@ -275,26 +336,23 @@ _STATUS_TEXT = {
     404: "unknown model, or unknown stored response",
     413: "request body larger than --max-request-bytes",
     500: "an engine step failed while running this request, or an internal error",
-    503: "waiting queue full or engine not running (with Retry-After)",
+    503: "model still loading, waiting queue full or engine not running (with Retry-After)",
 }
 
 
 def _statuses(path: str, method: str, has_body: bool) -> list[int]:
     """The error statuses the server really answers on ``method path`` (see the module docstring)."""
     out = []
-    if has_body:
+    if has_body or path.endswith("/input_items"):  # a bad body / a bad query (limit, order, after)
         out.append(400)
     if not path.startswith(_AUTH_FREE):
         out.append(401)
-    if has_body or path.startswith("/v1/responses/"):
+    if has_body or path.startswith(("/v1/responses/", "/v1/models/")):
         out.append(404)  # unknown model / stored response
     if method == "post":
         out.append(413)
     out.append(500)  # the catch-all, on every route
-    if path in _GEN_ROUTES:
-        out.append(503)
-    if path == "/health":
-        out.append(503)
+    out.append(503)  # every route while the model loads; generation routes also when queue full / dead
     return out
 
 
@@ -327,14 +385,47 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     The engine thread starts in the app's lifespan and is shut down (remaining requests aborted)
     when the server stops.
     """
-    app = FastAPI(title="m2serve", version=m2serve.__version__, lifespan=_lifespan)
+    app = _new_app(settings.api_key, engine.metrics, settings.max_request_bytes)
+    install(app, engine, settings)
+    return app
+
+
+def build_loading_app(
+    load: Callable[[], tuple[AsyncEngine, ServerSettings]],
+    api_key: str | None,
+    metrics: ServerMetrics,
+    max_request_bytes: int,
+    on_load_error: Callable[[], None] = lambda: None,
+) -> FastAPI:
+    """The application of a server whose model is not loaded yet: the port answers at once.
+
+    ``load`` runs in a background thread once the server starts and returns the (not yet started)
+    engine and the settings; until it returns, ``GET /health`` is 503 ``{"status": "loading"}`` and
+    every other route a 503 in its API's error shape (``code`` ``model_loading``, with Retry-After), so
+    a client without a timeout does not hang on a port that accepts but never answers. If ``load``
+    raises, the error is kept in ``app.state.load_error`` and ``on_load_error`` is called.
+    ``api_key``, ``metrics`` and ``max_request_bytes`` must be known before the model: the middleware
+    applies them from the first request.
+    """
+    app = _new_app(api_key, metrics, max_request_bytes)
+    app.state.load, app.state.on_load_error, app.state.load_error = load, on_load_error, None
+    return app
+
+
+def install(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
+    """Serve ``engine`` from ``app``: from now on the routes read ``app.state.ctx``."""
     app.state.ctx = ServeContext(engine, settings, ModelCapabilities.of(engine.llm),
                                  Sealer(settings.thinking_signing_key))
+
+
+def _new_app(api_key: str | None, metrics: ServerMetrics, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="m2serve", version=m2serve.__version__, lifespan=_lifespan)
+    app.state.ctx = None
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(_AuthCountAndLog, api_key=settings.api_key, metrics=engine.metrics,
-                       max_bytes=settings.max_request_bytes)
+    app.add_middleware(_AuthCountAndLog, api_key=api_key, metrics=metrics, max_bytes=max_request_bytes,
+                       state=app.state)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"])

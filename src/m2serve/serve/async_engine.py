@@ -71,6 +71,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        self.metrics.set_engine(llm.engine.stats)  # the gauges (KV pages free ...) before the first step
 
     # ------------------------------------------------------------------ lifecycle
 

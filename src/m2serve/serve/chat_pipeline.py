@@ -118,7 +118,10 @@ class ChatJob:
     the default cap of ``text.constraint.max_tool_calls``);
     messages_param / max_tokens_param: the request fields holding the history (``messages``,
     ``input``) and the output-token limit (``max_tokens``, ``max_completion_tokens``,
-    ``max_output_tokens``), named in errors.
+    ``max_output_tokens``), named in errors;
+    max_tokens_is_cap: ``params.max_tokens`` is a cap clamped to the room left in the context
+    (Anthropic's required ``max_tokens``, :func:`clamp_max_tokens`) instead of a 400 when prompt +
+    max_tokens exceed it (the OpenAI routes, as vLLM answers).
     """
 
     messages: list[dict[str, Any]]
@@ -135,6 +138,7 @@ class ChatJob:
     skip_special_tokens: bool = True
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    max_tokens_is_cap: bool = False
 
 
 @dataclass(slots=True)
@@ -632,6 +636,21 @@ def check_length(
         raise APIError(400, "the prompt is empty", param="prompt")
 
 
+def clamp_max_tokens(ctx: AnyContext, params: SamplingParams, num_prompt_tokens: int,
+                     max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """``params`` with ``max_tokens`` lowered to the room left in the context (max_length - prompt
+    tokens) when it asks for more, with one debug log line; unchanged otherwise (also when the prompt
+    alone fills the context: :func:`check_length` refuses that). Anthropic's ``max_tokens`` is a
+    required cap, not a promise: a client sending 128000 to a 4,096-token model gets what fits, and
+    ``stop_reason`` ``max_tokens`` when it is reached (docs/serving.md §10)."""
+    room = ctx.caps.max_length - num_prompt_tokens
+    if params.max_tokens is None or room <= 0 or params.max_tokens <= room:
+        return params
+    log.debug("%s %d clamped to %d: the prompt has %d tokens of the %d-token context", max_tokens_param,
+              params.max_tokens, room, num_prompt_tokens, ctx.caps.max_length)
+    return replace(params, max_tokens=room)
+
+
 def check_token_ids(ctx: AnyContext, ids: list[int], param: str, what: str = "token id") -> None:
     """400 for an id outside the vocabulary."""
     bad = [t for t in ids if not 0 <= t < ctx.caps.vocab_size]
@@ -683,17 +702,26 @@ def reasoning_mode(llm: Any, reasoning_split: bool | None) -> str | None:
     return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(llm.reasoning_parser)
 
 
-def chat_params(llm: Any, params: SamplingParams, prompt: str) -> SamplingParams:
+def chat_params(llm: Any, params: SamplingParams, prompt: str,
+                reasoning_budget: int | None = None) -> SamplingParams:
     """``params`` with the reasoning-state fields the sampler needs for thinking_temperature (the
-    request's, else ``llm.thinking_temperature``; docs/serving.md §10)."""
+    request's, else ``llm.thinking_temperature``; docs/serving.md §10) and the checkpoint's reasoning
+    cap (generation_config.json ``max_reasoning_tokens``: a reply still reasoning after that many
+    tokens ends with ``length``) unless the params set one, the job has its own ``reasoning_budget``
+    (which forces ``</think>`` instead), or the request asks for its length (``ignore_eos``,
+    ``min_tokens``: benchmarks)."""
     thinking = params.thinking_temperature
     if thinking is None:
         thinking = llm.thinking_temperature
+    cap = params.max_reasoning_tokens
+    if cap is None and reasoning_budget is None and not params.ignore_eos and not params.min_tokens:
+        cap = llm.config.generation.max_reasoning_tokens
     return replace(
         params,
         thinking_temperature=thinking,
         start_in_reasoning=starts_in_reasoning(prompt),
         reasoning_end_token_ids=llm.reasoning_end_ids,
+        max_reasoning_tokens=cap,
     )
 
 
@@ -725,10 +753,12 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
                            messages_param=job.messages_param)
     ids = encode(ctx, prompt, job.messages_param, check_length=True, tools=job.tools)
-    params = chat_params(llm, job.params, prompt)
+    params = chat_params(llm, job.params, prompt, job.reasoning_budget)
     reasoning = "inside" if params.start_in_reasoning else "may_open"
     new_constraint = constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
-    check_length(ctx, ids, job.messages_param, job.params.max_tokens, job.max_tokens_param)
+    if job.max_tokens_is_cap:
+        params = clamp_max_tokens(ctx, params, len(ids), job.max_tokens_param)
+    check_length(ctx, ids, job.messages_param, params.max_tokens, job.max_tokens_param)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = reasoning_mode(llm, job.reasoning_split)
     return PreparedChat(job, prompt, ids, params, lambda rid: new_parser(llm, prompt, tools, mode, rid),
@@ -736,7 +766,10 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
 
 
 async def prepare(ctx: ServeContext, job: ChatJob) -> PreparedChat:
-    """:func:`prepare_blocking` off the event loop (rendering, tokenising and compiling take time)."""
+    """:func:`prepare_blocking` off the event loop (rendering, tokenising and compiling take time).
+    Under ``--exclude-tools-when-tool-choice-none`` a ``tool_choice`` none job renders no tools."""
+    if job.tool_choice == "none" and job.tools and ctx.settings.exclude_tools_when_tool_choice_none:
+        job = replace(job, tools=None)
     return await run_in_threadpool(prepare_blocking, ctx, job)
 
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
+import m2serve
 from m2serve.config.engine_args import (
     ACTIVATION_QUANT_MODES,
     ATTENTION_BACKENDS,
@@ -56,6 +57,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "thinking_temperature": None,
     "chat_template": None,
     "grace_period": 30.0,
+    "exclude_tools_when_tool_choice_none": False,
     "log_level": "info",
 }
 GENERATE_DEFAULTS: dict[str, Any] = {
@@ -79,7 +81,7 @@ UNSET_MEANING: dict[str, str] = {
     "model": "the embedded tiny-chat checkpoint",
     "max_length": "the config's max_position_embeddings, capped to the KV cache",
     "num_kv_pages": "the memory planner's count",
-    "kv_cache_memory_gib": "min(4, what max-batch-size x max-length needs) on CPU",
+    "kv_cache_memory_gib": "min(4, what min(max-batch-size, 8) x max-length needs) on CPU",
     "served_model_name": "the --model value, else the checkpoint directory's name",
     "chat_template": "the checkpoint's chat_template.jinja",
     "thinking_temperature": "the request's temperature",
@@ -111,17 +113,21 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--config-file", help="recipe YAML with MAX keys (recipes/*.yaml)")
     a("--model", help="checkpoint directory or hub id")
     a("--devices", help="cpu | cpu:N (N CPU ranks) | gpu | gpu:0,1,...")
-    a("--data-parallel-degree", type=int)
-    a("--ep-size", type=int)
-    a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None)
+    a("--data-parallel-degree", type=int, help="attention data-parallel replicas (MAX's DP)")
+    a("--ep-size", type=int, help="expert-parallel ranks the MoE experts are split over")
+    a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None,
+      help="combine the experts' outputs with one all-reduce instead of all-to-all")
     a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
     a("--max-length", type=int, help="max context in tokens")
-    a("--device-memory-utilization", type=float)
-    a("--kv-cache-page-size", type=int)
-    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS))
+    a("--device-memory-utilization", type=float,
+      help="GPU: fraction of device memory the planner may use (weights, activations, KV pages)")
+    a("--kv-cache-page-size", type=int, help="tokens per KV cache page")
+    a("--kv-cache-format", choices=list(KV_CACHE_FORMATS), help="KV cache element format")
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
-    a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES))
+    a("--weight-dequant", choices=list(WEIGHT_DEQUANT_MODES),
+      help="quantised weights: dequantise at load, or keep them as stored and dequantise when used "
+           "(runtime); auto picks runtime on a GPU and where the CPU kernels run")
     a("--attention-backend", choices=list(ATTENTION_BACKENDS),
       help="auto: triton on a GPU where Triton imports, else torch (docs/kernels.md §7)")
     a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
@@ -131,21 +137,23 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--quantize-unquantized", choices=list(QUANTIZE_UNQUANTIZED_MODES),
       help="fp8: quantise the linears the checkpoint leaves in bf16 (attention, lm_head) to FP8 "
            "blocks at load (default none)")
-    a("--log-level", choices=["debug", "info", "warning", "error"])
+    a("--log-level", choices=["debug", "info", "warning", "error"], help="logging level")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--served-model-name")
+    a("--served-model-name", help="the model name the APIs answer to and report")
     a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
     a("--max-batch-size", type=int, help="max running requests")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+      help="reuse the KV pages of a prompt prefix already computed")
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
     a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
-    a("--tool-parser", choices=["minimax_m2", "none"])
+    a("--tool-parser", choices=["minimax_m2", "none"], help="how tool calls are read from the output")
     a("--strict-tool-format", action=argparse.BooleanOptionalAction, default=None,
       help="refuse to start when the chat template writes tool calls the tool parser cannot read")
-    a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"])
+    a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"],
+      help="how reasoning is split from the answer (append_think: kept in the content)")
     a("--thinking-temperature", type=float, help="temperature while a chat reply is still reasoning")
     a("--threads", type=int, help="intra-op CPU threads per process")
     a("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
@@ -155,17 +163,22 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree. Defaults are None so that unset flags fall through to env/recipe/defaults."""
     parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving")
+    parser.add_argument("--version", action="version", version=f"m2serve {m2serve.__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_deployment_flags(s)
     _add_engine_flags(s)
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
+    s.add_argument("--host", help="address to listen on")
+    s.add_argument("--port", type=int, help="port to listen on (0 = any free port)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also M2SERVE_API_KEY)")
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
     s.add_argument("--max-request-bytes", type=int, help="largest request body accepted (beyond: 413)")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction,
+                   default=None, help="with tool_choice none, leave the tools out of the prompt too "
+                   "(vLLM's flag; by default they are rendered and no call can be generated)")
     s.add_argument("--thinking-signing-key", help="key of thinking-block signatures and sealed reasoning "
                    "(/v1/messages, /v1/responses); default: random per process")
 
@@ -174,10 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(g)
     g.add_argument("prompts", nargs="*", help="prompts")
     g.add_argument("--prompts-file", help="one prompt per line")
-    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--max-tokens", type=int, help="most tokens generated per prompt")
     g.add_argument("--temperature", type=float, help="0 = greedy")
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float, help="nucleus sampling: smallest token set with this probability")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = all)")
     g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
     g.add_argument(
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
@@ -186,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("build-kernels", help="build the packed-weight CPU kernels now (else: on first use)")
     pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
-    pl.add_argument("--max-batch-size", type=int)
+    pl.add_argument("--max-batch-size", type=int, help="max running requests")
     pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
     engine_defaults = {f.name: f.default for f in fields(EngineArgs)}
     for sp, defaults in ((s, SERVE_DEFAULTS), (g, GENERATE_DEFAULTS), (pl, PLAN_DEFAULTS)):
@@ -393,7 +406,10 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown.
 
     The listening socket is bound first (:func:`bind_listen_socket`; a taken port is an OSError
-    before the model loads), then the model loads and uvicorn serves on that socket.
+    before the model loads), then uvicorn serves on that socket while the model loads in a background
+    thread: until it is ready ``/health`` answers 503 ``{"status": "loading"}`` and every other route
+    503 in its API's shape (api.py ``build_loading_app``). A load that fails stops the server and is
+    raised here (the CLI reports it, exit 2).
     ``llm``: an already built :class:`~m2serve.serve.llm.LLM` (None = build one from ``opts``).
     On SIGTERM uvicorn stops accepting connections and gives in-flight requests
     ``grace_period`` seconds; at that deadline every request still running ends in its API's shape
@@ -412,35 +428,49 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
 
         async def shutdown(self, sockets: Any = None) -> None:
             grace = float(opts["grace_period"])
+            if app.state.ctx is None:  # stopped while the model was loading: nothing in flight
+                await super().shutdown(sockets)
+                return
             timer = asyncio.get_running_loop().call_later(grace, end_in_flight, app.state.ctx, grace)
             try:
                 await super().shutdown(sockets)
             finally:
                 timer.cancel()
 
-    from m2serve.serve.api import ServerSettings, build_app
+    from m2serve.serve.api import ServerSettings, build_loading_app
     from m2serve.serve.async_engine import AsyncEngine
     from m2serve.serve.metrics import ServerMetrics
 
     # Only the process that hosts HTTP binds: a torchrun rank > 0 never serves HTTP.
-    sock = bind_listen_socket(opts["host"], int(opts["port"])) if os.environ.get("RANK", "0") == "0" else None
-    if sock is not None:
-        opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
-    log.info("loading model %s", opts.get("model") or "(the embedded default)")
-    llm = llm or _make_llm(opts)
-    if llm is None:  # a torchrun worker rank: it served steps until rank 0 shut down
+    if os.environ.get("RANK", "0") != "0":
+        _make_llm(opts)  # a torchrun worker rank: serves steps until rank 0 shuts down
         return 0
-    engine = AsyncEngine(llm, ServerMetrics(), opts.get("max_queue_size"))
-    aliases = tuple(a for a in (opts.get("model"), str(llm.model_path)) if a)
-    settings = ServerSettings(
-        served_model_name=llm.served_model_name,
-        api_key=opts.get("api_key"),
-        model_aliases=aliases,
-        max_request_bytes=int(opts["max_request_bytes"]),
-        thinking_signing_key=opts.get("thinking_signing_key"),
-    )
-    app = build_app(engine, settings)
-    print(banner(llm, opts), flush=True)
+    sock = bind_listen_socket(opts["host"], int(opts["port"]))
+    opts = {**opts, "port": sock.getsockname()[1]}  # the real port when --port 0
+    metrics = ServerMetrics()
+
+    def load() -> tuple[AsyncEngine, ServerSettings]:
+        """Runs while the server already answers (503 loading, api.py build_loading_app)."""
+        log.info("loading model %s", opts.get("model") or "(the embedded default)")
+        built = llm or _make_llm(opts)
+        engine = AsyncEngine(built, metrics, opts.get("max_queue_size"))
+        aliases = tuple(a for a in (opts.get("model"), str(built.model_path)) if a)
+        settings = ServerSettings(
+            served_model_name=built.served_model_name,
+            api_key=opts.get("api_key"),
+            model_aliases=aliases,
+            max_request_bytes=int(opts["max_request_bytes"]),
+            thinking_signing_key=opts.get("thinking_signing_key"),
+            exclude_tools_when_tool_choice_none=bool(opts.get("exclude_tools_when_tool_choice_none")),
+        )
+        print(banner(built, opts), flush=True)
+        return engine, settings
+
+    def stop_on_load_error() -> None:
+        server.should_exit = True
+
+    app = build_loading_app(load, opts.get("api_key"), metrics, int(opts["max_request_bytes"]),
+                            on_load_error=stop_on_load_error)
     config = uvicorn.Config(
         app,
         host=opts["host"],
@@ -456,6 +486,8 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
+    if app.state.load_error is not None:  # reported like any start-up error (exit 2)
+        raise app.state.load_error
     return 0
 
 

@@ -3,6 +3,8 @@ the thinking sealer and the stored responses."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -12,8 +14,10 @@ from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.errors import APIError
 from m2serve.serve.sealing import Sealer
 
-# Responses kept for previous_response_id / GET /v1/responses/{id} (oldest evicted first).
+# Responses kept for previous_response_id / GET /v1/responses/{id} (oldest evicted first): at most
+# this many, and at most RESPONSE_STORE_BYTES of their JSON (response, conversation and input items).
 RESPONSE_STORE_SIZE = 1024
+RESPONSE_STORE_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -21,7 +25,10 @@ class ServerSettings:
     """HTTP-level settings. api_key None = no authentication; retry_after_s: the 503 Retry-After;
     max_request_bytes: the largest request body accepted (beyond: 413); thinking_signing_key: the key
     of thinking signatures and sealed reasoning (None: a random key per process, so signatures do not
-    survive a restart; set it to share them across restarts and replicas)."""
+    survive a restart; set it to share them across restarts and replicas);
+    exclude_tools_when_tool_choice_none: with ``tool_choice`` none the tools are not rendered into the
+    prompt either (vLLM's ``--exclude-tools-when-tool-choice-none``); by default they are, and the
+    grammar keeps every call out of the output."""
 
     served_model_name: str
     api_key: str | None = None
@@ -29,6 +36,7 @@ class ServerSettings:
     retry_after_s: int = 1
     max_request_bytes: int = 32 * 2**20
     thinking_signing_key: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,22 +69,47 @@ class ModelCapabilities:
 
 @dataclass(slots=True)
 class ResponseStore:
-    """The last ``size`` stored Responses-API responses by id (oldest evicted first)."""
+    """The last stored Responses-API responses by id, oldest evicted first: at most ``size`` of them
+    and at most ``max_bytes`` of their JSON (UTF-8 bytes of the value as JSON, dataclasses as their
+    fields; the newest entry is kept even when it alone is larger). ``num_bytes``: what is held."""
 
     size: int = RESPONSE_STORE_SIZE
-    items: OrderedDict[str, Any] = field(default_factory=OrderedDict)
+    max_bytes: int = RESPONSE_STORE_BYTES
+    items: OrderedDict[str, tuple[Any, int]] = field(default_factory=OrderedDict)
+    num_bytes: int = 0
 
     def put(self, key: str, value: Any) -> None:
-        self.items[key] = value
-        self.items.move_to_end(key)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        self.pop(key)
+        size = json_bytes(value)
+        self.items[key] = (value, size)
+        self.num_bytes += size
+        while len(self.items) > 1 and (len(self.items) > self.size or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self.items.popitem(last=False)[1][1]
 
     def get(self, key: str) -> Any | None:
-        return self.items.get(key)
+        entry = self.items.get(key)
+        return entry[0] if entry is not None else None
 
     def pop(self, key: str) -> Any | None:
-        return self.items.pop(key, None)
+        entry = self.items.pop(key, None)
+        if entry is None:
+            return None
+        self.num_bytes -= entry[1]
+        return entry[0]
+
+
+def json_bytes(value: Any, too_deep: int = RESPONSE_STORE_BYTES) -> int:
+    """UTF-8 bytes of ``value`` as JSON (a dataclass as its fields, anything else not JSON as its str);
+    ``too_deep`` for a value nested beyond Python's recursion limit (counted as the whole budget)."""
+    def fields_of(o: Any) -> Any:
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+        return str(o)
+
+    try:
+        return len(json.dumps(value, ensure_ascii=False, default=fields_of).encode())
+    except (RecursionError, ValueError):
+        return too_deep
 
 
 @dataclass(slots=True)

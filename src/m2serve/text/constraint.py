@@ -30,8 +30,9 @@ Bodies (``ConstraintSpec`` builders):
   or trailing newline, which P15 would strip; never ``</parameter>``, ``<parameter name=`` or
   ``</invoke>``, which end a value, P10); any other parameter is compact JSON (``json.dumps``
   separators) matching its schema.
-- ``no_tool_call_spec`` (``tool_choice`` none): any text that does not contain ``<minimax:tool_call>`` under
-  any tokenisation (the tag token and the tag spelt by ordinary tokens are both excluded).
+- ``no_tool_call_spec`` (``tool_choice`` none): any text that contains no tool-call syntax under any
+  tokenisation: the tag token, and ``minimax:tool_call``, ``<invoke``, ``</invoke``, ``<parameter``,
+  ``</parameter`` spelt by ordinary tokens, are all excluded.
 - ``json_spec`` (``response_format`` json_object / json_schema, ``structured_outputs.json``): compact JSON
   matching the schema (json_object: any object).
 - ``regex_spec`` / ``choice_spec`` / ``lark_spec``: vLLM ``structured_outputs`` regex / choice / grammar.
@@ -81,6 +82,20 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 _STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
                     "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
                     "writeOnly"}  # the last eight are annotations
+
+#: Text ``tool_choice`` none forbids in the answer (``no_tool_call_spec``): the pieces of MiniMax's
+#: tool-call syntax (docs/parsers.md §3), so no call leaks as text under any tokenisation.
+NO_TOOL_CALL_TEXT = ("minimax:tool_call", "<invoke", "</invoke", "<parameter", "</parameter")
+
+#: Grammar cost limits (docs/constrained-decoding.md, "Limits"): a ``choice`` list or a JSON Schema
+#: ``enum`` holds at most MAX_GRAMMAR_CHOICES strings, and a grammar's text (the Lark the request's
+#: schema, regex, grammar, choices or tools become) is at most MAX_GRAMMAR_BYTES; beyond them the
+#: request is refused before llguidance compiles anything (100,000 choices cost tens of seconds of
+#: CPU and ended in a Rust panic). GRAMMAR_CACHE_BYTES bounds the compiled-grammar cache by the bytes of
+#: grammar text it holds, next to its entry count (``GrammarCompiler.max_cached``).
+MAX_GRAMMAR_CHOICES = 1024
+MAX_GRAMMAR_BYTES = 256 * 1024
+GRAMMAR_CACHE_BYTES = 16 * 2**20
 
 #: Bits per int32 word of llguidance's token bitmask (the engine's TokenConstraint layout,
 #: engine/constraint.py BITMASK_WORD_BITS; text/ cannot import engine/).
@@ -141,22 +156,56 @@ def json_spec(schema: Mapping[str, Any] | None, field: str = "response_format") 
         schema = {"type": "object"}
     if not isinstance(schema, Mapping):
         raise ValueError(f"{field}: the JSON schema must be an object, got {type(schema).__name__}")
+    _check_enums(schema, field)
     text = json.dumps(schema, ensure_ascii=False)  # key order kept: it is the generation order
     return ConstraintSpec(f"json:{text}", field, f"body: {_json_schema(schema)}\n")
+
+
+def _check_enums(schema: Any, field: str) -> None:
+    """ValueError naming ``field`` when an ``enum`` anywhere in ``schema`` (walked without recursion)
+    lists more than MAX_GRAMMAR_CHOICES values."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, Mapping):
+            enum = node.get("enum")
+            if isinstance(enum, list) and len(enum) > MAX_GRAMMAR_CHOICES:
+                raise ValueError(f"{field}: an enum of {len(enum)} values, more than the limit of "
+                                 f"{MAX_GRAMMAR_CHOICES}")
+            todo += list(node.values())
+        elif isinstance(node, list):
+            todo += node
+
+
+def spec_bytes(spec: ConstraintSpec) -> int:
+    """UTF-8 bytes of a spec's grammar text (body and sub-grammars): what MAX_GRAMMAR_BYTES and the
+    cache's GRAMMAR_CACHE_BYTES count."""
+    return len(spec.body.encode()) + sum(len(g.encode()) for _, g in spec.subgrammars)
 
 
 def regex_spec(pattern: str, field: str = "structured_outputs.regex") -> ConstraintSpec:
     """Body = text fully matching ``pattern`` (Rust regex syntax; ``\\d``/``\\w``/``\\s`` ASCII)."""
     if not isinstance(pattern, str):
         raise ValueError(f"{field}: expected a regex string, got {type(pattern).__name__}")
-    return ConstraintSpec(f"regex:{pattern}", field,
-                          f"body: BODY_RE\nBODY_RE: /{llguidance.regex_to_lark(pattern, 'dws')}/\n")
+    if len(pattern.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{field}: the pattern is {len(pattern.encode())} bytes, more than the limit of "
+                         f"{MAX_GRAMMAR_BYTES} bytes")
+    try:
+        lark = llguidance.regex_to_lark(pattern, "dws")
+    except (ValueError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) or alike
+        log.error("llguidance failed converting %s (%s)", field, type(e).__name__)
+        raise ValueError(f"{field}: {_clean_error('panicked')}") from None
+    return ConstraintSpec(f"regex:{pattern}", field, f"body: BODY_RE\nBODY_RE: /{lark}/\n")
 
 
 def choice_spec(choices: Sequence[str], field: str = "structured_outputs.choice") -> ConstraintSpec:
     """Body = exactly one of ``choices``."""
     if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
         raise ValueError(f"{field}: expected a non-empty list of strings")
+    if len(choices) > MAX_GRAMMAR_CHOICES:
+        raise ValueError(f"{field}: {len(choices)} choices, more than the limit of {MAX_GRAMMAR_CHOICES}")
     alts = " | ".join(_lark_str(c) for c in choices)
     return ConstraintSpec("choice:" + json.dumps(list(choices)), field, f"body: {alts}\n")
 
@@ -169,10 +218,13 @@ def lark_spec(grammar: str, field: str = "structured_outputs.grammar") -> Constr
 
 
 def no_tool_call_spec() -> ConstraintSpec:
-    """Body = any text without ``<minimax:tool_call>`` (the tag's token is excluded with every special
-    token, since text terminals never match special tokens; its spelling is excluded by the regex)."""
+    """Body = any text without the tool-call syntax: no ``<minimax:tool_call>`` (its token is excluded
+    with every special token, since text terminals never match special tokens) and none of
+    ``NO_TOOL_CALL_TEXT`` spelt with ordinary tokens. Forbidding the tag alone was not enough: a model
+    that wants to call a tool then writes the call's body as text (``>\n<invoke name="get_weather">``)."""
+    banned = "|".join(re.escape(t).replace("/", "\\/") for t in NO_TOOL_CALL_TEXT)
     return ConstraintSpec("none", "tool_choice",
-                          f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)<minimax:tool_call>(?s:.*)/\n")
+                          f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)({banned})(?s:.*)/\n")
 
 
 def free_spec() -> ConstraintSpec:
@@ -318,6 +370,8 @@ def tool_calls_spec(tools: Sequence[Any], name: str | None = None, parallel_tool
     if not tools:
         raise ValueError("tool_choice: a required or named tool choice needs a non-empty tools list")
     functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    for i, (_, params) in enumerate(functions):
+        _check_enums(params, f"tools[{i}]")
     cap = max_tool_calls(len(functions), name, parallel_tool_calls, max_calls)
     if name is not None:
         functions = [f for f in functions if f[0] == name]
@@ -337,14 +391,19 @@ def tool_calls_spec(tools: Sequence[Any], name: str | None = None, parallel_tool
 
 
 def _clean_error(message: str) -> str:
-    """llguidance's message without its position in, and listing of, our generated Lark text."""
+    """llguidance's message without its position in, and listing of, our generated Lark text, and
+    never a Rust panic's text or backtrace (which name llguidance's source files, not the request):
+    a panic becomes one line saying so. At most 500 characters."""
+    if "panicked" in message or "backtrace" in message.lower():
+        return "llguidance failed on this grammar (an internal error); simplify it"
     message = re.sub(r"^at \d+\(\d+\): ", "", message)
     lines = message.splitlines()
     for i, line in enumerate(lines):
         if re.match(r"^\s*\d+ \| ", line):
             lines = lines[:i]
             break
-    return "\n".join(lines).strip()
+    text = "\n".join(lines).strip()
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 class GrammarCompiler:
@@ -353,10 +412,13 @@ class GrammarCompiler:
     ``tokenizer_json`` is the checkpoint's ``tokenizer.json`` text; ``vocab_size`` is the logits width
     V (the embedding may be padded past the tokenizer; padded ids are never allowed). Bitmasks are
     int32 ``[B, ceil(V/32)]``, bit ``t % 32`` of word ``t // 32`` set iff token t is allowed (llguidance
-    layout). ``max_cached`` bounds the cache (oldest entry dropped first).
+    layout). The cache holds at most ``max_cached`` grammars and ``max_cached_bytes`` of grammar text
+    (``spec_bytes``; oldest entry dropped first; a grammar larger than the whole budget is compiled
+    but not kept).
     """
 
-    def __init__(self, tokenizer: Tokenizer, tokenizer_json: str, vocab_size: int, max_cached: int = 256):
+    def __init__(self, tokenizer: Tokenizer, tokenizer_json: str, vocab_size: int, max_cached: int = 256,
+                 max_cached_bytes: int = GRAMMAR_CACHE_BYTES):
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer "
                              f"({tokenizer.vocab_size} tokens); pass the model's logits width")
@@ -366,8 +428,9 @@ class GrammarCompiler:
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                    eos_token=list(self.eos_token_ids))
         self.words = -(-vocab_size // _WORD_BITS)
-        self._max_cached = max_cached
-        self._cache: dict[tuple[str, str], llguidance.LLMatcher] = {}
+        self._max_cached, self._max_cached_bytes = max_cached, max_cached_bytes
+        self._cache: dict[tuple[str, str], tuple[llguidance.LLMatcher, int]] = {}  # -> (matcher, bytes)
+        self.cache_bytes = 0  # grammar text held by the cache
         # int32 [W] rows: what a forced </think> may be (plus tokens finishing a UTF-8 character), and
         # the end-of-turn ids (the row of a request whose grammar failed)
         self.force_think_end_mask = self._mask_of(self._continuation_ids() + [tokenizer.think_end_id])
@@ -427,28 +490,49 @@ class GrammarCompiler:
         """A fresh matcher at the start of the grammar (a deep copy of the cached compiled one).
 
         Raises ValueError ``"{spec.field}: ..."`` with llguidance's message for a grammar that does not
-        compile (invalid or unsupported schema, bad regex, bad Lark), and for an unknown ``reasoning``.
+        compile (invalid or unsupported schema, bad regex, bad Lark), for a grammar text larger than
+        MAX_GRAMMAR_BYTES (before compiling), and for an unknown ``reasoning``.
         """
         if reasoning not in _REASONING_STARTS:
             raise ValueError(f"reasoning={reasoning!r}: expected one of {_REASONING_STARTS}")
+        size = spec_bytes(spec)
+        if size > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"{spec.field}: the grammar is {size} bytes, more than the limit of "
+                             f"{MAX_GRAMMAR_BYTES} bytes")
         key = (spec.key, reasoning)
-        matcher = self._cache.get(key)
+        cached = self._cache.get(key)
+        matcher = cached[0] if cached is not None else None
         if matcher is None:
-            grammar = self._grammar(spec, reasoning)
-            error = self._check(grammar)
-            if error:
-                for field, lark in spec.parts:
-                    part_error = self._check(llguidance.LLMatcher.grammar_from_lark(lark))
-                    if part_error:
-                        raise ValueError(f"{field}: {part_error}")
-                raise ValueError(f"{spec.field}: {error}")
-            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
-            if matcher.is_error():
-                raise ValueError(f"{spec.field}: grammar does not compile: {matcher.get_error()}")
-            if len(self._cache) >= self._max_cached:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = matcher
+            try:
+                matcher = self._compile_new(spec, reasoning)
+            except (ValueError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) or alike
+                log.error("llguidance failed compiling %s (%s); refused as an internal error", spec.field,
+                          type(e).__name__)
+                raise ValueError(f"{spec.field}: {_clean_error('panicked')}") from None
+            if size <= self._max_cached_bytes:
+                while self._cache and (len(self._cache) >= self._max_cached
+                                       or self.cache_bytes + size > self._max_cached_bytes):
+                    self.cache_bytes -= self._cache.pop(next(iter(self._cache)))[1]
+                self._cache[key] = (matcher, size)
+                self.cache_bytes += size
         return matcher.deep_copy()
+
+    def _compile_new(self, spec: ConstraintSpec, reasoning: ReasoningStart) -> llguidance.LLMatcher:
+        """Check and compile ``spec`` (ValueError naming the field, or its part, at fault)."""
+        grammar = self._grammar(spec, reasoning)
+        error = self._check(grammar)
+        if error:
+            for field, lark in spec.parts:
+                part_error = self._check(llguidance.LLMatcher.grammar_from_lark(lark))
+                if part_error:
+                    raise ValueError(f"{field}: {part_error}")
+            raise ValueError(f"{spec.field}: {error}")
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=_LIMITS)
+        if matcher.is_error():
+            raise ValueError(f"{spec.field}: grammar does not compile: {_clean_error(matcher.get_error())}")
+        return matcher
 
     def _check(self, grammar: str) -> str:
         """'' if ``grammar`` compiles for this tokenizer, else llguidance's message."""

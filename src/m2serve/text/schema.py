@@ -26,6 +26,8 @@ _JSON_TYPES = {"null", "integer", "number", "boolean", "object", "array", "strin
 _PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _STRING_ONLY = frozenset({"string"})
+#: P16: the deepest object / array value converted; a deeper one stays text (the call is kept).
+MAX_VALUE_DEPTH = 128
 
 
 def _json_type_of(value: Any) -> str:
@@ -134,6 +136,19 @@ def _coerce_nested(value: Any, schema: Any) -> Any:
     return value
 
 
+def nesting_depth(value: Any) -> int:
+    """Levels of dict/list nesting of a ``json.loads`` value (a scalar: 0), counted without recursion."""
+    depth, level = 0, [(value, 1)]
+    while level:
+        item, d = level.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            depth = max(depth, d)
+            level += [(v, d + 1) for v in item]
+    return depth
+
+
 def _convert(raw: str, string_value: str, allowed: frozenset[str], schema: Any) -> Any:
     text = raw.strip()
     for kind in _PRIORITY:
@@ -159,6 +174,8 @@ def _convert(raw: str, string_value: str, allowed: frozenset[str], schema: Any) 
             try:
                 parsed = json.loads(text, parse_constant=_reject_constant)
             except (ValueError, RecursionError):
+                continue
+            if nesting_depth(parsed) > MAX_VALUE_DEPTH:  # P16: kept as text, the call survives
                 continue
             if isinstance(parsed, dict if kind == "object" else list):
                 return _coerce_nested(parsed, schema)

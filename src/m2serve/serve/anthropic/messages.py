@@ -11,9 +11,11 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   assistant message) -> ``tool`` messages; ``image`` / ``document`` -> 400 (text-only
   model). Thinking blocks sent back become the assistant's ``reasoning_content``, so the template keeps
   the current tool loop's reasoning (interleaved thinking, docs/parsers.md §2).
-- ``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the
-  official SDK sends none of the last three, so the checkpoint's generation defaults apply.
-- ``tools`` (``input_schema``); ``tool_choice`` ``auto``, ``none`` (the tool-call tag cannot be
+- ``max_tokens`` (required) is a cap: clamped to the room the prompt leaves in the context
+  (``stop_reason`` ``max_tokens`` when reached), where the OpenAI routes answer 400;
+  ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: sampling; the official SDK sends none of
+  the last three, so the checkpoint's generation defaults apply.
+- ``tools`` (``input_schema``); ``tool_choice`` ``auto``, ``none`` (no tool-call syntax can be
   generated), ``any`` (1 to N calls of the declared tools, N = their number), ``tool`` (one call of
   that tool); ``disable_parallel_tool_use`` -> exactly one tool_use (docs/constrained-decoding.md,
   "Tool-call cap").
@@ -190,6 +192,7 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
         params=params,
         reasoning_split=True,
         one_call=bool(choice is not None and choice.disable_parallel_tool_use),
+        max_tokens_is_cap=True,
     )
     return job, thinking is None or thinking.type != "disabled"
 

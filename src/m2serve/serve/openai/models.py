@@ -1,5 +1,5 @@
-"""GET /v1/models, POST /tokenize and /detokenize (docs/serving.md §10). /tokenize refuses a text
-longer than the context can hold before tokenising it, as the generation routes do."""
+"""GET /v1/models and /v1/models/{id}, POST /tokenize and /detokenize (docs/serving.md §10). /tokenize
+refuses a text longer than the context can hold before tokenising it, as the generation routes do."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ async def models(request: Request) -> P.ModelList:
     ctx: ServeContext = request.app.state.ctx
     card = P.ModelCard(id=ctx.settings.served_model_name, max_model_len=ctx.caps.max_length)
     return P.ModelList(data=[card])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> P.ModelCard:
+    """The served model's card under its name or an alias (``--model`` value, checkpoint path); 404
+    naming the served model otherwise."""
+    ctx: ServeContext = request.app.state.ctx
+    ctx.check_model(model_id)
+    return P.ModelCard(id=ctx.settings.served_model_name, max_model_len=ctx.caps.max_length)
 
 
 @router.post("/tokenize")

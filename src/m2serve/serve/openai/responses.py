@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: the OpenAI Responses API on the chat pipeline
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: the OpenAI
+Responses API on the chat pipeline
 (https://platform.openai.com/docs/api-reference/responses, openai SDK 3.x).
 
 Request -> :class:`ChatJob` (:func:`responses_job`):
@@ -10,7 +11,8 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   (from ``encrypted_content`` opened with the server key, else its ``content`` / ``summary`` text), so
   the template keeps the current tool loop's reasoning (interleaved thinking).
 - ``previous_response_id``: the stored conversation of that response (a bounded in-memory store of the
-  last ``RESPONSE_STORE_SIZE`` = 1024 responses created with ``store`` true, the default); unknown or
+  last ``RESPONSE_STORE_SIZE`` = 1024 responses created with ``store`` true, the default, and at most
+  ``RESPONSE_STORE_BYTES`` = 256 MiB of their JSON); unknown or
   evicted -> 404 naming the field.
 - ``tools`` (function), ``tool_choice`` ``auto`` / ``none`` / ``required`` / a named function
   (``{"type": "function", "name": ...}``), ``parallel_tool_calls``, ``max_output_tokens``,
@@ -48,14 +50,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from m2serve.serve import chat_pipeline as cp
-from m2serve.serve.context import RESPONSE_STORE_SIZE, ServeContext
+from m2serve.serve.context import RESPONSE_STORE_BYTES, RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
 from m2serve.serve.protocol import APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
@@ -94,9 +96,13 @@ class StoredResponse:
 
     response: dict[str, Any]
     messages: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- request -> chat job
+
+
+_KEPT = f"{RESPONSE_STORE_SIZE} stored responses, up to {RESPONSE_STORE_BYTES // 2**20} MiB of JSON"
 
 
 def _id(prefix: str) -> str:
@@ -220,6 +226,31 @@ def input_messages(items: str | list[dict[str, Any]], sealer: Sealer) -> list[di
     return out
 
 
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                     "reasoning": "rs"}
+
+
+def input_item_list(items: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A request's ``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: a string is one
+    user message; every item gets an ``id`` (kept when sent) and a message's string content becomes one
+    ``input_text`` part, as OpenAI lists them. Called after :func:`input_messages` accepted them."""
+    if items is None:
+        return []
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _id(_ITEM_ID_PREFIXES.get(kind, "item")))
+        out.append(item)
+    return out
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Responses function tools as chat-completions function tools (the template's form)."""
     out = []
@@ -263,7 +294,7 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
             raise APIError(
                 404,
                 f"previous_response_id {req.previous_response_id!r} is unknown or was evicted "
-                f"(the server keeps the last {RESPONSE_STORE_SIZE} stored responses, in memory); "
+                f"(the server keeps the last {_KEPT}, in memory); "
                 "send the whole conversation as input instead",
                 "not_found_error",
                 "previous_response_id",
@@ -550,7 +581,8 @@ async def create_response(req: ResponsesRequest, request: Request) -> Response:
     def store(choice: cp.Choice) -> None:
         if req.store:
             ctx.responses.put(builder.id, StoredResponse(builder.response(),
-                                                         history + [choice.output.history_message()]))
+                                                         history + [choice.output.history_message()],
+                                                         input_item_list(req.input)))
 
     if not req.stream:
         choice = (await cp.collect(ctx, request, sub))[0]
@@ -584,7 +616,7 @@ def _stored(ctx: ServeContext, response_id: str) -> StoredResponse:
         raise APIError(
             404,
             f"response {response_id!r} is unknown or was evicted (the server keeps the last "
-            f"{RESPONSE_STORE_SIZE} stored responses, in memory)",
+            f"{_KEPT}, in memory)",
             "not_found_error",
             "response_id",
         )
@@ -594,6 +626,29 @@ def _stored(ctx: ServeContext, response_id: str) -> StoredResponse:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     return _stored(request.app.state.ctx, response_id).response
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: int = 20,
+                           order: Literal["asc", "desc"] = "desc",
+                           after: str | None = None) -> dict[str, Any]:
+    """The input items of a stored response (those of its own request, not of ``previous_response_id``),
+    OpenAI's cursor page: ``limit`` 1-100 (default 20), ``order`` (default ``desc``, newest first),
+    ``after`` an item id. 404 for an unknown response, 400 for a bad ``limit`` or ``after``."""
+    items = list(_stored(request.app.state.ctx, response_id).input_items)
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit {limit} is not in [1, 100]", param="limit")
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after {after!r} is not an input item of response {response_id!r}",
+                           param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.delete("/v1/responses/{response_id}")
