@@ -437,40 +437,35 @@ def engine_part(device: str, smoke: bool) -> int:
     return 0
 
 
+def _kernel_part(name: str, check, device: str, smoke: bool) -> int:
+    """Run one Triton kernel part's ``check(device, smoke)`` (a dict with ``ok``), write
+    ``$OUT/gpu_check_<name>.json`` when OUT is set, print the verdict; 0 when ``ok``, else 1."""
+    t = time.perf_counter()
+    out = {"torch": torch.__version__, "device": device,
+           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+           **check(device, smoke)}
+    out["wall_s"] = time.perf_counter() - t
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], f"gpu_check_{name}.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {path}")
+    print(f"gpu_check --part {name}: {'OK' if out['ok'] else 'OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
+    return 0 if out["ok"] else 1
+
+
 def attention_part(device: str, smoke: bool) -> int:
     """``--part attention``: benchmarks/gpu_attention.py (imported here: it needs triton)."""
     from gpu_attention import check_attention
 
-    t = time.perf_counter()
-    out = {"torch": torch.__version__, "device": device,
-           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
-           **check_attention(device, smoke)}
-    out["wall_s"] = time.perf_counter() - t
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "gpu_check_attention.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {path}")
-    print(f"gpu_check --part attention: {'OK' if out['ok'] else 'OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
-    return 0 if out["ok"] else 1
+    return _kernel_part("attention", check_attention, device, smoke)
 
 
 def moe_part(device: str, smoke: bool) -> int:
     """``--part moe``: benchmarks/gpu_moe.py (imported here: it needs triton)."""
     from gpu_moe import check_moe
 
-    t = time.perf_counter()
-    out = {"torch": torch.__version__, "device": device,
-           "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
-           **check_moe(device, smoke)}
-    out["wall_s"] = time.perf_counter() - t
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "gpu_check_moe.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"wrote {path}")
-    print(f"gpu_check --part moe: {'OK' if out['ok'] else 'OUT OF TOLERANCE'} in {out['wall_s']:.0f} s")
-    return 0 if out["ok"] else 1
+    return _kernel_part("moe", check_moe, device, smoke)
 
 
 def build_fp8(cfg: MiniMaxM2Config, state: dict[str, torch.Tensor], device: str,

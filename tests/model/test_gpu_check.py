@@ -51,16 +51,22 @@ def test_cpu_smoke_checks_logits_counts_no_read_backs_and_writes_json(tmp_path):
     assert set(res["speed_bf16"]) >= {"decode_b1_tok_s", "decode_b4_tok_s", "legacy_decode_b4_tok_s"}
 
 
-def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
-    # --part attention (issue 28 item 5): the GPU image has torch, triton and transformers only
+def _assert_imports_no_server_stack(*modules: str) -> None:
+    """Importing gpu_check and ``modules`` pulls in no server stack (the GPU image has torch, triton
+    and transformers only)."""
     code = (f"import sys; sys.argv = ['gpu_check']; sys.path.insert(0, {str(SCRIPT.parent)!r});"
-            "import gpu_check, gpu_attention, m2serve.kernels.triton.attention; bad = sorted(m for m in "
+            f"import gpu_check, {', '.join(modules)}; bad = sorted(m for m in "
             "sys.modules if m.split('.')[0] in ('pydantic', 'fastapi', 'llguidance', 'tokenizers', "
             "'transformers') or m.startswith(('m2serve.serve', 'm2serve.engine', 'm2serve.text', "
             "'m2serve.parallel', 'm2serve.checkpoints'))); print(bad)")
     r = _run(code=code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
+    # --part attention (issue 28 item 5): the GPU image has torch, triton and transformers only
+    _assert_imports_no_server_stack("gpu_attention", "m2serve.kernels.triton.attention")
     r = _run("--part", "attention", "--cpu-smoke", out=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "gpu_check_attention.json").read_text())
@@ -111,14 +117,7 @@ def test_engine_part_cpu_smoke_times_decode_against_the_bound(tmp_path):
 
 def test_moe_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
     # --part moe (issue 31 item 4): torch and triton only; the smoke runs every format at tiny dims
-    code = (f"import sys; sys.argv = ['gpu_check']; sys.path.insert(0, {str(SCRIPT.parent)!r});"
-            "import gpu_check, gpu_moe, m2serve.kernels.triton.moe; bad = sorted(m for m in "
-            "sys.modules if m.split('.')[0] in ('pydantic', 'fastapi', 'llguidance', 'tokenizers', "
-            "'transformers') or m.startswith(('m2serve.serve', 'm2serve.engine', 'm2serve.text', "
-            "'m2serve.parallel', 'm2serve.checkpoints'))); print(bad)")
-    r = _run(code=code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
+    _assert_imports_no_server_stack("gpu_moe", "m2serve.kernels.triton.moe")
     r = _run("--part", "moe", "--cpu-smoke", out=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "gpu_check_moe.json").read_text())
