@@ -136,7 +136,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
       help="auto: quantise quantised linears' inputs as the checkpoint declares (W4A4); none: W4A16")
     a("--quantize-unquantized", choices=list(QUANTIZE_UNQUANTIZED_MODES),
       help="fp8: quantise the linears the checkpoint leaves in bf16 (attention, lm_head) to FP8 "
-           "blocks at load (default none)")
+           "blocks at load")
     a("--log-level", choices=["debug", "info", "warning", "error"], help="logging level")
 
 
