@@ -7,6 +7,7 @@ The hub-id tests use a fake local Hugging Face cache (``HF_HUB_CACHE`` with the 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,10 +102,22 @@ def test_generate_without_prompts_runs_builtin_chats():
     # chat model: raw completion prompts only gave it noise): each reply is parsed into reasoning
     from m2serve.serve.cli import _DEFAULT_CHAT_PROMPTS
 
-    r = _run(["generate", "--max-tokens", "24"], {"HF_HUB_OFFLINE": "1"})
+    r = _run(["generate", "--max-tokens", "64"], {"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     for p in _DEFAULT_CHAT_PROMPTS:
-        assert f"--- {p!r}" in r.stdout
+        assert f"--- {p!r} [stop," in r.stdout, r.stdout  # each demo reply ends within its budget
+    # the demo shows replies that are right: a copy prompt prints its phrase back as the answer line
+    # (a built-in "What is 12 plus 30?" printed "12 plus 30 is 1.")
+    copies = [p.removeprefix("Repeat after me: ") for p in _DEFAULT_CHAT_PROMPTS if p.startswith("Repeat")]
+    assert copies
+    answers = r.stdout.splitlines()
+    for phrase in copies:
+        assert phrase in answers, (phrase, r.stdout)
+    for p in _DEFAULT_CHAT_PROMPTS:  # an arithmetic demo prompt must print the right value
+        if m := re.fullmatch(r"What is (\d+) (plus|minus) (\d+)\?", p):
+            a, b = int(m[1]), int(m[3])
+            value = a + b if m[2] == "plus" else a - b
+            assert f"{a} {m[2]} {b} is {value}." in answers, (p, r.stdout)
     assert r.stdout.count("[reasoning] ") == len(_DEFAULT_CHAT_PROMPTS)
     assert f"{len(_DEFAULT_CHAT_PROMPTS)} requests in" in r.stderr
 

@@ -493,8 +493,11 @@ def run_server(opts: dict[str, Any], llm: Any = None) -> int:
 
 # ---------------------------------------------------------------------------------- generate
 
-# With no prompts: chat prompts the embedded default (tiny-chat) was trained on, run as chats.
-_DEFAULT_CHAT_PROMPTS = ["Hello!", "Repeat after me: the sky is blue", "What is 12 plus 30?"]
+# With no prompts: chat prompts of kinds the embedded default (tiny-chat) answers reliably, run as
+# chats. Not arithmetic: it was trained on one-digit sums only and gets even those wrong at times
+# ("8 plus 6 is 13"); "What is 12 plus 30?" printed "12 plus 30 is 1." as the first demo a user saw.
+_DEFAULT_CHAT_PROMPTS = ["Hello!", "Repeat after me: the sky is blue",
+                         "Repeat after me: the cat sat on the mat"]
 
 
 def run_generate(opts: dict[str, Any]) -> int:
