@@ -31,7 +31,7 @@ def test_every_option_of_every_subcommand_shows_its_default():
                 continue
             # "(default" with or without the colon: a hand-written "(default none)" next to
             # argparse's "(default: none)" shows the default twice
-            if (act.help or "").count("(default") != 1:
+            if (act.help or "").count("(default") != 1 or "; default:" in (act.help or ""):
                 missing.append(f"{name} {'/'.join(act.option_strings) or act.dest}: {act.help!r}")
     assert not missing, "options whose --help shows no default (or two):\n" + "\n".join(missing)
 
@@ -79,3 +79,13 @@ def test_version_flag():
 
     r = subprocess.run([EXE, "--version"], capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout.strip()) == (0, f"m2serve {m2serve.__version__}")
+
+
+def test_every_subcommand_help_says_what_it_does():
+    # `m2serve build-kernels --help` printed a bare usage line: each subcommand's own --help now opens
+    # with the line `m2serve --help` lists for it
+    parser = build_parser()
+    sub_action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for choice in sub_action._choices_actions:
+        text = " ".join(sub_action.choices[choice.dest].format_help().split())
+        assert choice.help and choice.help in text, (choice.dest, text)

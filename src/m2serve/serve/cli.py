@@ -85,8 +85,9 @@ UNSET_MEANING: dict[str, str] = {
     "served_model_name": "the --model value, else the checkpoint directory's name",
     "chat_template": "the checkpoint's chat_template.jinja",
     "thinking_temperature": "the request's temperature",
-    "threads": "one per physical core; one per rank with cpu:N; OMP_NUM_THREADS if set",
+    "threads": "OMP_NUM_THREADS if set, else one per physical core; one per rank with cpu:N",
     "api_key": "none, no authentication",
+    "thinking_signing_key": "random per process",
     "max_queue_size": "unbounded",
     "prompts": "a few built-in chat prompts, run as chats",
     "prompts_file": "none",
@@ -160,6 +161,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
       help="seeded requests get the same tokens alone and in any batch, at a speed cost (CPU)")
 
 
+def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose one line shows in ``m2serve --help`` and atop its own ``--help``."""
+    return sub.add_parser(name, help=text, description=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree. Defaults are None so that unset flags fall through to env/recipe/defaults."""
     parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving")
@@ -167,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = _sub(sub, "serve", "HTTP server: OpenAI Chat Completions, Completions and Responses, Anthropic "
+             "Messages")
     _add_deployment_flags(s)
     _add_engine_flags(s)
     s.add_argument("--host", help="address to listen on")
@@ -180,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="with tool_choice none, leave the tools out of the prompt too "
                    "(vLLM's flag; by default they are rendered and no call can be generated)")
     s.add_argument("--thinking-signing-key", help="key of thinking-block signatures and sealed reasoning "
-                   "(/v1/messages, /v1/responses); default: random per process")
+                   "(/v1/messages, /v1/responses)")
 
-    g = sub.add_parser("generate", help="offline generation with a progress bar and a throughput summary")
+    g = _sub(sub, "generate", "offline generation with a progress bar and a throughput summary")
     _add_deployment_flags(g)
     _add_engine_flags(g)
     g.add_argument("prompts", nargs="*", help="prompts")
@@ -196,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
     )
 
-    sub.add_parser("build-kernels", help="build the packed-weight CPU kernels now (else: on first use)")
-    pl = sub.add_parser("plan", help="memory plan from config.json alone (no weights)")
+    _sub(sub, "build-kernels", "build the packed-weight CPU kernels now (else: on first use)")
+    pl = _sub(sub, "plan", "memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
     pl.add_argument("--max-batch-size", type=int, help="max running requests")
     pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
