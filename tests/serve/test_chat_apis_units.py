@@ -435,7 +435,15 @@ def test_response_builder_events_and_output():
     cut = ResponseBuilder(req, "m", SEALER)
     last = _stream([_delta(content="Hel"), _delta(content="lo", finished=True, finish_reason="length")])
     cut.feed(last[0])
-    assert cut.finish(last[1].choice, TokenUsage())[-1]["type"] == "response.incomplete"
+    events = cut.finish(last[1].choice, TokenUsage())
+    assert events[-1]["type"] == "response.incomplete"
+    # the message the limit cut ends "incomplete", in its output_item.done and in the final response
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(o["type"], o["status"]) for o in done] == [("message", "incomplete")]
+    assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
+    whole = ResponseBuilder(req, "m", SEALER)
+    whole.complete(last[1].choice, TokenUsage())
+    assert [(o["type"], o["status"]) for o in whole.response()["output"]] == [("message", "incomplete")]
 
 
 def test_response_with_a_cut_call_streamed_and_not():
@@ -450,6 +458,8 @@ def test_response_with_a_cut_call_streamed_and_not():
     r = openai.types.responses.Response.model_validate(ns.response())
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == RAW
+    # the item the limit cut says so, as OpenAI's does (vLLM reports it "completed")
+    assert [o.status for o in r.output] == ["completed", "incomplete"]
     b = ResponseBuilder(req, "m", SEALER)
     events = b.start() + [e for d in deltas for e in b.feed(d)]
     events += b.finish(deltas[-1].choice, TokenUsage(10, 5))
@@ -457,7 +467,7 @@ def test_response_with_a_cut_call_streamed_and_not():
     assert "response.function_call_arguments.done" not in [e.type for e in events]
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(o.type, o.status) for o in done] == [("reasoning", "completed"), ("function_call", "incomplete"),
-                                                  ("message", "completed")]
+                                                  ("message", "incomplete")]
     assert done[1].arguments == '{"city": "Par' and done[2].content[0].text == RAW
     final = events[-1]
     assert final.type == "response.incomplete" and final.response.output == done

@@ -363,17 +363,21 @@ def output_items(choice: cp.Choice, streamed: bool, encrypted: Sealer | None,
     the items the stream sent, in order; the final items keep their ids and sealed reasoning."""
     sent = list(sent or ())
     out = []
-    for k, part in enumerate(choice.output.returned_parts(streamed)):
+    parts = choice.output.returned_parts(streamed)
+    cut = choice.output.finish_reason == "length"
+    for k, part in enumerate(parts):
+        # the limit cut the last reasoning or message item: its status says so, as OpenAI's does
+        status = "incomplete" if cut and k == len(parts) - 1 else "completed"
         kind = "rs" if part.kind == "reasoning" else "msg" if part.kind == "content" else "fc"
         item_id = sent[k]["id"] if k < len(sent) else _id(kind)
         if part.kind == "reasoning":
             sealed = sent[k].get("encrypted_content") if k < len(sent) and encrypted is not None else None
-            item = reasoning_item(item_id, part.text, "completed", None if sealed else encrypted)
+            item = reasoning_item(item_id, part.text, status, None if sealed else encrypted)
             if sealed:
                 item["encrypted_content"] = sealed  # as the stream sent it (each seal draws a new nonce)
             out.append(item)
         elif part.kind == "content":
-            out.append(message_item(item_id, part.text, "completed"))
+            out.append(message_item(item_id, part.text, status))
         elif part.call is not None:
             c = part.call
             status = "completed" if c.complete else "incomplete"
@@ -463,7 +467,7 @@ class ResponseBuilder:
     def finish(self, choice: cp.Choice, usage: cp.TokenUsage) -> list[dict]:
         """Close the last item and end the stream with the response built from the finished choice."""
         self._final = choice
-        ev = self._close()
+        ev = self._close(cut=choice.output.finish_reason == "length")
         self.complete(choice, usage, streamed=True)
         return ev + [self.event(f"response.{self.status}", response=self.response())]
 
@@ -532,17 +536,20 @@ class ResponseBuilder:
         parts = self._final.output.parts if self._final is not None else ()
         return any(p.call is not None and p.call.id == call_id and not p.call.complete for p in parts)
 
-    def _close(self) -> list[dict]:
+    def _close(self, cut: bool = False) -> list[dict]:
+        """Close the open item (``cut``: the token limit ended it, so a reasoning or message item ends
+        with status ``incomplete``)."""
         if not self.open:
             return []
         self.open = False
         at, text, ev = self._where(), "".join(self._text), []
         old = self.output[-1]
+        status = "incomplete" if cut else "completed"
         if old["type"] == "reasoning":
-            item = reasoning_item(old["id"], text, "completed", self.encrypted)
+            item = reasoning_item(old["id"], text, status, self.encrypted)
             ev.append(self.event("response.reasoning_text.done", **at, content_index=0, text=text))
         elif old["type"] == "message":
-            item = message_item(old["id"], text, "completed")
+            item = message_item(old["id"], text, status)
             part = item["content"][0]
             ev.append(self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]))
             ev.append(self.event("response.content_part.done", **at, content_index=0, part=part))
