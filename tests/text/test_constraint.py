@@ -3,6 +3,8 @@ and ``tool_choice`` none under any tokenisation (issue 20; docs/parsers.md §1, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from constraint_helpers import TOKENIZERS, make_compiler, unpack_bitmask
@@ -237,3 +239,15 @@ def test_mask_rows_use_the_llguidance_bit_layout(compiler):
     allowed = unpack_bitmask(row.unsqueeze(0), compiler.vocab_size)[0]
     assert allowed.nonzero().flatten().tolist() == [0, 31, 63, compiler.vocab_size - 1]
     assert row[0].item() == 1 - 2**31 and row[1].item() == -(2**31)
+
+
+@pytest.mark.parametrize("make", [lambda: tool_calls_spec([_tool("a>b", {})]),
+                                  lambda: tool_calls_spec([_tool("f", {"k>": {"type": "string"}})])])
+def test_a_name_the_format_cannot_express_points_at_the_docs(make):
+    # the message cited "spec §3.7", a document users do not have; the rule lives in docs/parsers.md §3.7
+    with pytest.raises(ValueError) as info:
+        make()
+    assert "contains '>'" in str(info.value) and "(docs/parsers.md §3.7)" in str(info.value)
+    docs = (Path(__file__).parents[2] / "docs" / "parsers.md").read_text(encoding="utf-8")
+    section = docs.split("### §3.7")[1].split("\n#")[0]
+    assert "Names and keys cannot contain `>`" in section

@@ -64,7 +64,7 @@ def tool_turns(draw):
 
 
 def _within_format(value) -> bool:
-    """False for the documented limits of spec §3.7."""
+    """False for the documented limits of docs/parsers.md §3.7."""
     if isinstance(value, str):
         return not (value.startswith("\n") or value.endswith("\n") or LIMITS.search(value))
     return not LIMITS.search(json.dumps(value, ensure_ascii=False))

@@ -240,7 +240,7 @@ def _function(tool: Any, index: int) -> tuple[str, Mapping[str, Any]]:
         raise ValueError(f"tools[{index}]: a function tool needs a non-empty function.name")
     if ">" in name:
         raise ValueError(f"tools[{index}]: function name {name!r} contains '>', which the MiniMax tool-call "
-                         "format cannot express (spec §3.7)")
+                         "format cannot express (docs/parsers.md §3.7)")
     params = fn.get("parameters") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"tool {name!r}: function.parameters must be a JSON Schema object")
@@ -309,7 +309,8 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
     rules, seq, parts = [], [], []
     for j, (key, schema) in enumerate(props.items()):
         if ">" in key:
-            raise ValueError(f"tool {name!r}: parameter name {key!r} contains '>' (spec §3.7)")
+            raise ValueError(f"tool {name!r}: parameter name {key!r} contains '>', which the MiniMax "
+                             "tool-call format cannot express (docs/parsers.md §3.7)")
         if not isinstance(schema, Mapping):
             schema = {}
         where = f"tool {name!r} parameter {key!r}"
