@@ -248,6 +248,6 @@ def test_a_name_the_format_cannot_express_points_at_the_docs(make):
     with pytest.raises(ValueError) as info:
         make()
     assert "contains '>'" in str(info.value) and "(docs/parsers.md §3.7)" in str(info.value)
-    docs = (Path(__file__).parents[2] / "docs" / "parsers.md").read_text(encoding="utf-8")
+    docs = (Path(__file__).parents[2] / "docs/parsers.md").read_text(encoding="utf-8")
     section = docs.split("### §3.7")[1].split("\n#")[0]
     assert "Names and keys cannot contain `>`" in section
