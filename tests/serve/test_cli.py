@@ -97,6 +97,16 @@ def test_generate_embedded_default_without_model(tmp_path):
 
 
 @pytest.mark.slow  # runs m2serve generate in a subprocess
+def test_generate_checks_sampling_flags_before_loading():
+    # a bad sampling flag is refused before the model loads (it used to load the model and print the
+    # banner first): exit 2, the message, no banner
+    message = "invalid sampling parameter temperature=-1.0: must be >= 0"
+    r = _run(["generate", "--temperature", "-1", "hi"], {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and f"m2serve generate: error: {message}" in r.stderr, r.stderr
+    assert "m2serve tiny-chat |" not in r.stderr and "requests in" not in r.stderr
+
+
+@pytest.mark.slow  # runs m2serve generate in a subprocess
 def test_generate_without_prompts_runs_builtin_chats():
     # with no prompts, `m2serve generate` runs built-in chat prompts as chats (the embedded default is a
     # chat model: raw completion prompts only gave it noise): each reply is parsed into reasoning

@@ -523,17 +523,17 @@ def run_generate(opts: dict[str, Any]) -> int:
     chat = bool(opts.get("chat"))
     if not prompts:
         prompts, chat = list(_DEFAULT_CHAT_PROMPTS), True
-    llm = _make_llm(opts)
-    if llm is None:  # a torchrun worker rank
-        return 0
-    print(banner(llm, opts), file=sys.stderr, flush=True)
-    params = SamplingParams(
+    params = SamplingParams(  # checked before the model loads: a bad value fails at once
         temperature=opts["temperature"],
         top_p=opts.get("top_p"),
         top_k=opts.get("top_k"),
         seed=opts.get("sampling_seed"),
         max_tokens=opts["max_tokens"],
     )
+    llm = _make_llm(opts)
+    if llm is None:  # a torchrun worker rank
+        return 0
+    print(banner(llm, opts), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if chat:
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
