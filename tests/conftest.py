@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton's interpreter must be chosen before anything imports triton (a library under test may, e.g.
+# nvidia-modelopt or torch.nn.attention.bias): its own @jit helpers are built at import and cannot run
+# in the interpreter otherwise (docs/kernels.md §1). No GPU device node: run Triton kernels interpreted.
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -203,7 +203,7 @@ def test_reasoning_effort_is_a_reasoning_budget(client, monkeypatch, effort, bud
 def test_reasoning_budgets_documented():
     # docs/serving.md §10 and the README state the table's numbers
     root = Path(__file__).resolve().parents[2]
-    for doc in (root / "docs" / "docs/serving.md", root / "README.md"):
+    for doc in (root / "docs/serving.md", root / "README.md"):
         text = doc.read_text(encoding="utf-8")
         for effort, budget in REASONING_BUDGETS.items():
             shown = "no budget" if budget is None else f"{budget:,}"

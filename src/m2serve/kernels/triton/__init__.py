@@ -18,8 +18,18 @@ numpy < 2.4 for its interpreter; the ``test`` extra of pyproject.toml).
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
+    if os.environ["TRITON_INTERPRET"] == "1" and "triton" in sys.modules:
+        # triton built its own @jit helpers (tl.cdiv, reductions, ...) for a GPU when it was imported;
+        # interpreted kernels that call them fail with "Cannot call @triton.jit'd outside of the scope
+        # of a kernel", so say what to do instead
+        warnings.warn("triton was imported before m2serve.kernels.triton could select its CPU "
+                      "interpreter; kernels calling Triton's own helpers will fail: set "
+                      "TRITON_INTERPRET=1 in the environment before starting (docs/kernels.md §1)",
+                      RuntimeWarning, stacklevel=2)
