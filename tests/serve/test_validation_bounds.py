@@ -307,3 +307,26 @@ def test_mistyped_or_inconsistent_field_is_400_naming_its_path(served, route, bo
 def test_the_valid_forms_are_accepted(served, route, body):
     client, _ = served
     assert client.post(route, json=body).status_code == 200
+
+
+UNPARSABLE = [  # (route, raw body, words the message must contain): bodies Python's json cannot parse
+    ("/v1/chat/completions", b'{"messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "nested too deeply"),
+    ("/v1/messages", b'{"model": "m", "max_tokens": 2, "messages": [], "tools": [' + b'{"a": ' * 5_000
+     + b"1" + b"}" * 5_000 + b"]}", "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "Hi", "seed": ' + b"9" * 5_000 + b"}", "4300 digits"),
+    ("/v1/responses", b'{"input": "Hi", "ignored": ' + b"9" * 5_000 + b"}", "4300 digits"),
+]
+
+
+@pytest.mark.parametrize("route, raw, words", UNPARSABLE)
+def test_body_beyond_the_json_parsers_limits_is_400_naming_the_limit(served, route, raw, words):
+    """A body nested beyond the recursion limit or with an integer beyond Python's digit limit was
+    answered FastAPI's bare "There was an error parsing the body"; the message must name the limit."""
+    client, llm = served
+    before = llm.engine.added
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert words in message and "parser's limit" in message, message
+    assert llm.engine.added == before

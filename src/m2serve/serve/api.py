@@ -32,6 +32,7 @@ import ctypes
 import ctypes.util
 import logging
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -233,9 +234,23 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     return error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param), request.scope)
 
 
+def _unparsable_body_message(cause: BaseException | None) -> str | None:
+    """The message of a body FastAPI could not parse for a reason other than a JSON syntax error (it
+    answers only "There was an error parsing the body"): the parser limit the body exceeded, or None."""
+    if isinstance(cause, RecursionError):
+        return ("invalid request: the body is nested too deeply to parse (JSON arrays and objects nested "
+                f"beyond the parser's limit, Python's recursion limit of {sys.getrecursionlimit()} "
+                "levels); flatten it")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return ("invalid request: the body has an integer literal longer than the parser's limit of "
+                f"{sys.get_int_max_str_digits()} digits")
+    return None
+
+
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(e.status_code, str(e.detail), type_), request.scope)
+    message = (_unparsable_body_message(e.__cause__) if e.status_code == 400 else None) or str(e.detail)
+    return error_response(APIError(e.status_code, message, type_), request.scope)
 
 
 async def health(request: Request) -> Response:
