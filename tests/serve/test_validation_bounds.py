@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
-from m2serve.serve.protocol import MAX_SEQUENCES
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_SEQUENCES
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 TOOL_LOOP = [
@@ -330,3 +330,23 @@ def test_body_beyond_the_json_parsers_limits_is_400_naming_the_limit(served, rou
     message, _ = _error(route, r)
     assert words in message and "parser's limit" in message, message
     assert llm.engine.added == before
+
+
+_MANY = [{"role": "user", "content": "Hi"}] * (MAX_MESSAGES + 1)
+TOO_MANY_MESSAGES = [  # (route, body, the field)
+    (*_chat(messages=_MANY), "messages"),
+    (*_msgs(messages=_MANY), "messages"),
+    (*_resp(input=_MANY), "input"),
+    ("/tokenize", {"messages": _MANY}, "messages"),
+]
+
+
+@pytest.mark.parametrize("route, body, field", TOO_MANY_MESSAGES)
+def test_more_messages_than_the_limit_is_400_naming_field_and_limit(served, route, body, field):
+    """A conversation of more than MAX_MESSAGES messages is refused while the body is validated (before,
+    it was rendered in full, seconds of work, before the context check refused it)."""
+    client, llm = served
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert field in message and f"at most {MAX_MESSAGES} items" in message, message

@@ -87,6 +87,10 @@ MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM is unbounded: generous, but every
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
 MAX_SEQUENCES = 1024  # prompts x n of one /v1/completions request (each is an engine request)
+# Messages (Responses: input items) of one conversation: Anthropic's documented per-request limit. Checked
+# while the body is validated, on the event loop: before, half a million ``{"role": "user"}`` (8 MiB)
+# stalled every other request for seconds and cost ~20 s of rendering before the context check refused it.
+MAX_MESSAGES = 100_000
 
 
 class _SamplingFields(APIRequest):
@@ -143,7 +147,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -182,7 +186,7 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
