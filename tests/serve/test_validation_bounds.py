@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
-from m2serve.serve.protocol import MAX_MESSAGES, MAX_SEQUENCES
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_SEQUENCES, MAX_TOOLS
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 TOOL_LOOP = [
@@ -350,3 +350,23 @@ def test_more_messages_than_the_limit_is_400_naming_field_and_limit(served, rout
     assert r.status_code == 400, r.text
     message, _ = _error(route, r)
     assert field in message and f"at most {MAX_MESSAGES} items" in message, message
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOO_MANY_TOOLS = [  # (route, body)
+    _chat(tools=[_TOOL] * (MAX_TOOLS + 1)),
+    _msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}] * (MAX_TOOLS + 1)),
+    _resp(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}] * (MAX_TOOLS + 1)),
+    ("/tokenize", {"messages": MESSAGES, "tools": [_TOOL] * (MAX_TOOLS + 1)}),
+]
+
+
+@pytest.mark.parametrize("route, body", TOO_MANY_TOOLS)
+def test_more_tools_than_the_limit_is_400_naming_field_and_limit(served, route, body):
+    """More than MAX_TOOLS tools is refused while the body is validated (before, every tool was
+    validated and rendered, seconds of work, before the context check refused the prompt)."""
+    client, llm = served
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert "tools" in message and f"at most {MAX_TOOLS} items" in message, message

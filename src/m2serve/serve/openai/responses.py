@@ -59,7 +59,7 @@ from pydantic import Field
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_BYTES, RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
-from m2serve.serve.protocol import MAX_MESSAGES, APIRequest, new_id, sse
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_TOOLS, APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ResponsesRequest(APIRequest):
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
