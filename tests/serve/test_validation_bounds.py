@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
+from m2serve.serve.errors import MAX_ERROR_CHARS
 from m2serve.serve.protocol import MAX_MESSAGES, MAX_SEQUENCES, MAX_TOOLS
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
@@ -370,3 +371,29 @@ def test_more_tools_than_the_limit_is_400_naming_field_and_limit(served, route, 
     assert r.status_code == 400, r.text
     message, _ = _error(route, r)
     assert "tools" in message and f"at most {MAX_TOOLS} items" in message, message
+
+
+_HUGE = "x" * 1_000_000
+ECHOING = [  # (route, body): errors whose message echoes a request value
+    _chat(model=_HUGE),
+    _msgs(model=_HUGE),
+    _chat(reasoning_effort=_HUGE),
+    _chat(logit_bias={_HUGE: "not a number"}),
+    _resp(previous_response_id=_HUGE),
+]
+
+
+@pytest.mark.parametrize("route, body", ECHOING)
+def test_error_echoing_a_huge_value_is_clipped(served, route, body, caplog):
+    """An error message echoing a megabyte request value was a megabyte answer and a megabyte access-log
+    line per request; message and param are now at most MAX_ERROR_CHARS characters (plus the note)."""
+    client, llm = served
+    with caplog.at_level("WARNING", logger="m2serve.access"):
+        r = client.post(route, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    message, param = err["message"], err.get("param")
+    assert "characters cut" in message and len(message) < MAX_ERROR_CHARS + 100, len(message)
+    assert param is None or len(param) < MAX_ERROR_CHARS + 100
+    assert len(r.content) < 3 * MAX_ERROR_CHARS
+    assert all(len(rec.getMessage()) < 3 * MAX_ERROR_CHARS for rec in caplog.records)
