@@ -13,9 +13,9 @@ full within ``BODY_TIMEOUT_S`` (120 s), 413 body too large, 503 + Retry-After wh
 is full or the engine is down, and on every route while the model loads (:func:`build_loading_app`:
 the port answers from the start; ``/health`` is then 503 ``{"status": "loading"}``), 500 when an
 engine step failed or a route raised an error nothing else caught: the middleware's catch-all answers
-it in the API's shape (a stream already under way ends with an error event in its shape), logs the traceback, counts and
-logs the 500 like any answer, and the keep-alive connection stays open. A bad request never reaches the
-engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
+it in the API's shape (a stream already under way ends with an error event in its shape), logs the
+traceback, counts and logs the 500 like any answer, and the keep-alive connection stays open. A bad
+request never reaches the engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
 route's error shape (FastAPI's default 422 is never sent, so it is not listed).
 
 Access log: one line per request at INFO (``m2serve.access``: method, path, status, latency, prompt and
