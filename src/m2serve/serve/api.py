@@ -15,8 +15,9 @@ the port answers from the start; ``/health`` is then 503 ``{"status": "loading"}
 engine step failed or a route raised an error nothing else caught: the middleware's catch-all answers
 it in the API's shape (a stream already under way ends with an error event in its shape), logs the
 traceback, counts and logs the 500 like any answer, and the keep-alive connection stays open. A bad
-request never reaches the engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
-route's error shape (FastAPI's default 422 is never sent, so it is not listed).
+request never reaches the engine thread. The OpenAPI document (``/openapi.json``) lists exactly these
+statuses per route, in the route's error shape (FastAPI's default 422 is never sent, so it is not
+listed).
 
 Access log: one line per request at INFO (``m2serve.access``: method, path, status, latency, prompt and
 completion tokens), at WARNING with the error message for a 4xx/5xx.
