@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 from m2serve.serve.api import ServerSettings, build_app
 from m2serve.serve.async_engine import AsyncEngine
 from m2serve.serve.cli import _make_llm, build_parser, resolve_options
-from m2serve.serve.protocol import MAX_SEQUENCES
+from m2serve.serve.errors import MAX_ERROR_CHARS
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_SEQUENCES, MAX_TOOLS
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 TOOL_LOOP = [
@@ -307,3 +308,92 @@ def test_mistyped_or_inconsistent_field_is_400_naming_its_path(served, route, bo
 def test_the_valid_forms_are_accepted(served, route, body):
     client, _ = served
     assert client.post(route, json=body).status_code == 200
+
+
+UNPARSABLE = [  # (route, raw body, words the message must contain): bodies Python's json cannot parse
+    ("/v1/chat/completions", b'{"messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "nested too deeply"),
+    ("/v1/messages", b'{"model": "m", "max_tokens": 2, "messages": [], "tools": [' + b'{"a": ' * 5_000
+     + b"1" + b"}" * 5_000 + b"]}", "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "Hi", "seed": ' + b"9" * 5_000 + b"}", "4300 digits"),
+    ("/v1/responses", b'{"input": "Hi", "ignored": ' + b"9" * 5_000 + b"}", "4300 digits"),
+]
+
+
+@pytest.mark.parametrize("route, raw, words", UNPARSABLE)
+def test_body_beyond_the_json_parsers_limits_is_400_naming_the_limit(served, route, raw, words):
+    """A body nested beyond the recursion limit or with an integer beyond Python's digit limit was
+    answered FastAPI's bare "There was an error parsing the body"; the message must name the limit."""
+    client, llm = served
+    before = llm.engine.added
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert words in message and "parser's limit" in message, message
+    assert llm.engine.added == before
+
+
+_MANY = [{"role": "user", "content": "Hi"}] * (MAX_MESSAGES + 1)
+TOO_MANY_MESSAGES = [  # (route, body, the field)
+    (*_chat(messages=_MANY), "messages"),
+    (*_msgs(messages=_MANY), "messages"),
+    (*_resp(input=_MANY), "input"),
+    ("/tokenize", {"messages": _MANY}, "messages"),
+]
+
+
+@pytest.mark.parametrize("route, body, field", TOO_MANY_MESSAGES)
+def test_more_messages_than_the_limit_is_400_naming_field_and_limit(served, route, body, field):
+    """A conversation of more than MAX_MESSAGES messages is refused while the body is validated (before,
+    it was rendered in full, seconds of work, before the context check refused it)."""
+    client, llm = served
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert field in message and f"at most {MAX_MESSAGES} items" in message, message
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOO_MANY_TOOLS = [  # (route, body)
+    _chat(tools=[_TOOL] * (MAX_TOOLS + 1)),
+    _msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}] * (MAX_TOOLS + 1)),
+    _resp(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}] * (MAX_TOOLS + 1)),
+    ("/tokenize", {"messages": MESSAGES, "tools": [_TOOL] * (MAX_TOOLS + 1)}),
+]
+
+
+@pytest.mark.parametrize("route, body", TOO_MANY_TOOLS)
+def test_more_tools_than_the_limit_is_400_naming_field_and_limit(served, route, body):
+    """More than MAX_TOOLS tools is refused while the body is validated (before, every tool was
+    validated and rendered, seconds of work, before the context check refused the prompt)."""
+    client, llm = served
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    message, _ = _error(route, r)
+    assert "tools" in message and f"at most {MAX_TOOLS} items" in message, message
+
+
+_HUGE = "x" * 1_000_000
+ECHOING = [  # (route, body): errors whose message echoes a request value
+    _chat(model=_HUGE),
+    _msgs(model=_HUGE),
+    _chat(reasoning_effort=_HUGE),
+    _chat(logit_bias={_HUGE: "not a number"}),
+    _resp(previous_response_id=_HUGE),
+]
+
+
+@pytest.mark.parametrize("route, body", ECHOING)
+def test_error_echoing_a_huge_value_is_clipped(served, route, body, caplog):
+    """An error message echoing a megabyte request value was a megabyte answer and a megabyte access-log
+    line per request; message and param are now at most MAX_ERROR_CHARS characters (plus the note)."""
+    client, llm = served
+    with caplog.at_level("WARNING", logger="m2serve.access"):
+        r = client.post(route, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    message, param = err["message"], err.get("param")
+    assert "characters cut" in message and len(message) < MAX_ERROR_CHARS + 100, len(message)
+    assert param is None or len(param) < MAX_ERROR_CHARS + 100
+    assert len(r.content) < 3 * MAX_ERROR_CHARS
+    assert all(len(rec.getMessage()) < 3 * MAX_ERROR_CHARS for rec in caplog.records)

@@ -8,15 +8,16 @@ Errors: every :class:`APIError` (and FastAPI's validation errors) is answered in
 called: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, else
 OpenAI's ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request (also
 prompts longer than the context, template errors, unsupported constrained decoding), 401 bad/missing
-API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 413 body too large, 503 +
-Retry-After when the waiting queue is full or the engine is down, and on every route while the model
-loads (:func:`build_loading_app`: the port answers from the start; ``/health`` is then 503
-``{"status": "loading"}``), 500 when an engine step failed or a
-route raised an error nothing else caught: the middleware's catch-all answers it in the API's shape
-(a stream already under way ends with an error event in its shape), logs the traceback, counts and
-logs the 500 like any answer, and the keep-alive connection stays open. A bad request never reaches the
-engine thread. The OpenAPI document (``/openapi.json``) lists exactly these statuses per route, in the
-route's error shape (FastAPI's default 422 is never sent, so it is not listed).
+API key (``Authorization: Bearer`` or ``x-api-key``), 404 unknown model, 408 body not received in
+full within ``BODY_TIMEOUT_S`` (120 s), 413 body too large, 503 + Retry-After when the waiting queue
+is full or the engine is down, and on every route while the model loads (:func:`build_loading_app`:
+the port answers from the start; ``/health`` is then 503 ``{"status": "loading"}``), 500 when an
+engine step failed or a route raised an error nothing else caught: the middleware's catch-all answers
+it in the API's shape (a stream already under way ends with an error event in its shape), logs the
+traceback, counts and logs the 500 like any answer, and the keep-alive connection stays open. A bad
+request never reaches the engine thread. The OpenAPI document (``/openapi.json``) lists exactly these
+statuses per route, in the route's error shape (FastAPI's default 422 is never sent, so it is not
+listed).
 
 Access log: one line per request at INFO (``m2serve.access``: method, path, status, latency, prompt and
 completion tokens), at WARNING with the error message for a 4xx/5xx.
@@ -32,6 +33,7 @@ import ctypes
 import ctypes.util
 import logging
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -87,6 +89,10 @@ def _api_key_of(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"x-api-key", b"").decode("latin-1")
 
 
+# Seconds a request body may take to arrive in full: a client that trickles its body (slowloris) or never
+# finishes it gets a 408 and loses the connection instead of holding it open forever (uvicorn has no
+# such limit). A 32 MiB body (the default --max-request-bytes) needs ~0.3 MiB/s.
+BODY_TIMEOUT_S = 120.0
 # The ASGI scope key set on a /health answered "loading" (an expected 503: access-logged at INFO).
 _LOADING_KEY = "m2serve.loading"
 # The answer of every route but /health while the model loads (see build_loading_app).
@@ -161,11 +167,20 @@ class _AuthCountAndLog:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await error_response(too_large, scope)(scope, receive, send_counting)
             return
-        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-            # no Content-Length (chunked): read the body here, up to the limit, then replay it
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # read the body here, up to the size limit (chunked bodies have no Content-Length) and
+            # within BODY_TIMEOUT_S (a body trickled in or never finished), then replay it
             buffered, size = [], 0
+            deadline = time.monotonic() + BODY_TIMEOUT_S
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    slow = APIError(408, f"the request body did not arrive within the server's limit of "
+                                         f"{BODY_TIMEOUT_S:g} s", code="request_timeout",
+                                    headers={"Connection": "close"})
+                    await error_response(slow, scope)(scope, receive, send_counting)
+                    return
                 buffered.append(message)
                 if message["type"] != "http.request":
                     break
@@ -233,9 +248,23 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     return error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param), request.scope)
 
 
+def _unparsable_body_message(cause: BaseException | None) -> str | None:
+    """The message of a body FastAPI could not parse for a reason other than a JSON syntax error (it
+    answers only "There was an error parsing the body"): the parser limit the body exceeded, or None."""
+    if isinstance(cause, RecursionError):
+        return ("invalid request: the body is nested too deeply to parse (JSON arrays and objects nested "
+                f"beyond the parser's limit, Python's recursion limit of {sys.getrecursionlimit()} "
+                "levels); flatten it")
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return ("invalid request: the body has an integer literal longer than the parser's limit of "
+                f"{sys.get_int_max_str_digits()} digits")
+    return None
+
+
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(e.status_code, str(e.detail), type_), request.scope)
+    message = (_unparsable_body_message(e.__cause__) if e.status_code == 400 else None) or str(e.detail)
+    return error_response(APIError(e.status_code, message, type_), request.scope)
 
 
 async def health(request: Request) -> Response:
@@ -334,6 +363,7 @@ _STATUS_TEXT = {
     400: "invalid request (the error names the field at fault)",
     401: "missing or invalid API key",
     404: "unknown model, or unknown stored response",
+    408: "request body not received in full within BODY_TIMEOUT_S",
     413: "request body larger than --max-request-bytes",
     500: "an engine step failed while running this request, or an internal error",
     503: "model still loading, waiting queue full or engine not running (with Retry-After)",
@@ -350,7 +380,7 @@ def _statuses(path: str, method: str, has_body: bool) -> list[int]:
     if has_body or path.startswith(("/v1/responses/", "/v1/models/")):
         out.append(404)  # unknown model / stored response
     if method == "post":
-        out.append(413)
+        out += [408, 413]
     out.append(500)  # the catch-all, on every route
     out.append(503)  # every route while the model loads; generation routes also when queue full / dead
     return out
@@ -358,7 +388,7 @@ def _statuses(path: str, method: str, has_body: bool) -> list[int]:
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """FastAPI's OpenAPI document with the statuses this server answers: validation errors are 400 in
-    the API's error shape (FastAPI lists 422, which the server never sends), plus 401/404/413/500/503
+    the API's error shape (FastAPI lists 422, which the server never sends), plus 401/404/408/413/500/503
     where they can happen."""
     if app.openapi_schema is not None:
         return app.openapi_schema

@@ -24,8 +24,24 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# The longest error message (and param) answered and access-logged, in characters. Messages echo request
+# values (a model name, an enum value, a dict key in a field path): before, a 5 MB model name came back
+# in a 5 MB 404 and a 5 MB access-log line per request.
+MAX_ERROR_CHARS = 2048
+
+
+def clip(text: str | None, limit: int = MAX_ERROR_CHARS) -> str | None:
+    """``text`` if at most ``limit`` characters, else its head and tail around a note of how many
+    characters were cut (the head names the field, the tail often the accepted values)."""
+    if text is None or len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}...[{len(text) - 2 * keep} characters cut]...{text[-keep:]}"
+
+
 class APIError(Exception):
-    """An error answered with ``status``; ``param`` names the request field at fault (or None)."""
+    """An error answered with ``status``; ``param`` names the request field at fault (or None).
+    ``message`` and ``param`` are clipped to MAX_ERROR_CHARS characters (:func:`clip`)."""
 
     def __init__(
         self,
@@ -36,6 +52,7 @@ class APIError(Exception):
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message, param = clip(message), clip(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers

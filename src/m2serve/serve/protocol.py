@@ -87,6 +87,13 @@ MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM is unbounded: generous, but every
 MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPTS = 1024  # entries of a batched /v1/completions prompt
 MAX_SEQUENCES = 1024  # prompts x n of one /v1/completions request (each is an engine request)
+# Messages (Responses: input items) of one conversation: Anthropic's documented per-request limit. Checked
+# while the body is validated, on the event loop: before, half a million ``{"role": "user"}`` (8 MiB)
+# stalled every other request for seconds and cost ~20 s of rendering before the context check refused it.
+MAX_MESSAGES = 100_000
+# Tools of one request: OpenAI allows 128; generous, but before, 200,000 tiny tools (5 MiB) held the event
+# loop ~3 s while validated and cost ~8 s of rendering before the context check refused them.
+MAX_TOOLS = 4096
 
 
 class _SamplingFields(APIRequest):
@@ -143,9 +150,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -182,8 +189,8 @@ class CompletionRequest(_SamplingFields):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    tools: list[ToolDef] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from m2serve.serve.protocol import MAX_STOP_STRINGS, APIRequest
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, APIRequest
 
 
 class _Lenient(BaseModel):
@@ -53,9 +53,9 @@ class Thinking(_Lenient):
 
 class CountTokensRequest(APIRequest):
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 

@@ -50,7 +50,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -59,7 +59,7 @@ from pydantic import Field
 from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.context import RESPONSE_STORE_BYTES, RESPONSE_STORE_SIZE, ServeContext
 from m2serve.serve.errors import APIError, json_type, openai_error_body, typed_field
-from m2serve.serve.protocol import APIRequest, new_id, sse
+from m2serve.serve.protocol import MAX_MESSAGES, MAX_TOOLS, APIRequest, new_id, sse
 from m2serve.serve.sealing import Sealer
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,9 @@ class ResponsesRequest(APIRequest):
     """The fields m2serve uses, validated strictly; others are accepted and ignored (:class:`APIRequest`)."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
