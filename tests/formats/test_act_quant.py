@@ -141,6 +141,7 @@ def modelopt_reference(tmp_path_factory):
 
 
 # global amax of the calibrated input (input_scale = amax / (6 * 448), what ModelOpt exports)
+@pytest.mark.slow
 @pytest.mark.parametrize("amax", AMAXES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_nvfp4_matches_modelopt(amax, dtype, modelopt_reference):  # docs/checkpoints.md §9 NVFP4

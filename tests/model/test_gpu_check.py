@@ -64,6 +64,7 @@ def _assert_imports_no_server_stack(*modules: str) -> None:
     assert r.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
     # --part attention (issue 28 item 5): the GPU image has torch, triton and transformers only
     _assert_imports_no_server_stack("gpu_attention", "m2serve.kernels.triton.attention")
@@ -78,6 +79,7 @@ def test_attention_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the
         assert d["bound_ms"] > 0 and d["kernel_over_bound"] == d["kernel_ms"] / d["bound_ms"]
 
 
+@pytest.mark.slow
 def test_weights_part_cpu_smoke(tmp_path):
     # --part weights on tiny dims: the Triton FP8 linear under the interpreter vs the fp32
     # reference, decode of the bf16 and FP8 models, and a synthetic FP8 checkpoint's load
@@ -102,6 +104,7 @@ def test_dims_are_the_tiny_random_and_bench_dims():
     assert {k: v for k, v in gpu_check.BENCH.items() if k != "max_position_embeddings"} == forward.BENCH_DIMS
 
 
+@pytest.mark.slow
 def test_engine_part_cpu_smoke_times_decode_against_the_bound(tmp_path):
     # --part engine (issue 29 item 4): eager decode steps built into the persistent buffers; no
     # graphs on CPU (the GPU run adds graph_tok_s), each figure next to its bandwidth bound
@@ -115,6 +118,7 @@ def test_engine_part_cpu_smoke_times_decode_against_the_bound(tmp_path):
         assert "graph_tok_s" not in d
 
 
+@pytest.mark.slow
 def test_moe_part_imports_no_server_stack_and_its_cpu_smoke_runs_under_the_interpreter(tmp_path):
     # --part moe (issue 31 item 4): torch and triton only; the smoke runs every format at tiny dims
     _assert_imports_no_server_stack("gpu_moe", "m2serve.kernels.triton.moe")

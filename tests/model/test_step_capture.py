@@ -87,6 +87,7 @@ def _decode_step_ops(model, batch_size: int) -> tuple[int, list[int]]:
     return len(audit.ops), launches
 
 
+@pytest.mark.slow
 def test_triton_backend_decode_ops_do_not_grow_with_the_batch(tiny_random_dir):
     # issue 29 must-show: under the interpreter, batch 32 <= 1.25 x batch 1 (torch backend: the
     # per-request attention loop makes it grow), and one attention kernel launch per layer
@@ -133,6 +134,7 @@ def test_greedy_tokens_identical_with_and_without_persistent_buffers(tiny_random
     assert with_buffers == without
 
 
+@pytest.mark.slow
 def test_triton_backend_greedy_tokens_equal_torch_backend(tiny_random_dir):
     # the kernel against the reference on the whole engine path (prefill chunks after a cached
     # prefix, decodes, several requests), fp32 under the interpreter

@@ -78,6 +78,7 @@ def _nvfp4(x: torch.Tensor, w: torch.Tensor, tmp: Path):
     return packed, w_ref, x_ref, torch.tensor(INPUT_AMAX) / (6.0 * 448.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_w4a4_linear_matches_library_reference(fmt, tmp_path):
     x, w = _inputs()

@@ -241,6 +241,7 @@ def results(tiny_random_dir):
     return run_ranks(_scenario, 2, str(tiny_random_dir), timeout_s=60)
 
 
+@pytest.mark.slow
 def test_two_replicas_hold_two_pools_with_a_budget_each(results):
     r0 = results[0]
     total, per, rank_pool = r0["pages"]
