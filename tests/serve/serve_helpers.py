@@ -130,3 +130,32 @@ WEATHER_SCHEMA = {
     "required": ["city", "sky", "warm", "celsius"],
     "additionalProperties": False,
 }
+
+
+def in_process_server(model_dir: Path | str):
+    """Yield (port, AsyncEngine) of `m2serve serve` over ``model_dir`` (fp32, 64 pages of 16 tokens)
+    run by uvicorn in a thread of this process, so tests can patch the routes; stops it after."""
+    import threading
+
+    import uvicorn
+
+    from m2serve.serve.api import ServerSettings, build_app
+    from m2serve.serve.async_engine import AsyncEngine
+    from m2serve.serve.cli import _make_llm, build_parser, resolve_options
+
+    parser = build_parser()
+    argv = ["serve", "--model", str(model_dir), "--dtype", "float32", "--num-kv-pages", "64",
+            "--kv-cache-page-size", "16"]
+    engine = AsyncEngine(_make_llm(resolve_options(parser.parse_args(argv), parser, {})))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, ServerSettings(served_model_name="m")),
+                                        host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    yield port, engine
+    srv.should_exit = True
+    thread.join(30)

@@ -13,17 +13,12 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import threading
 import time
 
 import pytest
-import uvicorn
-from serve_helpers import free_port
+from serve_helpers import in_process_server
 
 from m2serve.serve.anthropic import messages
-from m2serve.serve.api import ServerSettings, build_app
-from m2serve.serve.async_engine import AsyncEngine
-from m2serve.serve.cli import _make_llm, build_parser, resolve_options
 from m2serve.serve.openai import chat, responses
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -31,23 +26,7 @@ USER = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_random_dir):
-    parser = build_parser()
-    argv = ["serve", "--model", str(tiny_random_dir), "--dtype", "float32", "--num-kv-pages", "64",
-            "--kv-cache-page-size", "16"]
-    llm = _make_llm(resolve_options(parser.parse_args(argv), parser, {}))
-    engine = AsyncEngine(llm)
-    app = build_app(engine, ServerSettings(served_model_name="m"))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield port, engine
-    srv.should_exit = True
-    thread.join(30)
+    yield from in_process_server(tiny_random_dir)
 
 
 def _boom(*args, **kwargs):

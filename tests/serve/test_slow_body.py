@@ -11,40 +11,19 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
-from serve_helpers import free_port
+from serve_helpers import in_process_server
 
 from m2serve.serve import api
-from m2serve.serve.api import ServerSettings, build_app
-from m2serve.serve.async_engine import AsyncEngine
-from m2serve.serve.cli import _make_llm, build_parser, resolve_options
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_random_dir):
-    parser = build_parser()
-    argv = ["serve", "--model", str(tiny_random_dir), "--dtype", "float32", "--num-kv-pages", "64",
-            "--kv-cache-page-size", "16"]
-    engine = AsyncEngine(_make_llm(resolve_options(parser.parse_args(argv), parser, {})))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, ServerSettings(served_model_name="m")),
-                                        host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield port, engine
-    srv.should_exit = True
-    thread.join(30)
+    yield from in_process_server(tiny_random_dir)
 
 
 @pytest.mark.parametrize("path, endpoint", [("/v1/chat/completions", "chat"), ("/v1/messages", "messages")])
