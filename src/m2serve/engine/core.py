@@ -27,7 +27,7 @@ from m2serve.engine.constraint import TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput, prompt_length_error
-from m2serve.engine.runner import ModelRunner, wants_prompt_logprobs, zeroed_kv_storage
+from m2serve.engine.runner import ModelRunner, graphs_off_reason, wants_prompt_logprobs, zeroed_kv_storage
 from m2serve.engine.sampling import (
     PenaltyState,
     SamplerOutput,
@@ -160,7 +160,9 @@ class LLMEngine:
         loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
         capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
         ValueError, as is a non-positive max_length, an unknown kv_cache_format or a non-positive
-        page size."""
+        page size. On one CUDA device with the triton attention backend and without
+        ``args.enforce_eager`` the decode graphs are captured here, one per batch-size bucket
+        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         S = check_page_and_length(args)
         num_pages = args.num_kv_pages
@@ -179,6 +181,9 @@ class LLMEngine:
                       for _ in range(getattr(model, "data_parallel_degree", 1))]
         runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),
                              sampling_buffers=StepBuffers(torch.device(device)))
+        runner.graphs_off = graphs_off_reason(model, device, args.enforce_eager, len(schedulers))
+        if runner.graphs_off is None:   # decode under CUDA graphs, captured now (docs/serving.md §6.3)
+            runner.enable_graphs(args.max_batch_size, max_length, capture=True)
         return cls(config=config, schedulers=schedulers, runner=runner,
                    replica_held=[set() for _ in schedulers],
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))

@@ -30,6 +30,9 @@ from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.sampling import SamplerOutput, SamplingRows
 from m2serve.engine.scheduler import ScheduledRequest
 from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers, ragged_batch
+from m2serve.model.cuda_graphs import CUDAGraphRunner, bucket_for, decode_buckets
+
+__all__ = ["ModelRunner", "build_batch", "bucket_for", "decode_buckets", "graphs_off_reason"]
 
 
 def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
@@ -46,22 +49,6 @@ def logits_rows(s: ScheduledRequest) -> int:
     if wants_prompt_logprobs(s):
         return s.num_new_tokens
     return 1 if s.completes else 0
-
-
-DECODE_BUCKET_STEP = 16  # decode batch-size buckets: 1, 2, 4, 8, 16, then steps of this
-
-
-def decode_buckets(max_batch_size: int) -> list[int]:
-    """The decode batch sizes a CUDA graph is captured for (docs/serving.md §6.2): 1, 2, 4, 8, 16,
-    then every multiple of DECODE_BUCKET_STEP, up to ``max_batch_size`` (always the last bucket)."""
-    out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
-    out += list(range(DECODE_BUCKET_STEP, max_batch_size, DECODE_BUCKET_STEP))
-    return out + [max_batch_size]
-
-
-def bucket_for(batch_size: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket >= ``batch_size`` (None when the batch exceeds every bucket)."""
-    return next((b for b in buckets if b >= batch_size), None)
 
 
 def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
@@ -116,6 +103,23 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
     return batch
 
 
+def graphs_off_reason(model: object, device: torch.device | str, enforce_eager: bool,
+                      replicas: int) -> str | None:
+    """Why decode steps run eager instead of under CUDA graphs (docs/serving.md §6.3), or None when
+    they are captured: ``--enforce-eager``; a device other than CUDA; a multi-rank model (EP modes
+    read the exchange's counts on the host; TP_TP capture on every rank is not built); data-parallel
+    replicas; the torch attention backend (its per-request loop reads host lists)."""
+    if enforce_eager:
+        return "--enforce-eager"
+    if torch.device(device).type != "cuda":
+        return "CUDA only"
+    if replicas > 1 or not hasattr(model, "forward_decode"):
+        return "multi-rank modes run eager (EP reads its exchange counts on the host)"
+    if getattr(model, "attention_kernel", None) is None:
+        return "torch attention backend"
+    return None
+
+
 def zeroed_kv_storage(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device | str,
                       k_scale: list[float] | None, v_scale: list[float] | None) -> KVStorage:
@@ -148,27 +152,69 @@ class ModelRunner:
     sampling_buffers: StepBuffers | None = None   # the sampler's inputs, likewise
     buckets: list[int] | None = None     # decode batch-size buckets when decodes are padded, else None
     pad_page: int | None = None          # the padding rows' KV page (outside every allocator)
+    graphs: CUDAGraphRunner | None = None  # static decode path (CUDA graphs on CUDA), else None
+    graph_steps: int = 0                 # steps run through ``graphs`` (tests, metrics)
+    graphs_off: str | None = "not enabled"  # why decode runs eager (graphs_off_reason), None when on
+
+    def _add_pad_page(self) -> int:
+        kv = self.kv_storage
+        if self.pad_page is None:
+            self.pad_page = kv.num_pages
+            for pools in (kv.k, kv.v):
+                for i, t in enumerate(pools):
+                    pools[i] = torch.cat([t, torch.zeros_like(t[:1])])
+        return self.pad_page
 
     def enable_decode_padding(self, max_batch_size: int) -> None:
         """Pad every all-decode step of one replica to its bucket (:func:`decode_buckets`), the
         batch shapes CUDA graphs are captured for (docs/serving.md §6.2). Appends one page to every
         layer's K/V pool for the padding rows to write into; no allocator hands it out."""
-        kv = self.kv_storage
-        self.pad_page = kv.num_pages
-        for pools in (kv.k, kv.v):
-            for i, t in enumerate(pools):
-                pools[i] = torch.cat([t, torch.zeros_like(t[:1])])
+        self._add_pad_page()
         self.buckets = decode_buckets(max_batch_size)
+
+    def enable_graphs(self, max_batch_size: int, max_length: int, capture: bool) -> None:
+        """Run every all-decode step of one replica through the static decode path
+        (model/cuda_graphs.py ``CUDAGraphRunner``, docs/serving.md §6.3) at the buckets of
+        ``max_batch_size``, block tables ``ceil(max_length / S)`` pages wide: recorded as one CUDA
+        graph per bucket now and replayed when ``capture`` (CUDA), run eagerly otherwise (the CPU
+        test path). Appends the padding page first (the graphs hold the pools' addresses); prefill,
+        mixed and multi-row steps stay eager. Raises ValueError (from ``CUDAGraphRunner``) for a
+        model on the torch attention backend or capture off CUDA."""
+        pad = self._add_pad_page()
+        self.graphs = CUDAGraphRunner(self.model, self.kv_storage, decode_buckets(max_batch_size), max_length,
+                                      pad, capture)
+        self.graphs_off = None if capture else "static decode path run eagerly (no capture)"
 
     def _pad_to(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> int | None:
         if self.buckets is None or len(kvs) > 1 or any(s.num_new_tokens != 1 for s in scheduled):
             return None
         return bucket_for(len(scheduled), self.buckets)
 
+    def _run_static(self, scheduled: list[ScheduledRequest],
+                    kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
+        kv = kvs[0]
+        tokens, ctx, tables = [], [], []
+        for s in scheduled:
+            r = s.request
+            c = r.num_computed_tokens
+            tokens.append(r.all_token_ids[c])
+            ctx.append(c + 1)
+            tables.append(kv.block_table(r.request_id))
+        self._take_finished()
+        self.graph_steps += 1
+        logits = self.graphs.run(tokens, ctx, tables)   # [B, V] f32, padding rows dropped
+        return [logits[i:i + logits_rows(s)] for i, s in enumerate(scheduled)]
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> list[torch.Tensor]:
         """Run one step (``scheduled`` replica by replica, ``kvs`` one allocator per replica); returns
-        each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0)."""
+        each scheduled request's logit rows, [n_b, V] fp32 (n_b may be 0). With :meth:`enable_graphs`
+        an all-decode step of one replica takes the static path (its rows are views of the
+        bucket's output, valid until the next step)."""
+        g = self.graphs
+        if (g is not None and scheduled and len(kvs) == 1 and len(scheduled) <= g.buckets[-1]
+                and all(s.num_new_tokens == 1 for s in scheduled)):
+            return self._run_static(scheduled, kvs)
         batch = build_batch(scheduled, kvs, self.device, self._take_finished(), self.buffers,
                             self._pad_to(scheduled, kvs), self.pad_page)
         counts = batch.host.logit_counts

@@ -164,6 +164,12 @@ class StepBuffers:
         return out
 
 
+def token_slot(block_table: list[int], position: int, page_size: int) -> int:
+    """The KV slot of the token at ``position`` of a sequence whose pages are ``block_table``:
+    ``table[p // S] * S + p % S`` (docs/serving.md §6; the one home of that arithmetic)."""
+    return block_table[position // page_size] * page_size + position % page_size
+
+
 def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
                  n_logits: list[int], page_size: int, device: torch.device | str = "cpu",
                  data_parallel_splits: list[int] | None = None,
@@ -194,7 +200,7 @@ def ragged_batch(new_tokens: list[list[int]], context_lens: list[int], block_tab
         pos = range(L - len(new), L)
         tokens.extend(new)
         positions.extend(pos)
-        slots.extend(table[p // S] * S + p % S for p in pos)
+        slots.extend(token_slot(table, p, S) for p in pos)
     width = max(max((len(t) for t in block_tables), default=0), 1)
     padded = [t + [0] * (width - len(t)) for t in block_tables]
     host.request_ids = list(request_ids) if request_ids is not None else None

@@ -50,6 +50,7 @@ from m2serve.model.collectives import (
     reduce_qk_stats,
     uses_ep_exchange,
 )
+from m2serve.model.cuda_graphs import DecodeInputs
 from m2serve.model.experts import MiniMaxM2Experts
 from m2serve.model.linear import Linear
 from m2serve.model.norm import RMSNorm
@@ -197,13 +198,39 @@ class MiniMaxM2ForCausalLM(nn.Module):
         step = StepContext.build(batch, kv.page_size, self.rope, self.dtype,
                                  self.kv_scratch if self.legacy_path else None,
                                  None if self.legacy_path else self.attention_kernel, self.lower_right_masks)
-        x = F.embedding(batch.tokens, self.model.embed_tokens.weight)  # [T, H] act
+        return self._run(batch.tokens, step, kv)
+
+    def _run(self, tokens: torch.Tensor, step: StepContext, kv: KVStorage) -> torch.Tensor:
+        x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, H] act
         for layer, block in enumerate(self.model.layers):
             x = block(x, step, kv, layer)
-        x = self.model.norm(x.index_select(0, step.logit_rows))  # [N, H]
+        if step.logit_rows is not None:
+            x = x.index_select(0, step.logit_rows)
+        x = self.model.norm(x)  # [N, H]
         if self.lm_head is None:
             return dense_linear(x, self.model.embed_tokens.weight, self.batch_invariant).float()  # tied
         return self.lm_head(x).float()  # [N, V] f32
+
+    @torch.inference_mode()
+    def forward_decode(self, inputs: DecodeInputs, kv: KVStorage, cos_table: torch.Tensor,
+                       sin_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """One static decode step (docs/serving.md §6.3): b rows of one token each, read from the
+        fixed-address views ``inputs`` (model/cuda_graphs.py), RoPE from the fixed tables
+        ``cos_table`` / ``sin_table`` [>= max_context_len, R/2] f32, the triton attention kernel
+        sized by ``max_context_len``. Nothing is built from host data, so the step can be
+        recorded in a CUDA graph and replayed. Writes the rows' K/V into ``kv``; returns fp32
+        logits [b, V], one per row, padding rows included. Raises ValueError on the torch
+        attention backend (its per-request loop reads host lists)."""
+        if self.attention_kernel is None:
+            raise ValueError("forward_decode needs attention_backend='triton' (the torch backend "
+                             "loops over the requests on the host)")
+        step = StepContext.for_decode(inputs, cos_table, sin_table, self.attention_kernel, max_context_len)
+        return self._run(inputs.tokens, step, kv)
+
+    def rope_table(self, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, R/2] f32 of positions [0, n) on ``device``, computed as the forward's
+        (a table of its own: the model's RopeCache may be replaced as positions grow)."""
+        return self.rope.table(n, device)
 
     def use_batch_invariant(self) -> None:
         """Switch to the batch-invariant mode (docs/model.md §7), once after load: every reduction

@@ -30,6 +30,8 @@ from m2serve.model.attention import AttentionMetadata, GatherScratch
 from m2serve.model.batch import ForwardBatch, StepHost, host_tensor
 from m2serve.model.rope import rope_inv_freq
 
+if TYPE_CHECKING:
+    from m2serve.model.cuda_graphs import DecodeInputs
 if TYPE_CHECKING:  # imported where used: torch.nn.attention.bias imports triton, which must not load
     from torch.nn.attention.bias import CausalBias  # before kernels/triton sets its interpreter flag
 
@@ -56,20 +58,26 @@ class RopeCache:
             n = ROPE_MIN_POSITIONS
             while n <= max_position:
                 n *= 2
-            inv_freq = rope_inv_freq(self.rotary_dim, self.theta, device=dev)
-            phi = torch.arange(n, device=dev).float()[:, None] * inv_freq[None, :]
-            self.cos, self.sin = phi.cos(), phi.sin()
+            self.cos, self.sin = self.table(n, dev)
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+    def table(self, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new (cos, sin) table of positions [0, n), each [n, R/2] f32 on ``device`` (rows equal
+        :meth:`lookup`'s for any table size: each is computed from its own position only)."""
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, device=device)
+        phi = torch.arange(n, device=device).float()[:, None] * inv_freq[None, :]
+        return phi.cos(), phi.sin()
 
 
 @dataclass(slots=True)
 class StepContext:
     """One step's metadata, shared by every layer (built by :meth:`build`, read-only afterwards).
 
-    host:         the step's layout as Python ints (spans, contexts, page lists, logit rows).
+    host:         the step's layout as Python ints (spans, contexts, page lists, logit rows); None
+                  on a static decode step (:meth:`for_decode`).
     positions:    int64 [T]; slot_mapping int64 [T] (page * S + offset of each new token's K/V).
     cos, sin:     [T, R/2] f32 RoPE angles of each new token (from the model's RopeCache).
-    logit_rows:   int64 [N] indices into [T] of the returned rows.
+    logit_rows:   int64 [N] indices into [T] of the returned rows (None: every row).
     page_ids:     int64 [Σ_b ceil(L_b / S)] each request's pages, concatenated in request order;
                   request b's are ``page_ids[page_starts[b]:page_starts[b+1]]`` (host ints).
     masks:        per request: None (one new token, or a chunk starting at position 0, which
@@ -84,12 +92,12 @@ class StepContext:
     max_query_len, max_context_len: host ints (the kernel's tile and split choice).
     """
 
-    host: StepHost
+    host: StepHost | None
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    logit_rows: torch.Tensor
+    logit_rows: torch.Tensor | None
     page_ids: torch.Tensor
     page_starts: list[int]
     masks: list[torch.Tensor | None]
@@ -152,6 +160,22 @@ class StepContext:
                    context_lens=batch.context_lens,
                    max_query_len=max(map(operator.sub, qs[1:], qs[:-1]), default=0),
                    max_context_len=max_context)
+
+    @classmethod
+    def for_decode(cls, inputs: DecodeInputs, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                   kernel: Callable[..., torch.Tensor], max_context_len: int) -> StepContext:
+        """The context of a static decode step (model/cuda_graphs.py, docs/serving.md §6.3): every
+        tensor a view of ``inputs`` or gathered from the fixed RoPE tables ``cos_table`` /
+        ``sin_table`` [>= max_context_len, R/2] f32; no host list, no copy from the host. The
+        kernel's tile and split count follow ``max_context_len`` (the engine's max_length) and the
+        bucket, never the step's contexts, so a graph recorded once stays valid. ``host`` is None
+        and ``logit_rows`` covers every row (padding rows' logits are dropped by the caller)."""
+        pos = inputs.positions
+        return cls(host=None, positions=pos, slot_mapping=inputs.slot_mapping,
+                   cos=cos_table.index_select(0, pos), sin=sin_table.index_select(0, pos),
+                   logit_rows=None, page_ids=pos[:0], page_starts=[], masks=[], kernel=kernel,
+                   block_tables=inputs.block_tables, query_starts=inputs.query_starts,
+                   context_lens=inputs.context_lens, max_query_len=1, max_context_len=max_context_len)
 
     def request_pages(self, b: int) -> torch.Tensor:
         """int64 [ceil(L_b / S)]: request b's page ids (a view)."""

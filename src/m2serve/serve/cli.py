@@ -131,6 +131,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
            "(runtime); auto picks runtime on a GPU and where the CPU kernels run")
     a("--attention-backend", choices=list(ATTENTION_BACKENDS),
       help="auto: triton on a GPU where Triton imports, else torch (docs/kernels.md §7)")
+    a("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+      help="never capture CUDA graphs: decode steps run eagerly (docs/serving.md §6.3)")
     a("--fp8-linear", choices=list(FP8_LINEAR_MODES),
       help="GPU FP8 linears: bf16 activations (w8a16) or dynamic e4m3 activations (w8a8)")
     a("--activation-quant", choices=list(ACTIVATION_QUANT_MODES),
@@ -358,13 +360,19 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
         rank = "" if model is engine_model else " on rank 0"
         weights += f" | resident weights {resident_weight_bytes(model) / GiB:.2f} GiB{rank}"
     attention = getattr(model, "attention_backend", llm.args.attention_backend)
+    runner = getattr(llm.engine, "runner", None)
+    graphs = getattr(runner, "graphs", None)
+    off = getattr(runner, "graphs_off", "not enabled")
+    cuda_graphs = (f"CUDA graphs: decode buckets {graphs.buckets[0]}..{graphs.buckets[-1]} "
+                   f"({len(graphs.buckets)})" if graphs is not None and off is None
+                   else f"CUDA graphs off ({off})")
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | attention {attention} | {weights} | "
+        f"max context {llm.max_length} | attention {attention} | {cuda_graphs} | {weights} | "
         f"{numerics_banner(llm.args, llm.config)}{url}"
     )
 

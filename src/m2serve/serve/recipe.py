@@ -24,6 +24,8 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       max_queue_size: 1024
       thinking_temperature: 1.0
       activation_quant: auto         # auto (W4A4 as the checkpoint declares) | none (W4A16)
+      attention_backend: auto        # auto | torch | triton (docs/kernels.md §7)
+      enforce_eager: false           # true: no CUDA graphs (docs/serving.md §6.3)
 
 :func:`recipe_overrides` flattens a recipe into the CLI's flag names (``--ep-size`` ->
 ``ep_size``); the CLI applies CLI > environment > recipe > defaults.
@@ -36,7 +38,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from m2serve.config.engine_args import ATTENTION_BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,15 @@ class RuntimeSection(_Strict):
     max_queue_size: int | None = Field(default=None, ge=0)
     thinking_temperature: float | None = Field(default=None, ge=0.0)
     activation_quant: Literal["auto", "none"] | None = None
+    attention_backend: str | None = None
+    enforce_eager: bool | None = None
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _backend(cls, v: str | None) -> str | None:
+        if v is not None and v not in ATTENTION_BACKENDS:
+            raise ValueError(f"{v!r} is not one of {list(ATTENTION_BACKENDS)}")
+        return v
 
 
 class Recipe(_Strict):
@@ -163,5 +176,7 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "max_queue_size": r.max_queue_size,
         "thinking_temperature": r.thinking_temperature,
         "activation_quant": r.activation_quant,
+        "attention_backend": r.attention_backend,
+        "enforce_eager": r.enforce_eager,
     }
     return {k: v for k, v in out.items() if v is not None}
