@@ -176,3 +176,17 @@ def test_graphs_off_reasons_and_refusals():
         CUDAGraphRunner(_Stub(None), kv, [1], 16, 3, capture=False)
     with pytest.raises(ValueError, match="capture=True: CUDA graphs need a CUDA device, the KV pool is on"):
         CUDAGraphRunner(triton_like, kv, [1], 16, 3, capture=True)
+
+
+def test_llm_arguments_and_banner_say_why_decode_runs_eager(tiny_random_dir):
+    # LLM(enforce_eager=..., attention_backend=...) reach the engine; the banner names the reason
+    from m2serve.serve.cli import banner
+    from m2serve.serve.llm import LLM
+
+    small = {"dtype": "float32", "kv_cache_memory_gib": 0.01, "max_length": 256}
+    llm = LLM(str(tiny_random_dir), enforce_eager=True, attention_backend="torch", **small)
+    assert llm.engine.runner.graphs_off == "--enforce-eager" and llm.engine.runner.graphs is None
+    line = banner(llm, {})
+    assert "| attention torch | CUDA graphs off (--enforce-eager) |" in line, line
+    llm = LLM(str(tiny_random_dir), **small)
+    assert "CUDA graphs off (CUDA only)" in banner(llm, {})

@@ -188,3 +188,23 @@ def test_quantize_unquantized_flag_and_recipe_key(tmp_path):
     assert EngineArgs().quantize_unquantized == "none"
     with pytest.raises(SystemExit):
         _opts(["serve", "--quantize-unquantized", "int4"])
+
+
+def test_enforce_eager_and_attention_backend_flags_and_recipe_keys(tmp_path):
+    # docs/serving.md §6.3 / docs/kernels.md §7: CLI flags, recipe keys runtime.enforce_eager and
+    # runtime.attention_backend, EngineArgs; the CLI wins over the recipe
+    from m2serve.config.engine_args import EngineArgs
+    from m2serve.serve.cli import engine_args_from
+
+    p = tmp_path / "r.yaml"
+    p.write_text("runtime:\n  enforce_eager: true\n  attention_backend: torch\n")
+    opts = _opts(["serve", "--config-file", str(p)])
+    assert opts["enforce_eager"] is True and opts["attention_backend"] == "torch"
+    cli = _opts(["serve", "--config-file", str(p), "--no-enforce-eager", "--attention-backend", "triton"])
+    assert cli["enforce_eager"] is False and cli["attention_backend"] == "triton"
+    args = EngineArgs(**engine_args_from(_opts(["serve", "--enforce-eager"])))
+    assert args.enforce_eager is True and EngineArgs().enforce_eager is False
+    p.write_text("runtime:\n  attention_backend: flash\n")
+    with pytest.raises(RecipeError, match=r"runtime\.attention_backend: .*'flash' is not one of "
+                                          r"\['auto', 'torch', 'triton'\]"):
+        load_recipe(p)
