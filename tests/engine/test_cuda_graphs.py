@@ -9,6 +9,9 @@ independently of the code under test.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,6 +24,9 @@ from m2serve.engine.sampling import SamplingParams
 from m2serve.model.batch import KVStorage, ragged_batch
 from m2serve.model.cuda_graphs import CUDAGraphRunner, StaticDecodeBuffers
 from m2serve.model.load import load_model
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
+from test_step_sync import SyncAudit  # noqa: E402  (the sync audit of tests/model/test_step_sync.py)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
@@ -94,7 +100,8 @@ def test_static_forward_builds_nothing_from_host_data(triton_model, tiny_random_
     # the forward a graph records: inputs are views of the fixed buffers, RoPE rows come from the
     # fixed table; no tensor made from host data, no cast, no table computed. The same ops (names
     # and count) at 3 and 4 rows of bucket 4 and on the next step: the shapes are the bucket's.
-    # The audit can fail: the eager torch-backend forward copies each request's page ids over.
+    # No host read either (the sync audit). The audit can fail: the eager torch-backend forward
+    # copies each request's page ids over.
     model = triton_model
     cfg = model.config
     kv = KVStorage.allocate(cfg.num_hidden_layers, 12, 4, cfg.num_key_value_heads, cfg.head_dim,
@@ -104,9 +111,10 @@ def test_static_forward_builds_nothing_from_host_data(triton_model, tiny_random_
     seen = []
     for rows in ([[1, 2], [3]], [[1, 2], [3], [4, 5]], [[1, 2], [3], [4, 5], [6]]):
         runner.buffers.load(4, [7] * len(rows), [2 * len(r) for r in rows], rows)
-        audit = Ops()
-        with audit:
+        audit, syncs = Ops(), SyncAudit()
+        with audit, syncs:
             logits = runner.forward(4)
+        assert syncs.syncs == [] and len(syncs.ops) > 100
         assert logits.shape == (4, cfg.vocab_size) and logits.dtype == torch.float32
         names = [n for n, _ in audit.ops]
         assert not set(names) & HOST_BUILT, sorted(set(names) & HOST_BUILT)
