@@ -55,10 +55,13 @@ the step built as the runner builds it (``ragged_batch`` into persistent ``StepB
 host-to-device copy), the attention backend ``auto`` chose (triton on a GPU), at batch 1, 32 and
 128 with 128 tokens of context each: eager (host build + forward per step) and the engine's CUDA-graph
 decode path (model/cuda_graphs.py ``CUDAGraphRunner``: the step written into the fixed-address
-buffers, one copy, the bucket's graph replayed; max_length GRAPH_MAX_LENGTH), each as tokens/s and as
-a ratio to the bandwidth bound measured in the same run (every weight byte the step needs — the
-experts counted as min(E, batch · top-k) of E — and every KV byte read once, at the device's
-copy rate measured in the same run). Written to ``$OUT/gpu_check_engine.json``.
+buffers, one copy, the bucket's graph replayed; max_length GRAPH_MAX_LENGTH; also that static
+forward run eagerly, and the capture time), each as tokens/s and as a ratio to the bandwidth bound
+measured in the same run (every weight byte the step needs — the experts counted as
+min(E, batch · top-k) of E — and every KV byte read once, at the device's copy rate measured in
+the same run). The graph's logits are compared with the static forward's
+(same kernels: expected equal) and with the eager ragged step's (within bf16 rounding). Written to
+``$OUT/gpu_check_engine.json``.
 Not yet run on a GPU. ``--cpu-smoke`` runs it on tiny dims on CPU, eager only (no graphs on CPU).
 """
 
@@ -390,16 +393,28 @@ def engine_decode(model, cfg, batch: int, context: int, dtype, device: str, step
             from m2serve.model.cuda_graphs import CUDAGraphRunner
 
             pad = cache.storage.num_pages - 1  # the pool's last page, outside every table
-            runner = CUDAGraphRunner(model, cache.storage, [batch], GRAPH_MAX_LENGTH, pad, capture=True)
             ctx = [context + steps + 2] * batch   # the position after the eager steps
-            runner.run([1] * batch, ctx, tables)
-            sync(device)
-            t = time.perf_counter()
-            for _ in range(steps):  # host writes + one copy + replay, as the engine's decode step
-                runner.run([1] * batch, ctx, tables)
-            sync(device)
-            g = batch * steps / (time.perf_counter() - t)
-            out |= {"graph_tok_s": g, "graph_over_bound": g / bound, "graph_over_eager": g / eager}
+            ref = model(ragged_batch([[1]] * batch, ctx, tables, [1] * batch, PAGE, device, buffers=buffers),
+                        cache.storage).float()
+            first = {}
+            for key, capture in (("static_eager", False), ("graph", True)):
+                t = time.perf_counter()
+                runner = CUDAGraphRunner(model, cache.storage, [batch], GRAPH_MAX_LENGTH, pad, capture)
+                sync(device)
+                out[f"{key}_setup_s"] = time.perf_counter() - t
+                first[key] = runner.run([1] * batch, ctx, tables).clone()
+                sync(device)
+                t = time.perf_counter()
+                for _ in range(steps):  # host writes + one copy + forward or replay, as the engine's step
+                    runner.run([1] * batch, ctx, tables)
+                sync(device)
+                g = batch * steps / (time.perf_counter() - t)
+                out |= {f"{key}_tok_s": g, f"{key}_over_bound": g / bound, f"{key}_over_eager": g / eager}
+            # the replay computes what the same static forward computes eagerly (same kernels: 0 expected),
+            # and the eager ragged step's logits within bf16 rounding (its split count may differ)
+            out["graph_vs_static_eager_max_abs"] = float((first["graph"] - first["static_eager"]).abs().max())
+            out["graph_vs_ragged_eager_max_abs"] = float((first["graph"] - ref).abs().max())
+            out["ragged_eager_max_abs_logit"] = float(ref.abs().max())
         except Exception as e:  # reported, not fatal: the point is to learn what does not capture
             out["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
