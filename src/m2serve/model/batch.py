@@ -106,8 +106,7 @@ class StepBuffers:
     ``host``: int64 [capacity], pinned on CUDA; ``dev``: int64 [capacity] on ``device``. A step
     writes all its fields into ``host`` (through a numpy view: no torch op per field), copies the
     used prefix to ``dev`` in ONE copy (``non_blocking`` from pinned memory on CUDA) and hands out
-    views of ``dev``; int32 and float32 fields sit two to an int64 slot and are views too (no
-    cast). Both grow by
+    views of ``dev``; int32 fields get one device-side cast of their section. Both grow by
     BUFFER_GROWTH when a step needs more. Views are valid until the next :meth:`load`. On CUDA
     the copy is queued (the host does not wait for it); a CUDA event recorded after it is waited
     on before the next load rewrites the host buffer (a step without logit rows reads nothing back,
@@ -124,12 +123,10 @@ class StepBuffers:
              f32_fields: tuple[list[float], ...] | list[list[float]] = ()) -> list[torch.Tensor]:
         """Write ``int64_fields``, ``int32_fields`` and ``f32_fields`` (flat lists) into the host
         buffer, copy once, return the device views in the same order (int64, int32, then float32,
-        each 1-D of its list's length). int32 and float32 values sit two to an int64 slot (a view,
-        no cast)."""
-        n64 = sum(len(f) for f in int64_fields)
-        n32 = sum(len(f) for f in int32_fields)
+        each 1-D of its list's length). float32 values sit two to an int64 slot (a view, no cast)."""
+        sizes = [len(f) for f in int64_fields] + [len(f) for f in int32_fields]
+        n_flat = sum(sizes)
         n_f32 = sum(len(f) for f in f32_fields)
-        n_flat = n64 + (n32 + 1) // 2  # int32 values two to an int64 slot, like the float32 ones
         n = n_flat + (n_f32 + 1) // 2
         cuda = torch.device(self.device).type == "cuda"
         if self.host is None or self.host.numel() < n:
@@ -140,27 +137,30 @@ class StepBuffers:
             self.copied.synchronize()  # the previous copy has read the host buffer
         h = self.host.numpy()
         o = 0
-        for f in int64_fields:
+        for f in (*int64_fields, *int32_fields):
             h[o:o + len(f)] = f
             o += len(f)
-        for dtype, lo, hi, fs in ((np.int32, n64, n_flat, int32_fields), (np.float32, n_flat, n, f32_fields)):
-            part, o = h[lo:hi].view(dtype), 0
-            for f in fs:
-                part[o:o + len(f)] = f
-                o += len(f)
+        hf = h[n_flat:n].view(np.float32)
+        o = 0
+        for f in f32_fields:
+            hf[o:o + len(f)] = f
+            o += len(f)
         dev = self.dev[:n]
         dev.copy_(self.host[:n], non_blocking=cuda)
         if cuda:
             self.copied = torch.cuda.Event()
             self.copied.record(torch.cuda.current_stream(self.device))
         self.loads += 1
-        out: list[torch.Tensor] = []
-        for lo, hi, fs, dtype in ((0, n64, int64_fields, None), (n64, n_flat, int32_fields, torch.int32),
-                                  (n_flat, n, f32_fields, torch.float32)):
-            part, o = dev[lo:hi] if dtype is None else dev[lo:hi].view(dtype), 0
-            for f in fs:
-                out.append(part[o:o + len(f)])
-                o += len(f)
+        n64 = sum(sizes[:len(int64_fields)])
+        low = dev[n64:n_flat].to(torch.int32)
+        out, o = [], 0
+        for i, k in enumerate(sizes):
+            out.append(dev[o:o + k] if i < len(int64_fields) else low[o - n64:o - n64 + k])
+            o += k
+        floats, o = dev[n_flat:].view(torch.float32), 0
+        for f in f32_fields:
+            out.append(floats[o:o + len(f)])
+            o += len(f)
         return out
 
 
