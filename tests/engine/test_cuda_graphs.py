@@ -198,3 +198,31 @@ def test_llm_arguments_and_banner_say_why_decode_runs_eager(tiny_random_dir):
     assert "| attention torch | CUDA graphs off (--enforce-eager) |" in line, line
     llm = LLM(str(tiny_random_dir), **small)
     assert "CUDA graphs off (CUDA only)" in banner(llm, {})
+
+
+def test_engine_sets_up_graphs_at_start_when_nothing_rules_them_out(triton_model, monkeypatch):
+    # what LLMEngine.from_model does on one CUDA device, minus the capture (CUDA only): the pool is
+    # allocated with the padding page (no regrowth), the runner gets the buckets of max_batch_size
+    # and the width of max_length, and decode steps take the graph path
+    import m2serve.engine.core as core
+    import m2serve.engine.runner as runner_module
+
+    made = []
+
+    class NoCapture(CUDAGraphRunner):
+        def __init__(self, model, kv, buckets, max_length, pad_page, capture):
+            made.append((list(buckets), max_length, pad_page, capture, kv.num_pages))
+            super().__init__(model, kv, buckets, max_length, pad_page, capture=False)
+    monkeypatch.setattr(core, "graphs_off_reason", lambda *a: None)
+    monkeypatch.setattr(runner_module, "CUDAGraphRunner", NoCapture)
+    args = EngineArgs(dtype="float32", kv_cache_format="float32", num_kv_pages=40, kv_cache_page_size=4,
+                      max_batch_input_tokens=64, max_batch_size=20, seed=0, max_length=64)
+    engine = LLMEngine.from_model(triton_model, triton_model.config, args)
+    assert made == [([1, 2, 4, 8, 16, 20], 64, 40, True, 41)]
+    assert engine.runner.graphs_off is None and engine.runner.graphs.buffers.width == 16
+    assert engine.stats.kv_pages_total == 40
+    for i in range(3):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.graph_steps == 1  # the prefill step eager, the one decode step static

@@ -173,16 +173,19 @@ class LLMEngine:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         num_kv_heads = getattr(model, "num_kv_heads", config.num_key_value_heads)
-        storage = zeroed_kv_storage(config.num_hidden_layers, num_pages, S, num_kv_heads, config.head_dim,
-                                    dtype, device, k_scale, v_scale)
+        replicas = getattr(model, "data_parallel_degree", 1)
+        graphs_off = graphs_off_reason(model, device, args.enforce_eager, replicas)
+        pad = int(graphs_off is None)   # the graphs' padding page, allocated with the pool (no regrowth)
+        storage = zeroed_kv_storage(config.num_hidden_layers, num_pages + pad, S, num_kv_heads,
+                                    config.head_dim, dtype, device, k_scale, v_scale)
         penalties = PenaltyState(config.vocab_size, device)   # rank 0 samples every replica's rows
         schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
                                 args.max_batch_input_tokens, args.max_batch_size, penalties)
-                      for _ in range(getattr(model, "data_parallel_degree", 1))]
+                      for _ in range(replicas)]
         runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),
-                             sampling_buffers=StepBuffers(torch.device(device)))
-        runner.graphs_off = graphs_off_reason(model, device, args.enforce_eager, len(schedulers))
-        if runner.graphs_off is None:   # decode under CUDA graphs, captured now (docs/serving.md §6.3)
+                             sampling_buffers=StepBuffers(torch.device(device)), graphs_off=graphs_off)
+        if graphs_off is None:   # decode under CUDA graphs, captured now (docs/serving.md §6.3)
+            runner.pad_page = num_pages
             runner.enable_graphs(args.max_batch_size, max_length, capture=True)
         return cls(config=config, schedulers=schedulers, runner=runner,
                    replica_held=[set() for _ in schedulers],

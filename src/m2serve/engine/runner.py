@@ -157,6 +157,8 @@ class ModelRunner:
     graphs_off: str | None = "not enabled"  # why decode runs eager (graphs_off_reason), None when on
 
     def _add_pad_page(self) -> int:
+        """The padding rows' page: ``pad_page`` when the pool was allocated with it (the engine on
+        CUDA), else one page appended to every layer's pools now."""
         kv = self.kv_storage
         if self.pad_page is None:
             self.pad_page = kv.num_pages
