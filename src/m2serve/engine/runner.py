@@ -32,8 +32,6 @@ from m2serve.engine.scheduler import ScheduledRequest
 from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers, ragged_batch
 from m2serve.model.cuda_graphs import CUDAGraphRunner, bucket_for, decode_buckets
 
-__all__ = ["ModelRunner", "build_batch", "bucket_for", "decode_buckets", "graphs_off_reason"]
-
 
 def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
     """True while a request that asked for prompt logprobs still computes prompt positions."""
