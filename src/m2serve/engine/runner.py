@@ -15,6 +15,9 @@ runner's persistent buffers (model/batch.py ``StepBuffers``: one int64 host buff
 and copied to the device in one copy (``non_blocking`` on CUDA); the same lists travel with the
 batch (model/batch.py ``StepHost``), so the model sizes and indexes the step without reading
 anything back from the device, and the forward has no per-request work (docs/serving.md §6.1).
+With :meth:`ModelRunner.enable_graphs` (the engine on one CUDA device) every all-decode step
+instead takes the static path of model/cuda_graphs.py: fixed-address buffers, one CUDA graph
+per batch-size bucket replayed (docs/serving.md §6.3); every other step stays on this path.
 
 Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
 """

@@ -13,6 +13,9 @@ without a host sync on one rank: grouped experts (experts.py), varlen paged
 attention (attention.py :func:`attend`), logit rows and page ids from the batch's host lists. The
 EP exchange's counts all_to_all is the one read-back (model/collectives.py :func:`ep_moe`).
 
+:meth:`MiniMaxM2ForCausalLM.forward_decode` is the static decode step a CUDA graph records
+(model/cuda_graphs.py, docs/serving.md §6.3): the same layers over fixed-address inputs.
+
 Benchmark-only switch: ``model.legacy_path = True`` runs the previous path (the per-active-expert
 loop and the padded [B, Lk] K/V gather) so benchmarks compare before and after in one run.
 
