@@ -131,13 +131,19 @@ def test_static_forward_builds_nothing_from_host_data(triton_model, tiny_random_
 @pytest.mark.slow
 def test_static_decode_gives_the_eager_engines_greedy_tokens(triton_model):
     # issue 29 item 3 on CPU: the static path (what a graph replays: 3 -> 4, 5 -> 8 rows, padding
-    # rows into their own page) gives the tokens of the eager engine, unpadded and padded
+    # rows into their own page) gives the tokens of the eager engine, unpadded and padded, reading
+    # its inputs at fixed addresses
     sizes: list[int] = []
     real = triton_model.forward_decode
 
-    def forward_decode(inputs, *a):
+    addresses: dict[int, set[tuple[int, ...]]] = {}
+
+    def forward_decode(inputs, kv, cos, sin, max_context_len):
         sizes.append(inputs.batch_size)
-        return real(inputs, *a)
+        addresses.setdefault(inputs.batch_size, set()).add(tuple(
+            t.data_ptr() for t in (inputs.tokens, inputs.positions, inputs.slot_mapping, inputs.context_lens,
+                                   inputs.block_tables, inputs.query_starts, kv.k[0], cos)))
+        return real(inputs, kv, cos, sin, max_context_len)
     runs = {}
     for mode in ("eager", "padded", "static"):
         engine = _engine(triton_model, mode)
@@ -158,6 +164,9 @@ def test_static_decode_gives_the_eager_engines_greedy_tokens(triton_model):
             # the prompts prefill in one eager step, then decodes of 5, 5, 4, 3, 2, 1 rows (max_tokens
             # 3..7) run at buckets 8, 8, 4, 4, 2, 1
             assert sizes == [8, 8, 4, 4, 2, 1] and engine.runner.graph_steps == 6, sizes
+            # what a replay reads sits at one address per bucket, step after step (5 and 5 rows in
+            # bucket 8, 4 and 3 in bucket 4)
+            assert all(len(a) == 1 for a in addresses.values()), addresses
     assert runs["eager"] == runs["padded"] == runs["static"]
     assert sorted(len(t) for t in runs["eager"].values()) == [3, 4, 5, 6, 7]
 
