@@ -92,6 +92,8 @@ def test_buffers_hold_hand_derived_rows_at_fixed_addresses():
         buf.load(4, [1], [13], [[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="row 1: context_lens=5 needs 2 pages of 4; its block table has 1"):
         buf.load(2, [1, 2], [1, 5], [[0], [1]])
+    with pytest.raises(ValueError, match="2 tokens, 1 context_lens, 2 block_tables: give one of each"):
+        buf.load(2, [1, 2], [1], [[0], [1]])
     with pytest.raises(ValueError, match=r"bucket 4 \(of \[1, 2, 4, 8\]\) for 5 rows"):
         buf.load(4, [1] * 5, [1] * 5, [[0]] * 5)
 

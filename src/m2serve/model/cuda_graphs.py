@@ -116,10 +116,14 @@ class StaticDecodeBuffers:
         """Write ``len(tokens)`` decode rows (row i: ``tokens[i]`` at position ``context_lens[i] - 1``
         over ``block_tables[i]``) and b - len(tokens) padding rows, copy bucket b's prefix once,
         return its views. Raises ValueError naming the row for a context < 1, a table shorter
-        than its context needs or a context wider than W pages, and for more rows than b."""
+        than its context needs or a context wider than W pages, for more rows than b, and for
+        lists of different lengths."""
         k, S, W = len(tokens), self.page_size, self.width
         if b not in self.views or k > b:
             raise ValueError(f"bucket {b} (of {self.buckets}) for {k} rows")
+        if len(context_lens) != k or len(block_tables) != k:
+            raise ValueError(f"{k} tokens, {len(context_lens)} context_lens, {len(block_tables)} "
+                             "block_tables: give one of each per row")
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has read the host buffer
         h = self.host.numpy()
