@@ -154,7 +154,7 @@ class ModelRunner:
     buckets: list[int] | None = None     # decode batch-size buckets when decodes are padded, else None
     pad_page: int | None = None          # the padding rows' KV page (outside every allocator)
     graphs: CUDAGraphRunner | None = None  # static decode path (CUDA graphs on CUDA), else None
-    graph_steps: int = 0                 # steps run through ``graphs`` (tests, metrics)
+    graph_steps: int = 0                 # steps run through ``graphs`` (tests)
     graphs_off: str | None = "not enabled"  # why decode runs eager (graphs_off_reason), None when on
 
     def _add_pad_page(self) -> int:
@@ -180,8 +180,9 @@ class ModelRunner:
         (model/cuda_graphs.py ``CUDAGraphRunner``, docs/serving.md §6.3) at the buckets of
         ``max_batch_size``, block tables ``ceil(max_length / S)`` pages wide: recorded as one CUDA
         graph per bucket now and replayed when ``capture`` (CUDA), run eagerly otherwise (the CPU
-        test path). Appends the padding page first (the graphs hold the pools' addresses); prefill,
-        mixed and multi-row steps stay eager. Raises ValueError (from ``CUDAGraphRunner``) for a
+        test path). The padding page is ``pad_page`` when already set (the engine allocates it with
+        the pool), else appended now, before anything records the pools' addresses; prefill,
+        mixed and multi-token steps stay eager. Raises ValueError (from ``CUDAGraphRunner``) for a
         model on the torch attention backend or capture off CUDA."""
         pad = self._add_pad_page()
         self.graphs = CUDAGraphRunner(self.model, self.kv_storage, decode_buckets(max_batch_size), max_length,

@@ -30,10 +30,10 @@ from m2serve.model.attention import AttentionMetadata, GatherScratch
 from m2serve.model.batch import ForwardBatch, StepHost, host_tensor
 from m2serve.model.rope import rope_inv_freq
 
-if TYPE_CHECKING:
-    from m2serve.model.cuda_graphs import DecodeInputs
 if TYPE_CHECKING:  # imported where used: torch.nn.attention.bias imports triton, which must not load
     from torch.nn.attention.bias import CausalBias  # before kernels/triton sets its interpreter flag
+
+    from m2serve.model.cuda_graphs import DecodeInputs
 
 ROPE_MIN_POSITIONS = 4096  # smallest RoPE table; it doubles past the largest position seen
 

@@ -337,7 +337,8 @@ def _make_llm(opts: dict[str, Any]) -> Any:
 
 def banner(llm: Any, opts: dict[str, Any]) -> str:
     """The start-up banner: model, encoding, parallel mode, intra-op threads (read back from torch),
-    KV pages, max context, the weights' mode and linear backend (model/load.py ``weights_banner``),
+    KV pages, max context, the attention backend, whether decode replays CUDA graphs (or why not,
+    docs/serving.md §6.3), the weights' mode and linear backend (model/load.py ``weights_banner``),
     with a model loaded in this process the implementation picked per module and the resident
     weight bytes, the activations' numerics (``numerics_banner``: W4A4 or not) and for ``serve`` the URL."""
     import torch
