@@ -107,15 +107,16 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
 def graphs_off_reason(model: object, device: torch.device | str, enforce_eager: bool,
                       replicas: int) -> str | None:
     """Why decode steps run eager instead of under CUDA graphs (docs/serving.md §6.3), or None when
-    they are captured: ``--enforce-eager``; a device other than CUDA; a multi-rank model (EP modes
-    read the exchange's counts on the host; TP_TP capture on every rank is not built); data-parallel
-    replicas; the torch attention backend (its per-request loop reads host lists)."""
+    they are captured, first match: ``--enforce-eager``; a multi-rank model or data-parallel
+    replicas (EP modes read the exchange's counts on the host; TP_TP capture on every rank is not
+    built); a device other than CUDA; the torch attention backend (its per-request loop reads host
+    lists)."""
     if enforce_eager:
         return "--enforce-eager"
+    if replicas > 1 or not hasattr(model, "forward_decode"):
+        return "multi-rank modes run eager: EP reads its exchange counts on the host, TP_TP capture not built"
     if torch.device(device).type != "cuda":
         return "CUDA only"
-    if replicas > 1 or not hasattr(model, "forward_decode"):
-        return "multi-rank modes run eager (EP reads its exchange counts on the host)"
     if getattr(model, "attention_kernel", None) is None:
         return "torch attention backend"
     return None
