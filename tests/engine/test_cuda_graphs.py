@@ -87,7 +87,10 @@ def test_buffers_hold_hand_derived_rows_at_fixed_addresses():
     assert w is buf.views[4] and w.slot_mapping.tolist() == [1, 6, 11, 32]
     assert {n: getattr(w, n).data_ptr() for n in fields} == before
     assert buf.load(8, [5], [1], [[0]]).tokens.data_ptr() == buf.views[8].tokens.data_ptr()
-    assert buf.loads == 3
+    p = buf.load(2, [], [], [])  # padding rows only (what the capture records)
+    assert p.tokens.tolist() == [0, 0] and p.slot_mapping.tolist() == [36, 36]
+    assert p.positions.tolist() == [0, 0] and p.context_lens.tolist() == [1, 1]
+    assert p.block_tables[:, 0].tolist() == [9, 9] and buf.loads == 4
     with pytest.raises(ValueError, match="row 0: context_lens=13 needs 4 pages of 4; .* static width is 3"):
         buf.load(4, [1], [13], [[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="row 1: context_lens=5 needs 2 pages of 4; its block table has 1"):
