@@ -184,12 +184,16 @@ def test_fp4_weight_bytes(m27):
                               + EMBED + LM_HEAD + FINAL_NORM + L * E * 3 * (linear8 // 2 + linear8 // 16 + 8))
 
 
-def test_tp_tp_8_refused_for_fp8(m27):
-    # V7: 1536 / 8 = 192 is not a multiple of 128
-    with pytest.raises(ValueError, match=r"cannot be split 8 ways \(192 per rank is not a multiple of 128\); "
-                                         r"use ep_size=8"):
-        plan(m27, devices=GPU8)
-    p = plan(m27, devices="gpu:0,1,2,3", weight_dequant="runtime")  # 384 = 3 x 128 works
+def test_tp_tp_8_accepted_for_fp8(m27):
+    # issue 30: 1536 / 8 = 192 rows per rank splits a 128-row scale band (odd ranks start 64 rows in);
+    # each rank holds its codes and the 2 bands its slice touches (docs/checkpoints.md §6): per expert
+    # linear 192 x H codes + 2 x H/128 fp32 scales, one band more than an even 1/8 of the 12 bands
+    p = plan(m27, devices=GPU8, weight_dequant="runtime")
+    assert p.mode is ParallelismMode.TP_TP and p.tp_size == 8
+    expert_linear = 192 * H + 2 * (H // 128) * 4
+    per_layer = ATTN_FP8 // 8 + QK_NORM // 8 + E * 3 * expert_linear + LAYER_NORMS + ROUTER
+    assert p.weight_bytes == L * per_layer + REPLICATED
+    p = plan(m27, devices="gpu:0,1,2,3", weight_dequant="runtime")  # 384 = 3 x 128, whole bands
     assert p.mode is ParallelismMode.TP_TP and p.kv_bytes_per_token == KV_TOKEN_BF16 // 4
 
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.formats.loader import CheckpointMismatchError, iter_weights, open_checkpoint
+from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
+from m2serve.formats.loader import CheckpointMismatchError, iter_weights, open_checkpoint, packed_fp8
 from m2serve.formats.safetensors_io import INDEX_FILE, CheckpointFormatError
 from m2serve.model.load import load_model
 
@@ -189,9 +190,37 @@ def test_shard_plan_reads_slices(tiny_random_fp8_dir):
     o = "model.layers.0.self_attn.o_proj.weight"
     assert torch.equal(part[q], full[q][512:1024])
     assert torch.equal(part[o], full[o][:, 128:384])
-    with pytest.raises(ValueError, match=r"q_proj\.weight: FP8 slice start 64 is not a multiple"):
-        dict(iter_weights(open_checkpoint(tiny_random_fp8_dir, cfg), torch.float32,
-                          lambda n, s: (0, 64, 128) if n.endswith("q_proj.weight") else None))
+
+
+def test_fp8_slices_that_split_a_scale_band(tiny_random_fp8_dir):
+    # issue 30: a TP slice may start (and end) inside a 128-wide band, rows (column-parallel q/k/v,
+    # w1/w3) and columns (row-parallel o_proj, w2): the rank keeps the bands it touches and the
+    # offset; its weight equals the same rows / columns of formats/fp8.py's dequantisation of the
+    # whole stored tensor, bit for bit, dequantised at load and held packed
+    cfg = MiniMaxM2Config.from_pretrained(tiny_random_fp8_dir)
+    cuts = {"q_proj": (0, 64, 640), "k_proj": (0, 192, 384), "o_proj": (1, 320, 832), "w1": (0, 192, 384),
+            "w2": (1, 64, 256)}
+
+    def plan(name, shape):
+        return cuts.get(name.rsplit(".", 2)[-2])
+
+    whole = open_checkpoint(tiny_random_fp8_dir, cfg)
+    for packed in (False, True):
+        for name, t in iter_weights(open_checkpoint(tiny_random_fp8_dir, cfg), torch.bfloat16, plan,
+                                    packed=packed):
+            cut = plan(name, None)
+            if cut is None or name not in whole.kinds:
+                continue
+            dim, a, b = cut
+            full = packed_fp8(whole, name)
+            ref = dequantize_fp8_block(full.q, full.scale, torch.bfloat16)
+            ref = ref[a:b] if dim == 0 else ref[:, a:b]
+            if packed:
+                offsets = (a % 128, 0) if dim == 0 else (0, a % 128)
+                assert isinstance(t, PackedFP8) and (t.row0, t.col0) == offsets
+                assert t.scale.shape[dim] == -(-b // 128) - a // 128, name
+                t = t.dequantize(torch.bfloat16)
+            assert torch.equal(t, ref), (name, packed)
 
 
 def test_fp8_scale_wrong_shape(tiny_random_fp8_dir, tmp_path):

@@ -1,6 +1,6 @@
 """The Triton block-scaled FP8 linear under the interpreter (docs/kernels.md §1, §4): fp32 compute
-against formats/fp8.py's bit-exact dequantiser + a float64 matmul, on TP slices whose rows start
-inside a 128-row scale band. W8A8 is judged under the interpreter only on activations its
+against formats/fp8.py's bit-exact dequantiser + a float64 matmul, on TP slices whose rows or
+columns start inside a 128-wide scale band. W8A8 is judged under the interpreter only on activations its
 quantiser maps exactly (the interpreter's fp8 rounding is not the GPU's); the quantiser itself is
 checked on CPU in torch against hand-derived values. The sm_90 compile of every variant is
 tests/kernels/test_triton_compile.py (the module is in aot.KERNEL_MODULES).
@@ -58,6 +58,23 @@ def test_w8a16_k_slice_and_leading_dims():
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize(("rows", "cols"), [((0, 128), (64, 384)), ((0, 192), (192, 448)),
+                                            ((0, 64), (320, 384)), ((64, 256), (192, 448))])
+def test_w8a16_tp_column_slices_split_a_scale_band(rows, cols):
+    # issue 30: a row-parallel rank's columns [c0, c1) may start inside a 128-column band (w2 at
+    # I = 1,536 over 8 ranks, o_proj of 64-wide heads): col0 = c0 % 128 and the scale columns of the
+    # bands the slice touches; with a row slice too (both offsets). Against the same rows and columns
+    # of the whole weight's bit-exact dequantisation.
+    q, s = _weights(256, 512, 7)
+    (r0, r1), (c0, c1) = rows, cols
+    x = torch.randn(3, c1 - c0).to(torch.bfloat16).float()
+    y = fp8_linear.fp8_linear(x, q[r0:r1, c0:c1], s[r0 // 128:-(-r1 // 128), c0 // 128:-(-c1 // 128)],
+                              row0=r0 % 128, col0=c0 % 128)
+    w = dequantize_fp8_block(q, s, torch.float32)[r0:r1, c0:c1]
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def _exact_activations(m: int, k: int, seed: int) -> torch.Tensor:
     # each 128-column group: e4m3 values times 2^j with one entry at +-448 * 2^j, so the quantiser's
     # scale is exactly 2^j and x / s is an e4m3 value (no rounding anywhere)
@@ -77,6 +94,19 @@ def test_w8a8_structure_on_exactly_quantised_activations():
         y = fp8_linear.fp8_linear(x, q[start:end], s[start // 128: -(-end // 128)], start % 128, mode="w8a8")
         ref = _reference(x, q, s)[:, start:end]
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_w8a8_column_slice_groups_follow_the_weight_bands():
+    # with col0 the activation groups are the weight's bands: columns [64, 448) of 512 are the groups
+    # [64, 128), [128, 256), [256, 384), [384, 448). Each holds its band's +-448 * 2^j entry (column 64
+    # copies column 0's), so the quantisation is exact and W8A8 equals x · dequant(W)ᵀ.
+    q, s = _weights(192, 512, 8)
+    x = _exact_activations(4, 512, 9)
+    x[:, 64] = x[:, 0]
+    x = x[:, 64:448]
+    y = fp8_linear.fp8_linear(x, q[:, 64:448], s, col0=64, mode="w8a8")
+    ref = x.double() @ dequantize_fp8_block(q, s, torch.float32)[:, 64:448].double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_activation_quantiser_hand_values():

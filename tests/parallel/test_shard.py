@@ -94,10 +94,28 @@ def test_packed_fp4_companions():
     assert plan(f"{L}.weight_scale_2", ()) is None
 
 
-def test_unaligned_fp8_grid_is_refused():
-    cfg = tiny(intermediate_size=384)  # 192 per rank; validate_deployment refuses this (V7) earlier
-    from m2serve.config.parallel import Deployment, ParallelismMode
-    dep = Deployment(ParallelismMode.TP_TP, 2, 2, 1, 1, False, 8)
-    plan = make_shard_plan(cfg, dep.state(1))
-    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight_scale_inv: cannot cut \[192, 384\)"):
-        plan("model.layers.0.block_sparse_moe.experts.0.w1.weight_scale_inv", (3, 2))
+def test_fp8_grid_split_inside_a_band():
+    # issue 30: FP8 experts in TP_TP 8 (1536 / 8 = 192 rows per rank; odd ranks start 64 rows into a
+    # 128-row band): each rank reads the scale bands its slice touches, a split band on both ranks
+    cfg = release()
+    dep = validate_deployment(cfg, 8, encoding="fp8")
+    w1 = "model.layers.3.block_sparse_moe.experts.9.w1"
+    w2 = "model.layers.3.block_sparse_moe.experts.9.w2"
+    r0, r1, r7 = (make_shard_plan(cfg, dep.state(r)) for r in (0, 1, 7))
+    assert r1(f"{w1}.weight", (1536, 3072)) == (0, 192, 384)
+    assert r0(f"{w1}.weight_scale_inv", (12, 24)) == (0, 0, 2)      # rows [0, 192): bands 0, 1
+    assert r1(f"{w1}.weight_scale_inv", (12, 24)) == (0, 1, 3)      # rows [192, 384): bands 1, 2
+    assert r1(f"{w2}.weight_scale_inv", (24, 12)) == (1, 1, 3)      # the same along w2's columns
+    assert r7(f"{w1}.weight_scale_inv", (12, 24)) == (0, 10, 12)    # rows [1344, 1536)
+    # hand-derived bytes per rank: attention is whole 128-row heads (÷ 8); each expert linear is
+    # 192 x 3072 codes + 2 bands x 24 fp32 scales; norms, router, embedding, lm_head replicated
+    attention = 2 * 768 * 3072 + 2 * 128 * 3072 + (2 * 6 + 2 * 1) * 24 * 4
+    experts = 256 * 3 * (192 * 3072 + 2 * 24 * 4)
+    per_layer = attention + (768 + 128) * 2 + experts + 2 * 3072 * 2 + 256 * 3072 * 4 + 256 * 4
+    want = 62 * per_layer + 2 * 200064 * 3072 * 2 + 3072 * 2
+    assert {rank_weight_bytes(cfg, dep.state(r), "fp8") for r in range(8)} == {want}
+    # FP4 group scales along K are still never split (w2 columns at 24 of 96, groups of 16)
+    small = tiny(intermediate_size=96)
+    nv = make_shard_plan(small, validate_deployment(small, 4).state(1))
+    with pytest.raises(ValueError, match=r"experts\.0\.w2\.weight_scale: cannot cut \[24, 48\)"):
+        nv("model.layers.0.block_sparse_moe.experts.0.w2.weight_scale", (256, 6))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
+from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,9 @@ def shard_ranges(config: MiniMaxM2Config, state: ParallelState) -> ShardRanges:
 
 # --- startup validation (docs/parallelism.md §5) ---------------------------------------------------
 
-# Quantised-expert block widths along I that a TP split must keep whole (docs/parallelism.md §5 V7).
-_EXPERT_BLOCK = {"fp8": ("FP8 block-quantised", FP8_BLOCK), "nvfp4": ("NVFP4-quantised", NVFP4_GROUP),
-                 "mxfp4": ("MXFP4-quantised", MXFP4_GROUP)}
+# Quantised-expert group widths along I that a TP split must keep whole (docs/parallelism.md §5 V7).
+# FP8 block experts are not listed: a slice may split a 128-row band (docs/checkpoints.md §6).
+_EXPERT_BLOCK = {"nvfp4": ("NVFP4-quantised", NVFP4_GROUP), "mxfp4": ("MXFP4-quantised", MXFP4_GROUP)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +206,7 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
     Hq, Hkv = config.num_attention_heads, config.num_key_value_heads
 
     def ok_tp(t: int) -> bool:  # every rule below, so that a suggested degree is never refused
-        return (Hq % t == 0 and Hkv % t == 0 and _attention_split_ok(config, t, encoding)
+        return (Hq % t == 0 and Hkv % t == 0
                 and (mode is not ParallelismMode.TP_TP or _expert_split_ok(I, t, encoding)))
 
     fits = [t for t in range(1, P + 1) if ok_tp(t)]
@@ -230,10 +230,6 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
             alt = f" or tp ≤ {max(smaller)}" if smaller and max(smaller) > 1 else ""
             raise ValueError(f"{kind[0]} experts cannot be split {tp} ways ({I // tp} per rank is not a "
                              f"multiple of {kind[1]}); use ep_size={P}{alt}")
-    if not _attention_split_ok(config, tp, encoding):
-        raise ValueError(f"FP8 block-quantised attention cannot be split {tp} ways "
-                         f"({Hkv // tp} KV heads × head_dim {config.head_dim} per rank is not a multiple "
-                         f"of {FP8_BLOCK}); {hint}")
     # V10: ep_use_allreduce is allowed on any number of nodes; it only changes TP_EP.
     if ep_use_allreduce and mode is not ParallelismMode.TP_EP:
         log.warning("ep_use_allreduce has no effect in %s (it only changes TP_EP)", mode.value)
@@ -245,12 +241,6 @@ def validate_deployment(config: MiniMaxM2Config, num_devices: int, data_parallel
     return Deployment(mode=mode, world_size=P, tp_size=tp, ep_size=ep_size if ep_size > 1 else 1,
                       data_parallel_degree=dp, ep_use_allreduce=ep_use_allreduce,
                       max_batch_size=max_batch_size)
-
-
-def _attention_split_ok(config: MiniMaxM2Config, tp: int, encoding: str) -> bool:
-    """FP8 block-quantised K/V projections split by whole 128-row blocks: (Hkv/tp * D) % FP8_BLOCK == 0."""
-    return (_encoding_key(encoding) != "fp8" or tp == 1
-            or (config.num_key_value_heads // tp * config.head_dim) % FP8_BLOCK == 0)
 
 
 def _expert_split_ok(I: int, tp: int, encoding: str) -> bool:

@@ -6,6 +6,7 @@ s[i // 128, j // 128]``, one fp32 product, then one rounding to the target dtype
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,40 +58,98 @@ def quantize_fp8_act_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[to
     return q.view(m, k), s
 
 
-def check_scale_grid(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> None:
-    """Raise ValueError naming both shapes unless ``scale_inv`` is the [ceil(N/b), ceil(K/b)] grid of
-    ``q`` [N, K]."""
+def fp8_scale_grid(n: int, k: int, row0: int = 0, col0: int = 0, block: int = FP8_BLOCK) -> tuple[int, int]:
+    """Scale-grid shape ``[ceil((row0 + n)/b), ceil((col0 + k)/b)]`` of an ``[n, k]`` slice whose first
+    row / column sit ``row0`` / ``col0`` into their ``b``-wide band (docs/checkpoints.md §6 "Slices
+    that split a band"); (ceil(n/b), ceil(k/b)) for a whole weight. Raises ValueError naming the
+    offset unless ``0 <= row0, col0 < b``."""
+    for field_name, off in (("row0", row0), ("col0", col0)):
+        if not 0 <= off < block:
+            raise ValueError(f"{field_name}={off} must be in [0, {block}) (the offset inside the first "
+                             f"{block}-wide scale band)")
+    return -(-(row0 + n) // block), -(-(col0 + k) // block)
+
+
+def check_scale_grid(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK, row0: int = 0,
+                     col0: int = 0) -> None:
+    """Raise ValueError naming both shapes (and the offsets when not 0) unless ``scale_inv`` is the
+    :func:`fp8_scale_grid` of ``q`` [N, K] at ``row0`` / ``col0``."""
     n, k = q.shape
-    grid = (-(-n // block), -(-k // block))
+    grid = fp8_scale_grid(n, k, row0, col0, block)
     if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]} "
+        at = f" at row0 {row0}, col0 {col0}" if row0 or col0 else ""
+        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]}{at} "
                          f"in {block}x{block} blocks (expected {list(grid)})")
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                         block: int = FP8_BLOCK) -> torch.Tensor:
-    """``q`` e4m3 [N, K], ``scale_inv`` [ceil(N/b), ceil(K/b)] -> dense [N, K] of ``dtype``.
+                         block: int | tuple[int, int] = FP8_BLOCK, row0: int = 0,
+                         col0: int = 0) -> torch.Tensor:
+    """``q`` e4m3 [N, K], ``scale_inv`` [ceil((row0 + N)/b), ceil((col0 + K)/b)] -> dense [N, K] of
+    ``dtype``.
 
-    fp32(q) * fp32(s) per block, then one cast (docs/checkpoints.md §6). Raises ValueError naming
-    both shapes if the scale grid does not cover q.
+    fp32(q) * fp32(s) per block, then one cast (docs/checkpoints.md §6):
+    ``W[i, j] = fp32(q[i, j]) · s[(row0 + i) // b_n, (col0 + j) // b_k]``. ``block`` is b (square)
+    or (b_n, b_k) (a refined grid, :func:`refine_fp8_grid`, with offsets 0). ``row0`` / ``col0``: a
+    TP slice's offset inside its first band. Raises ValueError naming both shapes if the scale grid
+    does not cover q, or naming an offset outside [0, b).
     """
     n, k = q.shape
-    check_scale_grid(q, scale_inv, block)
-    s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    bn, bk = (block, block) if isinstance(block, int) else block
+    if bn == bk:
+        check_scale_grid(q, scale_inv, bn, row0, col0)
+    elif row0 or col0 or tuple(scale_inv.shape) != (-(-n // bn), -(-k // bk)):
+        raise ValueError(f"FP8 scale grid {list(scale_inv.shape)} does not match weight {[n, k]} in "
+                         f"{bn}x{bk} blocks (expected {[-(-n // bn), -(-k // bk)]}, offsets 0)")
+    s = scale_inv.float().repeat_interleave(bn, 0)[row0:row0 + n].repeat_interleave(bk, 1)[:, col0:col0 + k]
     return (q.float() * s).to(dtype)
+
+
+def refine_fp8_grid(scale_inv: torch.Tensor, n: int, k: int, row0: int = 0, col0: int = 0,
+                    block_n: int | None = None, block_k: int | None = None) -> tuple[torch.Tensor, int, int]:
+    """The same weight's scales on a finer grid that starts at its first row and column: for kernels
+    that index ``s[i // b_n, j // b_k]`` from 0 (csrc/packed_linear.cpp, the Triton fused MoE) and so
+    take no offset (docs/checkpoints.md §6 "Slices that split a band").
+
+    ``scale_inv`` [..., ceil((row0 + n)/128), ceil((col0 + k)/128)] (leading dims: stacked experts)
+    -> (s' [..., ceil(n/b_n), ceil(k/b_k)], b_n, b_k) with ``s'[i, j] = s[(row0 + i·b_n) // 128,
+    (col0 + j·b_k) // 128]``: each b_n x b_k block lies inside one 128 x 128 block because b_n
+    divides 128 and row0 (b_k: 128 and col0), so ``fp32(q[r, c]) · s'[r // b_n, c // b_k]`` is the
+    offset formula of :func:`dequantize_fp8_block`, value for value. Defaults: b_n = gcd(128, row0),
+    b_k = gcd(128, col0) (128 for a zero offset). Raises ValueError naming the block and offset when
+    a given b_n / b_k does not divide 128 and its offset.
+    """
+    bn = math.gcd(FP8_BLOCK, row0) if block_n is None else block_n
+    bk = math.gcd(FP8_BLOCK, col0) if block_k is None else block_k
+    for field_name, b, off in (("block_n", bn, row0), ("block_k", bk, col0)):
+        if b <= 0 or FP8_BLOCK % b or off % b:
+            raise ValueError(f"{field_name}={b} must divide {FP8_BLOCK} and the offset {off}")
+    grid = fp8_scale_grid(n, k, row0, col0)
+    if tuple(scale_inv.shape[-2:]) != grid:
+        raise ValueError(f"FP8 scale grid {list(scale_inv.shape[-2:])} does not match weight {[n, k]} at "
+                         f"row0 {row0}, col0 {col0} (expected {list(grid)})")
+    dev = scale_inv.device
+    rows = (row0 + torch.arange(-(-n // bn), device=dev) * bn) // FP8_BLOCK
+    cols = (col0 + torch.arange(-(-k // bk), device=dev) * bk) // FP8_BLOCK
+    s = scale_inv.index_select(-2, rows).index_select(-1, cols).contiguous()
+    return s, bn, bk
 
 
 @dataclass(slots=True)
 class PackedFP8:
     """One FP8 block linear weight as stored (loader dispatch; kept so by ``--weight-dequant runtime``).
 
-    ``q`` float8_e4m3fn [N, K]; ``scale`` float32 [ceil(N/128), ceil(K/128)] (``weight_scale_inv``,
-    multiplied). :meth:`dequantize` is :func:`dequantize_fp8_block` (docs/checkpoints.md §6).
+    ``q`` float8_e4m3fn [N, K]; ``scale`` float32 [ceil((row0 + N)/128), ceil((col0 + K)/128)]
+    (``weight_scale_inv``, multiplied): the bands the weight (or its TP slice) covers. ``row0`` /
+    ``col0``: offset of the first row / column inside its first 128-wide band, 0 unless a TP slice
+    starts inside one (docs/checkpoints.md §6). :meth:`dequantize` is :func:`dequantize_fp8_block`.
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     name: str = "weight"
+    row0: int = 0
+    col0: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,14 +157,13 @@ class PackedFP8:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Dense [N, K] of ``dtype``, one rounding from fp32. ValueError if the grid does not cover q."""
-        return dequantize_fp8_block(self.q, self.scale, dtype)
+        return dequantize_fp8_block(self.q, self.scale, dtype, FP8_BLOCK, self.row0, self.col0)
 
     def rows(self, start: int, end: int) -> PackedFP8:
-        """Rows ``[start, end)`` of the weight (views) with the scale rows covering them; ``start``
-        must be a multiple of the 128-row block (ValueError naming the tensor), and the scale must be
-        the whole weight's grid (ValueError naming both shapes), so that a band never hides a bad grid."""
-        check_scale_grid(self.q, self.scale)
-        if start % FP8_BLOCK:
-            raise ValueError(f"{self.name}: FP8 row slice start {start} is not a multiple of the "
-                             f"{FP8_BLOCK}-block")
-        return PackedFP8(self.q[start:end], self.scale[start // FP8_BLOCK:-(-end // FP8_BLOCK)], self.name)
+        """Rows ``[start, end)`` of the weight (views) with the scale rows covering them and the new
+        ``row0``; any start (a band may be split). The scale must be the whole weight's grid
+        (ValueError naming both shapes), so that a band never hides a bad grid."""
+        check_scale_grid(self.q, self.scale, FP8_BLOCK, self.row0, self.col0)
+        a, b = self.row0 + start, self.row0 + end
+        return PackedFP8(self.q[start:end], self.scale[a // FP8_BLOCK:-(-b // FP8_BLOCK)], self.name,
+                         a % FP8_BLOCK, self.col0)

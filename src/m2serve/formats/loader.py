@@ -11,7 +11,8 @@ its stored bytes while it is copied out of the file (CheckpointReader.read, form
 a corrupt one raises CorruptTensorError naming the file and tensor.
 
 Shard hook: ``plan(name, global_shape)`` returns None (whole tensor), ``"skip"`` (not on this
-rank) or ``(dim, start, end)`` (read only that slice; FP8 slices must start on a 128 boundary).
+rank) or ``(dim, start, end)`` (read only that slice; an FP8 slice may start inside a 128-wide
+scale band: it keeps the bands it touches and its offset, docs/checkpoints.md §6).
 """
 
 from __future__ import annotations
@@ -141,8 +142,7 @@ def dequantize_linear(plan: LoadPlan, name: str, dtype: torch.dtype, rows: tuple
     The one dispatch point per linear storage kind (docs/checkpoints.md §4): dense -> cast; FP8 block
     -> fp32 e4m3 x scale_inv product, one rounding (docs/checkpoints.md §6); NVFP4 / MXFP4 ->
     :func:`packed_linear` then its scheme's fp32 formula, one rounding (docs/checkpoints.md §6,
-    formats/fp4.py). ``rows`` / ``cols`` are ``(start, end)`` ranges; for FP8 they must start on a
-    multiple of 128 (ValueError naming the tensor).
+    formats/fp4.py). ``rows`` / ``cols`` are ``(start, end)`` ranges (FP8: any start, :func:`packed_fp8`).
     """
     fname = plan.files[name]
     kind = plan.kinds[name]
@@ -158,7 +158,7 @@ def to_device(packed: PackedFP8 | PackedFP4, device: torch.device | str | None) 
     if device is None:
         return packed
     if isinstance(packed, PackedFP8):
-        return PackedFP8(packed.q.to(device), packed.scale.to(device), packed.name)
+        return PackedFP8(packed.q.to(device), packed.scale.to(device), packed.name, packed.row0, packed.col0)
     s2 = None if packed.scale_2 is None else packed.scale_2.to(device)
     return PackedFP4(packed.scheme, packed.packed.to(device), packed.scale.to(device), s2, packed.name)
 
@@ -220,19 +220,20 @@ def packed_linear(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None
 def packed_fp8(plan: LoadPlan, name: str, rows: tuple[int, int] | None = None,
                cols: tuple[int, int] | None = None) -> PackedFP8:
     """FP8 block linear ``name`` (canonical) as read from the file: e4m3 codes and the fp32 scale
-    grid of the blocks covering the slice (docs/checkpoints.md §6). ``rows`` / ``cols`` must start on a
-    multiple of 128 (ValueError naming the tensor); an end off the grid keeps its covering block."""
+    grid of the blocks covering the slice (docs/checkpoints.md §6). ``rows`` / ``cols`` may start
+    inside a 128-wide band (a TP slice such as 192 of 1,536 rows): the scale rows / columns read are
+    the bands the slice touches, ``[start // 128, ceil(end / 128))``, and the result's ``row0`` /
+    ``col0`` is ``start % 128``."""
     fname = plan.files[name]
     scale = plan.companions[name].get("weight_scale_inv") or plan.companions[name]["weight_scale"]
-    srows, scols = (_block_range(name, r) if r else None for r in (rows, cols))
+    srows, scols = (_block_range(r) if r else None for r in (rows, cols))
     q = plan.reader.read(fname, rows, cols, "e4m3")
-    return PackedFP8(q, plan.reader.read(scale.name, srows, scols).float(), fname)
+    return PackedFP8(q, plan.reader.read(scale.name, srows, scols).float(), fname,
+                     rows[0] % FP8_BLOCK if rows else 0, cols[0] % FP8_BLOCK if cols else 0)
 
 
-def _block_range(name: str, r: tuple[int, int]) -> tuple[int, int]:
+def _block_range(r: tuple[int, int]) -> tuple[int, int]:
     start, end = r
-    if start % FP8_BLOCK:
-        raise ValueError(f"{name}: FP8 slice start {start} is not a multiple of the {FP8_BLOCK}-block")
     return start // FP8_BLOCK, -(-end // FP8_BLOCK)
 
 

@@ -38,6 +38,8 @@ from m2serve.kernels.build import KernelBackend, kernel_backend
 TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
 GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
 MM_TILE_N = 4096  # weight rows decoded per at::mm of a many-row expert (bounds the temporary tile)
+#: The C++ kernels take an FP8 ``block_k`` that is a multiple of this (packed_linear.cpp grouped_linear).
+KERNEL_K_STEP = 16
 
 
 class WeightFormat(enum.IntEnum):
@@ -60,8 +62,10 @@ class PackedWeights:
     """E linear weights [N, K] as stored, stacked along a leading expert dim.
 
     fmt BF16: q bf16 [E, N, K], scale None. FP8_BLOCK: q float8_e4m3fn [E, N, K], scale f32
-    [E, ceil(N/block_n), K/block_k] (``weight_scale_inv``, multiplied). NVFP4_*: q uint8 [E, N, K/2]
-    (low nibble = even column), scale float8_e4m3fn [E, N, K/block_k], scale_2 f32 [E] or [E, N] (per
+    [E, ceil(N/block_n), K/block_k] (``weight_scale_inv``, multiplied; block_n x block_k is 128 x 128
+    as stored, or a finer grid from formats/fp8.py ``refine_fp8_grid`` for a TP slice that splits a
+    band). NVFP4_*: q uint8 [E, N, K/2] (low nibble = even column), scale float8_e4m3fn
+    [E, N, K/block_k], scale_2 f32 [E] or [E, N] (per
     output row, e.g. w1 rows then w3 rows; ModelOpt ``weight_scale_2`` multiplier / compressed-tensors
     ``weight_global_scale`` divisor). MXFP4: q uint8
     [E, N, K/2], scale uint8 E8M0 [E, N, K/block_k]. block_n / block_k: the format's block (FP8) or
@@ -99,7 +103,7 @@ class PackedWeights:
         if self.fmt is WeightFormat.BF16:
             return q.to(dtype)
         if self.fmt is WeightFormat.FP8_BLOCK:
-            return dequantize_fp8_block(q, self.scale[e], dtype, self.block_n)
+            return dequantize_fp8_block(q, self.scale[e], dtype, (self.block_n, self.block_k))
         if self.fmt is WeightFormat.MXFP4:
             return dequantize_mxfp4(q, self.scale[e], dtype)
         fn = dequantize_nvfp4_modelopt if self.fmt is WeightFormat.NVFP4_MODELOPT else dequantize_nvfp4_ct

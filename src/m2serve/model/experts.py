@@ -31,6 +31,7 @@ model/decoder.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -40,10 +41,11 @@ from torch import nn
 from m2serve.config.quant import FP8_BLOCK
 from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4, decode_e8m0
-from m2serve.formats.fp8 import PackedFP8
+from m2serve.formats.fp8 import PackedFP8, fp8_scale_grid, refine_fp8_grid
 from m2serve.kernels.choice import TORCH_CHOICE, KernelChoice, LinearImpl, triton_fused_moe
 from m2serve.kernels.ops import (
     FP4_FORMATS,
+    KERNEL_K_STEP,
     PackedWeights,
     WeightFormat,
     cpu_grouped_expert_ffn,
@@ -146,7 +148,10 @@ class MiniMaxM2Experts(nn.Module):
     filled) dense parameters are dropped and the stored codes and scales become buffers
     ``{w1,w3,w2}_q`` — FP4: uint8 [E_loc, N, K/2], ``_s`` [E_loc, N, K/group] (e4m3 or E8M0 bytes),
     ``_s2`` f32 [E_loc] (NVFP4 only); FP8: float8_e4m3fn [E_loc, N, K], ``_s`` f32
-    [E_loc, ceil(N/128), ceil(K/128)] — and :meth:`grouped_rows` dequantises only the experts a step
+    [E_loc, ceil((off + N)/128), ceil(K/128)] for w1 / w3 and [E_loc, ceil(N/128), ceil((off + K)/128)]
+    for w2, ``off`` = ``band0``, the offset of this rank's intermediate slice inside its first 128-wide
+    band (a TP_TP slice such as 192 of 1,536 may split a band, docs/checkpoints.md §6) — and
+    :meth:`grouped_rows` dequantises only the experts a step
     activates (:meth:`expert_weights`), with the same formula (and so the same values) as
     dequantising at load. :meth:`pack_for_kernels` (called once after load) sets ``kernel_weights``
     (w13, w2 as m2serve/kernels' PackedWeights) so that :meth:`grouped_rows` runs the C++ kernels on
@@ -169,6 +174,7 @@ class MiniMaxM2Experts(nn.Module):
         self.batch_invariant = False  # use_batch_invariant (before the kernel choice)
         self.choice: KernelChoice = TORCH_CHOICE  # set_choice, once after loading
         self.act_scheme: ActivationScheme | None = None  # W4A4 inputs (set_activation_quant)
+        self.band0 = 0  # FP8: offset of the intermediate slice inside its first 128-wide band (at load)
         self._fused = None  # (fused_moe, (w1, w3, w2) stacks) when the choice is the Triton fused MoE
 
     def weight_format(self) -> WeightFormat | None:
@@ -361,24 +367,49 @@ class MiniMaxM2Experts(nn.Module):
         """Once all experts are loaded: ``kernel_weights`` = (w13 [E_loc, 2·I_loc, H] with w1 rows then
         w3 rows, w2 [E_loc, H, I_loc]) as :class:`PackedWeights` over the stored codes. w13 is one
         concatenated copy and the ``w1_*`` / ``w3_*`` buffers become views of it, so nothing is held
-        twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense experts, and FP8 experts
-        whose I_loc is not a whole number of 128-row scale blocks (a w1 block would straddle w3), keep
-        ``kernel_weights`` None (the dequantising path)."""
+        twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense experts keep
+        ``kernel_weights`` None. FP8 experts whose I slice splits a 128-row band or is not whole bands
+        (a w1 block would straddle w3) get ``kernel_weights`` on a finer scale grid (:meth:`_stacked`;
+        the stored ``_s`` buffers stay as
+        they are), or None where that grid is not one the kernels decode (the dequantising path)."""
         I = self.intermediate_size
-        if self.scheme is None or (self.scheme == FP8_SCHEME and I % FP8_BLOCK):
+        if self.scheme is None:
             return
-        w1, w3, w2 = (self._stacked(which) for which in ("w1", "w3", "w2"))
+        stacks = [self._stacked(which) for which in ("w1", "w3", "w2")]
+        if any(w is None for w in stacks):
+            return
+        w1, w3, w2 = stacks
         w13 = PackedWeights.concat_rows([w1, w3])
         split = w1.scale.shape[1]  # scale rows of w1: I / 128 (FP8) or I (FP4)
         self.w1_q, self.w3_q = w13.q[:, :I], w13.q[:, I:]
-        self.w1_s, self.w3_s = w13.scale[:, :split], w13.scale[:, split:]
+        if not self._refined():
+            self.w1_s, self.w3_s = w13.scale[:, :split], w13.scale[:, split:]
         self.kernel_weights = (w13, w2)
 
-    def _stacked(self, which: str) -> PackedWeights:
-        """The buffers of ``which`` (w1 / w3 / w2) for all local experts as kernel PackedWeights (no copy)."""
+    def _refined(self) -> bool:
+        """FP8 experts whose slice is not whole 128-wide bands from a band start (kernels then take a
+        finer scale grid, formats/fp8.py ``refine_fp8_grid``)."""
+        return self.scheme == FP8_SCHEME and bool(self.band0 or self.intermediate_size % FP8_BLOCK)
+
+    def _stacked(self, which: str) -> PackedWeights | None:
+        """The buffers of ``which`` (w1 / w3 / w2) for all local experts as kernel PackedWeights (no copy
+        of the codes). FP8 experts whose I slice splits a band or is not whole bands
+        (:meth:`_refined`) get their scales on the grid b = gcd(128, band0, I_loc) along I (rows of
+        w1 / w3, columns of w2; 64 for 192 of 1,536) from formats/fp8.py ``refine_fp8_grid``, a new
+        tensor the size of the stored scales times 128/b; None when b is not a multiple of 16."""
         q, s = getattr(self, f"{which}_q"), getattr(self, f"{which}_s")
         if self.scheme == FP8_SCHEME:
-            return PackedWeights(WeightFormat.FP8_BLOCK, q, s, None, FP8_BLOCK, FP8_BLOCK)
+            if not self._refined():
+                return PackedWeights(WeightFormat.FP8_BLOCK, q, s, None, FP8_BLOCK, FP8_BLOCK)
+            b = math.gcd(FP8_BLOCK, self.band0, self.intermediate_size)
+            if b % KERNEL_K_STEP:
+                return None
+            n, k = q.shape[1:]
+            if which == "w2":
+                s, bn, bk = refine_fp8_grid(s, n, k, 0, self.band0, block_k=b)
+            else:
+                s, bn, bk = refine_fp8_grid(s, n, k, self.band0, 0, block_n=b)
+            return PackedWeights(WeightFormat.FP8_BLOCK, q, s, None, bn, bk)
         s2 = None if self.scheme is FP4Scheme.MXFP4 else getattr(self, f"{which}_s2")
         return PackedWeights(FP4_FORMATS[self.scheme], q, s, s2, 1, self.scheme.group)
 
@@ -409,7 +440,8 @@ class MiniMaxM2Experts(nn.Module):
     def _packed(self, which: str, e: int) -> PackedFP4 | PackedFP8:
         name = f"experts.{self.start + e}.{which}.weight"
         if self.scheme == FP8_SCHEME:
-            return PackedFP8(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], name)
+            off = (0, self.band0) if which == "w2" else (self.band0, 0)
+            return PackedFP8(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], name, *off)
         s2 = getattr(self, f"{which}_s2")[e] if self.scheme is not FP4Scheme.MXFP4 else None
         return PackedFP4(self.scheme, getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e], s2,
                          f"experts.{self.start + e}.{which}.weight")
@@ -419,8 +451,9 @@ class MiniMaxM2Experts(nn.Module):
             raise ValueError(f"expert {expert} {which}: dense weight for experts held packed "
                              f"({_scheme_name(self.scheme)}); mixed storage in one layer is not supported")
         scheme = FP8_SCHEME if isinstance(w, PackedFP8) else w.scheme
+        band0 = (w.col0 if which == "w2" else w.row0) if isinstance(w, PackedFP8) else 0
         if self.scheme is None:
-            self._to_packed(scheme)
+            self._to_packed(scheme, band0)
         elif scheme != self.scheme:
             raise ValueError(f"expert {expert} {which}: {_scheme_name(scheme)} weight for experts held as "
                              f"{_scheme_name(self.scheme)}")
@@ -428,6 +461,10 @@ class MiniMaxM2Experts(nn.Module):
         want = (H, I) if which == "w2" else (I, H)
         if w.shape != want:
             raise ValueError(f"expert {expert} {which}: got shape {list(w.shape)}, expected {list(want)}")
+        if isinstance(w, PackedFP8) and ((w.row0, w.col0) != ((0, band0) if which == "w2" else (band0, 0))
+                                         or band0 != self.band0):
+            raise ValueError(f"expert {expert} {which}: FP8 slice at row0 {w.row0}, col0 {w.col0}; this "
+                             f"rank's intermediate slice starts {self.band0} into its 128-wide band")
         if self.scheme is FP4Scheme.MXFP4:
             decode_e8m0(w.scale, f"{w.name}_scale")  # reject NaN codes now, not mid-request
         e = expert - self.start
@@ -440,15 +477,18 @@ class MiniMaxM2Experts(nn.Module):
         if isinstance(w, PackedFP4) and w.scale_2 is not None:
             getattr(self, f"{which}_s2")[e] = w.scale_2.reshape(())
 
-    def _to_packed(self, scheme: FP4Scheme | str) -> None:
-        """Replace the dense parameters (allocated, never filled) by packed buffers."""
+    def _to_packed(self, scheme: FP4Scheme | str, band0: int = 0) -> None:
+        """Replace the dense parameters (allocated, never filled) by packed buffers; ``band0``: FP8
+        slice offset along I (class docstring)."""
         E, H, I, device = self.num_local, self.w2.shape[1], self.intermediate_size, self.w2.device
         del self.w13, self.w2
         if scheme == FP8_SCHEME:
+            self.band0 = band0
             for which, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
                 self.register_buffer(f"{which}_q",
                                      torch.empty(E, n, k, dtype=torch.float8_e4m3fn, device=device))
-                self.register_buffer(f"{which}_s", torch.empty(E, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK),
+                off = (0, band0) if which == "w2" else (band0, 0)
+                self.register_buffer(f"{which}_s", torch.empty(E, *fp8_scale_grid(n, k, *off),
                                                                dtype=torch.float32, device=device))
             self.scheme = scheme
             return

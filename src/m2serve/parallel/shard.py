@@ -14,7 +14,9 @@ Rules (P ranks, tp = tensor parallel degree, r = rank):
   [r·E/ep, …), the others skipped.
 - everything else (embed, lm_head, norms, router gate + bias, KV scales): replicated.
 Companion tensors (FP8 ``weight_scale_inv`` 128×128 grids, packed FP4 bytes and their group
-scales) are sliced at the matching position of their own grid.
+scales) are sliced at the matching position of their own grid; an FP8 slice that starts or ends
+inside a 128-wide band keeps every band it touches (docs/checkpoints.md §6), an FP4 one must not
+split a group.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ _COLUMN_SPLIT = {"o_proj", "w2", "down_proj"}
 
 def make_shard_plan(config: MiniMaxM2Config, state: ParallelState) -> Plan | None:
     """The shard plan of one rank, or None when the rank holds the whole model (one device,
-    plain data parallelism). Raises ValueError (from the returned plan) naming the tensor when a
-    companion grid cannot be cut at the rank's boundary."""
+    plain data parallelism). Raises ValueError (from the returned plan) naming the tensor when an
+    FP4 companion grid cannot be cut at the rank's boundary (an FP8 scale grid always can)."""
     ranges = shard_ranges(config, state)
     D, I = config.head_dim, config.intermediate_size
     tp_attention = state.tp_size > 1
@@ -81,7 +83,9 @@ def _slice(name: str, kind: str, shape: Sequence[int], dim: int, full: int, star
     n = int(shape[dim])
     if n == full:
         return dim, start, end
-    block = FP8_BLOCK if kind == "weight_scale_inv" else (full // n if full % n == 0 else 0)
+    if kind == "weight_scale_inv":  # FP8: the 128-wide bands the slice touches, a split band included
+        return dim, start // FP8_BLOCK, -(-end // FP8_BLOCK)
+    block = full // n if full % n == 0 else 0
     if block == 0 or start % block or (end % block and end != full):
         raise ValueError(f"{name}: cannot cut [{start}, {end}) of {full} along dim {dim} on its grid of "
                          f"{n} entries; choose a parallel layout whose per-rank width is a multiple of "

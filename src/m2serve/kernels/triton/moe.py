@@ -265,7 +265,10 @@ def _check(w: PackedWeights, name: str, fmt: WeightFormat, experts: int, n: int,
     if (w.num_experts, w.out_features, w.in_features) != (experts, n, k):
         raise ValueError(f"{name}: [{w.num_experts}, {w.out_features}, {w.in_features}] where "
                          f"[{experts}, {n}, {k}] is expected")
-    if (w.block_n, w.block_k) != _GROUPS[fmt] and fmt is not WeightFormat.BF16:
+    if fmt is WeightFormat.FP8_BLOCK:  # 128 x 128, or a finer grid of a split band (formats/fp8.py)
+        if FP8_BLOCK % w.block_n or FP8_BLOCK % w.block_k:
+            raise ValueError(f"{name}: FP8 blocks ({w.block_n}, {w.block_k}) do not divide {FP8_BLOCK}")
+    elif (w.block_n, w.block_k) != _GROUPS[fmt] and fmt is not WeightFormat.BF16:
         raise ValueError(f"{name}: {fmt.name} blocks ({w.block_n}, {w.block_k}), the kernel decodes "
                          f"{_GROUPS[fmt]}")
 
@@ -277,7 +280,9 @@ def fused_moe(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w1
     h [T, H] act (bf16 on a GPU; fp32 too), ids [T, k] int64 global expert ids, topk_weights [T, k]
     f32; w1 / w3 :class:`PackedWeights` [E_loc, I, H] (gate / up rows of this rank's I slice), w2
     [E_loc, H, I], one format (BF16 dense codes of any float dtype, FP8_BLOCK, NVFP4_MODELOPT,
-    NVFP4_CT, MXFP4); ``start``: global id of local expert 0 (EP). Returns [T, H] f32: ``Σ_slots
+    NVFP4_CT, MXFP4; FP8 on its 128 x 128 grid or, for a TP slice that splits a band, the finer grid
+    of formats/fp8.py ``refine_fp8_grid``, block sizes dividing 128, decoded per launch);
+    ``start``: global id of local expert 0 (EP). Returns [T, H] f32: ``Σ_slots
     w_slot · expert(h)`` over the slots whose expert is held here (others add 0), as
     MiniMaxM2Experts.forward. Raises ValueError naming the weight and the mismatch for mixed
     formats, shapes that do not fit h or each other, or blocks the kernel does not decode, and for
@@ -291,6 +296,9 @@ def fused_moe(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w1
     _check(w1, "w1", fmt, E, I, H)
     _check(w3, "w3", fmt, E, I, H)
     _check(w2, "w2", fmt, E, H, I)
+    if (w1.block_n, w1.block_k) != (w3.block_n, w3.block_k):
+        raise ValueError(f"w3: blocks ({w3.block_n}, {w3.block_k}) differ from w1's "
+                         f"({w1.block_n}, {w1.block_k})")
     if ids.shape != topk_weights.shape or ids.shape[0] != T:
         raise ValueError(f"ids {list(ids.shape)} and topk_weights {list(topk_weights.shape)} must both be "
                          f"[T={T}, k]")
@@ -311,14 +319,17 @@ def fused_moe(h: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor, w1
     (q2, s2, g2), strides2 = _operands(w2, "w2", dummy)
     consts = {"FMT": int(fmt), "GROUP_N": _GROUPS[fmt][0], "GROUP_K": _GROUPS[fmt][1], "BLOCK_M": bm,
               "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "COMPUTE": compute_dtype(h.dtype)}
+    fp8 = fmt is WeightFormat.FP8_BLOCK  # each launch decodes its weights' own grid
+    c13 = {**consts, "GROUP_N": w1.block_n, "GROUP_K": w1.block_k} if fp8 else consts
+    c2 = {**consts, "GROUP_N": w2.block_n, "GROUP_K": w2.block_k} if fp8 else consts
     inter = torch.empty(max_blocks * bm, I, dtype=h.dtype, device=dev)
     _moe_w13_kernel[(max_blocks, triton.cdiv(I, BLOCK_N))](
         x, sorted_rows, block_expert, q1, q3, s1, s3, g1, g3, inter, R, H, I, k, x.stride(0), *strides13,
-        inter.stride(0), **consts, num_warps=4)
+        inter.stride(0), **c13, num_warps=4)
     out = torch.zeros(R, H, dtype=torch.float32, device=dev)
     _moe_w2_kernel[(max_blocks, triton.cdiv(H, BLOCK_N))](
         inter, sorted_rows, block_expert, flat_w, q2, s2, g2, out, R, H, I, inter.stride(0), *strides2,
-        out.stride(0), **consts, num_warps=4)
+        out.stride(0), **c2, num_warps=4)
     return out.view(T, k, H).sum(1)
 
 
