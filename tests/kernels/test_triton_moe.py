@@ -263,3 +263,36 @@ def test_experts_given_the_triton_choice_run_the_fused_moe(fmt, I):
     _close(m(h, ids, tw), ref)
     _close(m.rows(h, ids[:, 0].clamp(0, E - 1)), ref_rows)
     assert len(calls) == 2
+
+
+def test_fp8_tp_slice_that_splits_a_band_runs_on_the_finer_grid():
+    # issue 30: rank 1 of TP 2 over I = 384 holds rows [192, 384) of w1 / w3 and columns [192, 384) of
+    # w2, 64 into a 128-wide band (docs/checkpoints.md §6): the module's kernel stacks carry the finer
+    # 64-wide grid and the fused MoE decodes it; against the same slices of the whole weights'
+    # dequantisation (formats/fp8.py) and a pair-by-pair fp32 loop
+    from m2serve.kernels.choice import KernelChoice, LinearImpl
+    from m2serve.model.experts import MiniMaxM2Experts
+
+    E, H, I, lo, T, k = 3, 64, 384, 192, 6, 2
+    g = torch.Generator().manual_seed(31)
+    m = MiniMaxM2Experts(H, I - lo, 0, E, dtype=torch.float32)
+    dense: dict[str, list[torch.Tensor]] = {"w1": [], "w3": [], "w2": []}
+    for e in range(E):
+        for which, (n, kk) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            full, d = _one("fp8_block", n, kk, g)
+            if which == "w2":
+                part = PackedFP8(full.q[:, lo:], full.scale[:, lo // 128:], which, 0, lo % 128)
+                dense[which].append(d[:, lo:])
+            else:
+                part = PackedFP8(full.q[lo:], full.scale[lo // 128:], which, lo % 128, 0)
+                dense[which].append(d[lo:])
+            m.load_expert(e, which, part)
+    m.pack_for_kernels()
+    w13, w2 = m.kernel_weights
+    assert (w13.block_n, w13.block_k, w2.block_n, w2.block_k) == (64, 128, 128, 64)
+    ids, tw = _route(T, k, E, seed=32)
+    h = torch.randn(T, H, generator=g)
+    ref = _reference(h, ids, tw, [(None, torch.stack(dense[w])) for w in ("w1", "w3", "w2")])
+    _close(m.forward_loop(h, ids, tw), ref)  # the module's torch reference (offset dequantisation)
+    m.set_choice(KernelChoice(LinearImpl.TRITON, None, "triton-moe"))
+    _close(m(h, ids, tw), ref)
