@@ -152,8 +152,8 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     MemAvailable) shared by the N ranks of ``cpu:N``; GPU = free memory (torch.cuda.mem_get_info)
     of the smallest listed device, its total if it reports 0.
 
-    Raises ValueError for a deployment refused by validate_deployment (V1–V8, e.g. V7: FP8 experts
-    under TP_TP with (I/tp) % 128 != 0), an unknown dtype / kv_cache_format / weight_dequant, or
+    Raises ValueError for a deployment refused by validate_deployment (V1–V8, e.g. V7: NVFP4 experts
+    under TP_TP with (I/tp) % 16 != 0), an unknown dtype / kv_cache_format / weight_dequant, or
     an explicit max_length longer than the KV pool (stating the largest that fits) or not positive;
     RuntimeError "model does not fit: ..." when weights + activations + scratch exceed the free
     memory, and "no room for KV cache: ..." when less than one page is left after
