@@ -151,9 +151,9 @@ class MiniMaxM2Experts(nn.Module):
     [E_loc, ceil((off + N)/128), ceil(K/128)] for w1 / w3 and [E_loc, ceil(N/128), ceil((off + K)/128)]
     for w2, ``off`` = ``band0``, the offset of this rank's intermediate slice inside its first 128-wide
     band (a TP_TP slice such as 192 of 1,536 may split a band, docs/checkpoints.md §6) — and
-    :meth:`grouped_rows` dequantises only the experts a step
-    activates (:meth:`expert_weights`), with the same formula (and so the same values) as
-    dequantising at load. :meth:`pack_for_kernels` (called once after load) sets ``kernel_weights``
+    :meth:`grouped_rows` dequantises only the experts a step activates (:meth:`expert_weights`), with
+    the same formula (and so the same values) as dequantising at load. :meth:`pack_for_kernels`
+    (called once after load) sets ``kernel_weights``
     (w13, w2 as m2serve/kernels' PackedWeights) so that :meth:`grouped_rows` runs the C++ kernels on
     the codes where they apply (same values up to the fp32 summation order), once :meth:`set_choice`
     picked them (model/kernel_choice.py, after loading); until then the torch reference runs.
@@ -370,8 +370,8 @@ class MiniMaxM2Experts(nn.Module):
         twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense experts keep
         ``kernel_weights`` None. FP8 experts whose I slice splits a 128-row band or is not whole bands
         (a w1 block would straddle w3) get ``kernel_weights`` on a finer scale grid (:meth:`_stacked`;
-        the stored ``_s`` buffers stay as
-        they are), or None where that grid is not one the kernels decode (the dequantising path)."""
+        the stored ``_s`` buffers stay as they are), or None where that grid is not one the kernels
+        decode (the dequantising path)."""
         I = self.intermediate_size
         if self.scheme is None:
             return
