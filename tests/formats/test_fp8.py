@@ -3,13 +3,15 @@ band by band as the loader does it."""
 
 from __future__ import annotations
 
+import math
+
 import accelerate  # noqa: F401  (transformers needs it to load FP8; a test extra, pyproject.toml)
 import pytest
 import torch
 import transformers  # a test extra: missing, these tests fail rather than skip
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
 
-from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_block
+from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block, quantize_fp8_block, refine_fp8_grid
 from m2serve.formats.loader import dequantize_in_bands
 from m2serve.model.load import load_model
 
@@ -109,3 +111,33 @@ def test_quantize_block_hand_derived_values():
     expect = w.clone()
     expect[9, 1], expect[127, 127] = 2.0, -2.5
     assert torch.equal(back, expect)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [((64, 256), (0, 384)), ((192, 384), (64, 320)),
+                                            ((0, 96), (200, 300)), ((130, 131), (127, 129))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slices_that_split_a_band_bit_exact_vs_transformers(rows, cols, dtype):
+    # issue 30, docs/checkpoints.md §6: a TP slice [a, b) x [c, d) that starts inside a 128-wide band
+    # keeps the bands it touches and row0 = a % 128, col0 = c % 128; whole, band by band (the loader),
+    # and on the kernels' finer grid, it equals the same rows and columns of transformers' dequantisation
+    # of the whole tensor
+    q = _random_e4m3((384, 384), 6)
+    s = torch.rand(3, 3, generator=torch.Generator().manual_seed(7)) * 1e-2
+    (a, b), (c, d) = rows, cols
+    ref = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)[a:b, c:d]
+    p = PackedFP8(q[a:b, c:d], s[a // 128:-(-b // 128), c // 128:-(-d // 128)], "w", a % 128, c % 128)
+    assert torch.equal(p.dequantize(dtype), ref)
+    assert torch.equal(dequantize_in_bands(p, dtype), ref)
+    fine, bn, bk = refine_fp8_grid(p.scale, b - a, d - c, a % 128, c % 128)
+    assert (bn, bk) == (math.gcd(128, a % 128), math.gcd(128, c % 128))
+    assert torch.equal(dequantize_fp8_block(p.q, fine, dtype, (bn, bk)), ref)
+
+
+def test_offsets_and_finer_grids_are_checked():
+    q = _random_e4m3((64, 128), 8)
+    with pytest.raises(ValueError, match=r"row0=128 must be in \[0, 128\)"):
+        dequantize_fp8_block(q, torch.ones(2, 1), torch.float32, row0=128)
+    with pytest.raises(ValueError, match=r"\[1, 1\] does not match weight \[64, 128\] at row0 96, col0 0"):
+        dequantize_fp8_block(q, torch.ones(1, 1), torch.float32, row0=96)  # rows 96..159 touch 2 bands
+    with pytest.raises(ValueError, match=r"block_n=48 must divide 128 and the offset 96"):
+        refine_fp8_grid(torch.ones(2, 1), 64, 128, 96, 0, block_n=48)
