@@ -40,7 +40,9 @@ generated on the device in memory at full width (hidden 3072, 2 layers; no check
 (w1) the Triton block-scaled FP8 linear, W8A16 and W8A8, vs a GPU fp32 reference (formats/
      ``dequantize_fp8_block`` in fp32 + an fp32 matmul; W8A8 also vs the torch quantiser
      ``quantize_fp8_act_groups`` + the same matmul), q_proj and o_proj shapes at 1, 32 and 512
-     rows, with the time per call next to ``F.linear`` on the bf16 weight; OK when both are within
+     rows, with the time per call next to ``F.linear`` on the bf16 weight, and TP slices that split a
+     128-wide scale band (q_proj rows and o_proj columns from 192, row0 / col0 64; untimed); OK when
+     both are within
      1e-2 of max |reference| (W8A16 only under --cpu-smoke: the interpreter's fp8 rounding is
      not the GPU's);
 (w2) decode tokens/s at batch 1 and 32 of the FP8 model (attention on the Triton linear, experts
@@ -553,6 +555,24 @@ def check_weights(device: str, smoke: bool) -> dict:
                     lambda x=x, w=w_bf16: torch.nn.functional.linear(x, w), device, 20)
             lin[f"{name}_m{m}"] = row
             print(f"[w1] {name} [{n}x{k}] m {m}: {row}")
+        # a TP slice that splits a 128-wide band (docs/checkpoints.md §6; the expert shape 1536 / 8):
+        # rows [192, 384) of q_proj (row0 64, scale rows 1..2), columns [192, 384) of o_proj (col0 64,
+        # scale columns 1..2). W8A8's groups are the weight's bands: the reference quantises x padded
+        # in front with col0 zero columns (zeros change no group's amax).
+        x = torch.randn(1 if smoke else 32, k, generator=g, device=device).to(act)
+        if name == "q_proj":
+            row0, col0, xs_, qs, ss, w_sl = 64, 0, x, q[192:384], s[1:3], w_ref[192:384]
+        else:
+            row0, col0, xs_, qs, ss, w_sl = 0, 64, x[:, 192:384], q[:, 192:384], s[:, 1:3], w_ref[:, 192:384]
+        padded = torch.nn.functional.pad(xs_.float(), (col0, -(col0 + xs_.shape[1]) % 128))
+        xq, xsc = quantize_fp8_act_groups(padded)
+        x8 = (xq.float() * xsc.repeat_interleave(128, 1))[:, col0:col0 + xs_.shape[1]]
+        row = {}
+        for mode, r in (("w8a16", xs_.float() @ w_sl.T), ("w8a8", x8 @ w_sl.T)):
+            y = fp8_linear(xs_, qs, ss, row0=row0, col0=col0, mode=mode).float()
+            row[mode] = {"rel_vs_ref": float((y - r).abs().max() / r.abs().max())}
+        lin[f"{name}_split_band"] = row
+        print(f"[w1] {name} TP slice that splits a band (row0 {row0}, col0 {col0}): {row}")
     out["fp8_linear"] = lin
     # W8A8 is judged on the GPU only: the interpreter's fp8 rounding is not the GPU's (docs/kernels.md §1)
     out["ok"] = all(v["w8a16"]["rel_vs_ref"] <= 1e-2 and (smoke or v["w8a8"]["rel_vs_ref"] <= 1e-2)
