@@ -22,12 +22,13 @@ from m2serve.config.engine_args import EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import validate_deployment
 from m2serve.engine.core import LLMEngine
+from m2serve.engine.planner import plan_memory
 from m2serve.engine.sampling import SamplingParams
 from m2serve.formats.fp8 import dequantize_fp8_block
 from m2serve.formats.loader import open_checkpoint, packed_fp8
 from m2serve.kernels.build import kernel_backend
 from m2serve.kernels.choice import LinearImpl
-from m2serve.model.load import load_model
+from m2serve.model.load import load_model, resident_weight_bytes
 from m2serve.parallel.deploy import load_rank, plan_deployment
 from m2serve.parallel.launch import run_ranks
 from m2serve.parallel.shard import make_shard_plan
@@ -82,6 +83,9 @@ def test_rank_weights_are_the_whole_weights_slices(split_dir, weight_dequant):
         w13, w2 = experts.expert_weights(e, torch.float32)
         got = {"w1": w13[:192], "w3": w13[192:], "w2": w2}[which]
         assert torch.equal(got, want), which
+    # what the rank holds is what the planner counts for it (the bands its slices touch), to the byte
+    args = EngineArgs(model=str(split_dir), devices="cpu:2", dtype="float32", weight_dequant=weight_dequant)
+    assert resident_weight_bytes(model) == plan_memory(cfg, args, device_memory_gib=8).weight_bytes
     if weight_dequant == "runtime":
         assert experts.band0 == 64 and experts.kernel_weights is not None
         w13k, w2k = experts.kernel_weights
