@@ -5,7 +5,8 @@ The checkpoint (checkpoints/tiny_random.py, FP8 variant) has 64-wide heads (6 qu
 intermediate size of 384, so at tp 2 rank 1's q rows start at 192, its K/V rows at 64, its o_proj
 columns at 192 and its w1 / w3 rows and w2 columns at 192: each 64 into a band. Each rank's weights
 must equal the same rows / columns of formats/fp8.py's dequantisation of the whole stored tensor, bit
-for bit, held packed (the kernels' finer grid included) or dequantised at load; the linears and the
+for bit, held packed (the kernels' finer grid included) or dequantised at load, and the rank's
+resident bytes must be the planner's figure (the bands its slices touch) to the byte; the linears and the
 experts must compute with them (CPU kernels on the finer grid) as the dequantised weight + a matmul
 does; and on 2 gloo ranks in TP_TP the model generates the single-process model's greedy tokens.
 """
