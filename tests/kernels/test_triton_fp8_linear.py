@@ -165,3 +165,20 @@ def test_linear_module_runs_the_triton_choice(mode):
     dense = Linear(384, 256, torch.float32)
     with pytest.raises(ValueError, match="triton-w8a16: this linear is not held in FP8"):
         dense.set_choice(KernelChoice(LinearImpl.TRITON, None, "triton-w8a16", "w8a16"))
+
+
+def test_linear_given_the_triton_choice_passes_its_slice_offsets():
+    # model/linear.py: a Linear loaded with a TP slice that splits a band (rows from 64, columns from
+    # 192) hands its row0 / col0 to the kernel; against its own dequantised weight + a float64 matmul
+    from m2serve.formats.fp8 import PackedFP8
+    from m2serve.kernels.choice import KernelChoice, LinearImpl
+    from m2serve.model.linear import Linear
+
+    q, s = _weights(384, 512, 10)
+    lin = Linear(320, 256, dtype=torch.float32)
+    lin.load("w", PackedFP8(q[64:320, 192:512], s[0:3, 1:4], "w", 64, 64))
+    assert (lin.row0, lin.col0) == (64, 64)
+    lin.set_choice(KernelChoice(LinearImpl.TRITON, None, "triton-w8a16", "w8a16"))
+    x = torch.randn(4, 320).to(torch.bfloat16).float()
+    ref = x.double() @ dequantize_fp8_block(q, s, torch.float32)[64:320, 192:512].double().T
+    torch.testing.assert_close(lin(x).double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
