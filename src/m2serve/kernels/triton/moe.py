@@ -238,6 +238,24 @@ for _fmt, (_q, _s, _g) in _PTR.items():
             **dict.fromkeys(_STRIDES, "i32"), "stride_ot": "i32", **dict.fromkeys(_CONSTS, "constexpr")},
             _c, {"num_warps": 4}))
 
+# FP8 TP slices that split a 128-row band run on a finer grid (formats/fp8.py refine_fp8_grid): the
+# expert shape I = 1,536 over 8 ranks gives 64-row blocks along I (w13's rows, w2's columns), decode only
+_q, _s, _g = _PTR[WeightFormat.FP8_BLOCK]
+_c = {"FMT": int(WeightFormat.FP8_BLOCK), "BLOCK_M": DECODE_BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
+      "COMPUTE": tl.bfloat16}
+_SPLIT = FP8_BLOCK // 2
+register(Variant(f"moe_w13/fp8_block_n{_SPLIT}/bf16/m{DECODE_BLOCK_M}", _moe_w13_kernel, {
+    "x": "*bf16", "sorted_rows": "*i32", "block_expert": "*i32", "w1": _q, "w3": _q, "s1": _s,
+    "s3": _s, "g1": _g, "g3": _g, "inter": "*bf16", "R": "i32", "H": "i32", "I": "i32",
+    "TOP_K": "i32", "stride_xt": "i32", **dict.fromkeys(_STRIDES, "i32"), "stride_it": "i32",
+    **dict.fromkeys(_CONSTS, "constexpr")}, {**_c, "GROUP_N": _SPLIT, "GROUP_K": FP8_BLOCK},
+    {"num_warps": 4}))
+register(Variant(f"moe_w2/fp8_block_k{_SPLIT}/bf16/m{DECODE_BLOCK_M}", _moe_w2_kernel, {
+    "inter": "*bf16", "sorted_rows": "*i32", "block_expert": "*i32", "topk_w": "*fp32", "w2": _q,
+    "s2": _s, "g2": _g, "out": "*fp32", "R": "i32", "H": "i32", "I": "i32", "stride_it": "i32",
+    **dict.fromkeys(_STRIDES, "i32"), "stride_ot": "i32", **dict.fromkeys(_CONSTS, "constexpr")},
+    {**_c, "GROUP_N": FP8_BLOCK, "GROUP_K": _SPLIT}, {"num_warps": 4}))
+
 
 # ---- launcher ---------------------------------------------------------------------------------------------
 
