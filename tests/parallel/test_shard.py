@@ -113,7 +113,7 @@ def test_fp8_grid_split_inside_a_band():
     experts = 256 * 3 * (192 * 3072 + 2 * 24 * 4)
     per_layer = attention + (768 + 128) * 2 + experts + 2 * 3072 * 2 + 256 * 3072 * 4 + 256 * 4
     want = 62 * per_layer + 2 * 200064 * 3072 * 2 + 3072 * 2
-    assert {rank_weight_bytes(cfg, dep.state(r), "fp8") for r in range(8)} == {want}
+    assert {rank_weight_bytes(cfg, dep.state(r), "fp8") for r in (0, 1)} == {want}  # even, odd rank
     # FP4 group scales along K are still never split (w2 columns at 24 of 96, groups of 16)
     small = tiny(intermediate_size=96)
     nv = make_shard_plan(small, validate_deployment(small, 4).state(1))
