@@ -6,12 +6,14 @@ Defaults follow MAX (docs/serving.md §7–§9). Field names match the CLI flags
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,86 @@ QUANTIZE_UNQUANTIZED_MODES = ("none", "fp8")
 #: SGLang's flag name; docs/kernels.md §7): "torch" the reference and the CPU default, "triton" the
 #: paged attention kernel (kernels/triton/attention.py), "auto" triton on a GPU where Triton imports.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+#: Every accepted ``speculative_config.method`` (docs/serving.md §13): n-gram prompt lookup.
+SPECULATIVE_METHODS = ("ngram",)
+#: Largest ``speculative_config.num_speculative_tokens`` accepted (drafted tokens per step and request).
+MAX_SPECULATIVE_TOKENS = 32
+#: ``prompt_lookup_min`` / ``prompt_lookup_max`` when the config leaves both unset (docs/serving.md §13).
+DEFAULT_PROMPT_LOOKUP = (2, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/serving.md §13), vLLM's ``speculative_config`` shape.
+
+    method: one of SPECULATIVE_METHODS; num_speculative_tokens: K, tokens drafted per request and step
+    (1..MAX_SPECULATIVE_TOKENS); prompt_lookup_min / prompt_lookup_max: the n-gram lengths (tokens)
+    the proposer matches, 1 <= min <= max. Build it with :func:`parse_speculative_config`.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    def describe(self) -> str:
+        """The banner's words: ``ngram k=4 lookup 2..4``."""
+        return (f"{self.method} k={self.num_speculative_tokens} "
+                f"lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}")
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """``EngineArgs.speculative_config`` (``--speculative-config JSON``, the recipe's
+    ``runtime.speculative_config``, ``LLM(speculative_config=...)``) as a `SpeculativeConfig`; None
+    (off) for None or an empty string. Accepts a JSON object string, a mapping or a `SpeculativeConfig`.
+
+    Keys: method (required, one of SPECULATIVE_METHODS), num_speculative_tokens (required, an
+    integer in [1, MAX_SPECULATIVE_TOKENS]), prompt_lookup_min / prompt_lookup_max (integers >= 1,
+    min <= max; one unset takes the other's value, both unset DEFAULT_PROMPT_LOOKUP). Raises
+    ValueError naming the field (``speculative_config.<key>``) for a bad value or an unknown key.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno}); "
+                             'give an object such as {"method": "ngram", "num_speculative_tokens": 4}') from e
+    if not isinstance(value, Mapping):
+        raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+    known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise ValueError(f"speculative_config.{unknown[0]}: unknown key; accepted keys: {', '.join(known)}")
+
+    def integer(name: str, low: int, high: int | None) -> int | None:
+        v = value.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"speculative_config.{name}={v!r}: must be an integer {bound}")
+        return v
+
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method={method!r}: must be one of {list(SPECULATIVE_METHODS)}")
+    k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    if k is None:
+        raise ValueError("speculative_config.num_speculative_tokens: required (tokens drafted per step, "
+                         f"1..{MAX_SPECULATIVE_TOKENS})")
+    lo, hi = integer("prompt_lookup_min", 1, None), integer("prompt_lookup_max", 1, None)
+    if lo is None and hi is None:
+        lo, hi = DEFAULT_PROMPT_LOOKUP
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    if lo > hi:  # type: ignore[operator]
+        raise ValueError(f"speculative_config.prompt_lookup_min={lo}: must be <= prompt_lookup_max={hi}")
+    return SpeculativeConfig(method, k, lo, hi)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -88,6 +170,8 @@ class EngineArgs:
     batch_invariant: the batch-invariant mode (docs/model.md §7): a request's logits, hence a seeded
         request's tokens, do not depend on what else is in the batch, at some speed cost. Also
         ``M2SERVE_BATCH_INVARIANT=1`` (:func:`batch_invariant_enabled`); chosen once at load.
+    speculative_config: speculative decoding (docs/serving.md §13): None (default, off), a JSON
+        object string, a mapping or a `SpeculativeConfig` (:func:`parse_speculative_config`).
     """
 
     model: str | None = None
@@ -116,6 +200,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     batch_invariant: bool = False
+    speculative_config: Any = None
 
 
 #: Environment variable that turns the batch-invariant mode on for every entry point.

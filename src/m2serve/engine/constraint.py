@@ -16,6 +16,9 @@ into the step's allowed-token bitmask and is told which token was drawn:
 * ``only_end_of_turn()`` (asked after ``fill_bitmask``) says nothing but an end-of-turn id may
   follow: the ``min_tokens`` eos mask then yields for that row (``ignore_eos`` needs nothing: the
   constraint terminates on the end of turn it accepted);
+* speculative decoding (docs/serving.md §13) advances the constraint over the drafted tokens it
+  allows to fill each verified row's bitmask, then calls ``rollback(n)`` to undo those n
+  ``accept_token`` calls (n <= MAX_SPECULATIVE_TOKENS) before the accepted tokens are accepted for good;
 * the constraint stays with its request across preemption (recompute replays no draws, so it is
   neither reset nor replayed); ``n > 1`` fans out into n requests with one constraint each.
 """
@@ -46,6 +49,9 @@ class TokenConstraint(Protocol):
 
     def is_terminated(self) -> bool:
         """True once the constrained output is complete (or failed)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` ``accept_token`` calls (speculative decoding)."""
 
     def only_end_of_turn(self) -> bool:
         """True when the row just filled allows nothing but end-of-turn ids."""

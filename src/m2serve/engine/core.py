@@ -5,7 +5,9 @@
 replica by replica) → prompt
 logprobs → sample the requests whose chunk completed their sequence (constraint bitmasks filled
 first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
-request that produced something. The engine is driven by one thread calling
+request that produced something. With speculative decoding a drafted decode samples its K + 1
+verified positions in the same draw and keeps the drafts the target's own samples confirm
+(docs/serving.md §13). The engine is driven by one thread calling
 ``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
 validate, register the request in the one request table and append it to the one inbox under a
 lock, which ``step()`` drains first (docs/architecture.md, engine contract).
@@ -17,13 +19,21 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from typing import Any
 
 import torch
 
-from m2serve.config.engine_args import EngineArgs, batch_invariant_enabled, dtype_bytes, rank_devices
+from m2serve.config.engine_args import (
+    EngineArgs,
+    SpeculativeConfig,
+    batch_invariant_enabled,
+    dtype_bytes,
+    parse_speculative_config,
+    rank_devices,
+)
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.engine.constraint import TokenConstraint, bitmask_words
+from m2serve.engine.constraint import BITMASK_WORD_BITS, TokenConstraint, bitmask_words
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput, prompt_length_error
@@ -37,6 +47,7 @@ from m2serve.engine.sampling import (
     compute_logprobs,
 )
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler, choose_replica
+from m2serve.engine.speculative import accepted_length
 from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
@@ -54,7 +65,10 @@ class EngineStats:
     one page; preemptions counts requests preempted (recomputed); chunked_prefill_steps counts steps
     in which some prompt was split; generated_tokens counts sampled tokens. Gauges and counters are
     summed over the data-parallel replicas (kv_pages_total: the deployment's pages, dp x the pages
-    of one replica); ``replicas`` holds each replica's own gauges.
+    of one replica); ``replicas`` holds each replica's own gauges. Speculative decoding
+    (docs/serving.md §13): spec_drafts counts verified drafts (one per request and step with a
+    draft), spec_draft_tokens the tokens drafted, spec_accepted_tokens those accepted, and
+    spec_accepted_per_pos[i] those accepted at draft position i (0-based).
     """
 
     running: int
@@ -72,6 +86,10 @@ class EngineStats:
     generated_tokens: int
     steps: int
     replicas: list[ReplicaStats] = field(default_factory=list)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -103,6 +121,7 @@ class LLMEngine:
     replica i's at index i (docs/serving.md §8); one when the model has no DP replicas.
     replica_held: per replica, the ids of the requests whose sampling state its rank holds (sent
     once, docs/serving.md §6).
+    speculative: the speculative decoding config (docs/serving.md §13), None = off.
     requests: the one table of requests added and not finished, keyed by id (filled by
     ``add_request``, so an id is in use from then until its final output); inbox: the one queue of
     adds and aborts into the step loop; both guarded by ``lock``.
@@ -119,14 +138,17 @@ class LLMEngine:
     arrivals: int = 0
     steps: int = 0
     replica_held: list[set[str]] = field(default_factory=list)
+    speculative: SpeculativeConfig | None = None
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set)."""
+        """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set).
+        Raises ValueError for a bad ``args.speculative_config`` before loading anything."""
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
         dtype_bytes("dtype", args.dtype)
+        parse_speculative_config(args.speculative_config)   # a bad config fails before the load
         devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
@@ -159,11 +181,13 @@ class LLMEngine:
         free now (the model already loaded, so this under-counts; :meth:`from_args` plans before
         loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
         capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
-        ValueError, as is a non-positive max_length, an unknown kv_cache_format or a non-positive
-        page size. On one CUDA device with the triton attention backend and without
-        ``args.enforce_eager`` the decode graphs are captured here, one per batch-size bucket
-        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
+        ValueError, as is a non-positive max_length, an unknown kv_cache_format, a non-positive
+        page size or a bad ``args.speculative_config`` (naming the field). On one CUDA device with
+        the triton attention backend and without ``args.enforce_eager`` the decode graphs are
+        captured here, one per batch-size bucket (docs/serving.md §6.3); ``runner.graphs_off``
+        says why not otherwise."""
         dtype = kv_cache_dtype(args.kv_cache_format)
+        speculative = parse_speculative_config(args.speculative_config)
         S = check_page_and_length(args)
         num_pages = args.num_kv_pages
         if num_pages is None:
@@ -180,7 +204,7 @@ class LLMEngine:
                                     config.head_dim, dtype, device, k_scale, v_scale)
         penalties = PenaltyState(config.vocab_size, device)   # rank 0 samples every replica's rows
         schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
-                                args.max_batch_input_tokens, args.max_batch_size, penalties)
+                                args.max_batch_input_tokens, args.max_batch_size, penalties, speculative)
                       for _ in range(replicas)]
         runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),
                              sampling_buffers=StepBuffers(torch.device(device)), graphs_off=graphs_off)
@@ -188,7 +212,7 @@ class LLMEngine:
             runner.pad_page = num_pages
             runner.enable_graphs(args.max_batch_size, max_length, capture=True)
         return cls(config=config, schedulers=schedulers, runner=runner,
-                   replica_held=[set() for _ in schedulers],
+                   replica_held=[set() for _ in schedulers], speculative=speculative,
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
     # ---- requests ------------------------------------------------------------------------
@@ -297,7 +321,12 @@ class LLMEngine:
             prefix_cache_requests_hit=sum(kv.stats.requests_hit for kv in kvs),
             chunked_prefill_steps=sum(s.stats.chunked_prefill_steps for s in ss),
             preemptions=sum(s.stats.preemptions for s in ss),
-            generated_tokens=sum(s.stats.generated_tokens for s in ss), steps=self.steps, replicas=replicas)
+            generated_tokens=sum(s.stats.generated_tokens for s in ss), steps=self.steps, replicas=replicas,
+            spec_drafts=sum(s.stats.spec_drafts for s in ss),
+            spec_draft_tokens=sum(s.stats.spec_draft_tokens for s in ss),
+            spec_accepted_tokens=sum(s.stats.spec_accepted_tokens for s in ss),
+            spec_accepted_per_pos=[sum(v) for v in zip_longest(*(s.stats.spec_accepted_per_pos for s in ss),
+                                                                fillvalue=0)])
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -309,55 +338,130 @@ class LLMEngine:
             return outputs
         self.steps += 1
         kvs = [s.kv for s in self.schedulers]
-        completing = [[s.request for s in part if s.completes] for part in parts]
+        completing = [[s for s in part if s.completes] for part in parts]
+        accepted: list[list[int] | None] = [None] * len(parts)
         if self.runner.samples_on_replicas and not any(wants_prompt_logprobs(s) for s in scheduled) \
-                and not any(r.state.needs_penalties for reqs in completing for r in reqs):
+                and not any(s.request.state.needs_penalties for done in completing for s in done) \
+                and not any(s.draft_token_ids for s in scheduled):
             # each replica draws its own rows; only token ids and logprobs come back
-            rows = [self._sampling_rows(reqs, self.replica_held[i]) for i, reqs in enumerate(completing)]
+            rows = [self._sampling_rows(done, self.replica_held[i])[0] for i, done in enumerate(completing)]
             drawn = self.runner.run_sampled(scheduled, kvs, rows)
-        else:
-            drawn = self._run_and_sample(scheduled, kvs, [self._sampling_rows(reqs) for reqs in completing])
-        for sched, part, mine in zip(self.schedulers, parts, drawn, strict=True):
-            for r in sched.update_from_output(part, mine):
+        else:   # speculative steps draw here (rank 0): their K + 1 rows per request
+            drawn, accepted = self._run_and_sample(scheduled, kvs, completing)
+        for sched, part, mine, acc in zip(self.schedulers, parts, drawn, accepted, strict=True):
+            for r in sched.update_from_output(part, mine, acc):
                 if r.is_finished:
                     self._forget(r)
                 outputs.append(self._output(r))
         return outputs
 
     def _run_and_sample(self, scheduled: list[ScheduledRequest], kvs: list[KVCacheManager],
-                        rows: list[SamplingRows]) -> list[SamplerOutput]:
+                        completing: list[list[ScheduledRequest]]
+                        ) -> tuple[list[SamplerOutput], list[list[int] | None]]:
         """Run the step, record prompt logprobs and draw every replica's rows here, from the
-        logits (on rank 0 for a multi-rank model); one `SamplerOutput` per replica."""
+        logits (on rank 0 for a multi-rank model); per replica a `SamplerOutput` and the accepted
+        drafts of each completing request (docs/serving.md §13: its accepted drafts and the
+        target's next token are its tokens in the output). ``completing``: per replica, the
+        scheduled requests whose chunk completes."""
+        plans = [self._sampling_rows(done) for done in completing]   # constraints filled before the run
+        keep = iter([k for _, ks in plans for k in ks])
         logits = self.runner.run(scheduled, kvs)
         last: list[torch.Tensor] = []
         for s, lg in zip(scheduled, logits, strict=True):
             if wants_prompt_logprobs(s):
                 self._add_prompt_logprobs(s.request, lg)
-            if s.completes:
-                last.append(lg[-1])
-        out = []
-        for r in rows:
-            mine, last = last[:r.num_rows], last[r.num_rows:]
-            out.append(r.sample(torch.stack(mine), self.scheduler.penalties,
-                                buffers=self.runner.sampling_buffers)
-                       if mine
-                       else SamplerOutput([], []))
-        return out
+            if s.completes:   # rows of positions num_tokens - 1 .. (+ the drafts kept)
+                first = lg.shape[0] - 1 - len(s.draft_token_ids)
+                last.extend(lg[first:first + 1 + next(keep)])
+        out: list[SamplerOutput] = []
+        accepted: list[list[int] | None] = []
+        for done, (rows, kept) in zip(completing, plans, strict=True):
+            mine, last = last[:rows.num_rows], last[rows.num_rows:]
+            drawn = (rows.sample(torch.stack(mine), self.scheduler.penalties,
+                                 buffers=self.runner.sampling_buffers)
+                     if mine else SamplerOutput([], []))
+            if not any(s.draft_token_ids for s in done):
+                out.append(drawn)
+                accepted.append(None)
+                continue
+            toks: list[int] = []
+            lps: list = []
+            acc: list[int] = []
+            o = 0
+            for s, k in zip(done, kept, strict=True):
+                samples = drawn.token_ids[o:o + k + 1]
+                a = accepted_length(s.draft_token_ids[:k], samples)
+                toks += samples[:a + 1]
+                lps += drawn.logprobs[o:o + a + 1]
+                acc.append(a)
+                o += k + 1
+            out.append(SamplerOutput(toks, lps))
+            accepted.append(acc)
+        return out, accepted
 
-    def _sampling_rows(self, reqs: list[Request], held: set[str] | None = None) -> SamplingRows:
-        """The sampler's rows for ``reqs``; constraints fill the allowed-token bitmask first (all
-        bits set for rows without one). ``held``: ids of the requests whose state the drawing
-        replica holds already (updated)."""
-        B, V = len(reqs), self.config.vocab_size
-        allowed, ends = None, [False] * B
-        if any(r.constraint is not None for r in reqs):
-            allowed = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)   # [B, ceil(V/32)], host
-            for b, r in enumerate(reqs):
-                if r.constraint is not None:
-                    r.constraint.fill_bitmask(allowed, b)
-                    ends[b] = r.constraint.only_end_of_turn()
-        return SamplingRows.of([r.request_id for r in reqs], [r.state for r in reqs],
-                               [r.num_output_tokens for r in reqs], ends, allowed, V, held)
+    def _sampling_rows(self, done: list[ScheduledRequest], held: set[str] | None = None
+                       ) -> tuple[SamplingRows, list[int]]:
+        """The sampler's rows for the completing requests ``done`` and, per request, how many of its
+        drafts are verified. A plain request has one row; a speculative decode with K drafts has
+        K + 1 (docs/serving.md §13), row i drawn as if drafts 1..i had been generated: output
+        position + i, the reasoning state after them, the drafts counted for the penalties, and
+        its constraint's bitmask after them (the matcher advances over each draft it allows and
+        is rolled back after; the drafts stop before the first one the grammar forbids or that
+        ends it). Constraints fill the allowed-token bitmask (all bits set for rows without one).
+        ``held``: ids of the requests whose state the drawing replica holds already (updated)."""
+        V = self.config.vocab_size
+        W = bitmask_words(V)
+        ids: list[str] = []
+        states: list[SamplingState] = []
+        positions: list[int] = []
+        reasoning: list[bool] = []
+        ends: list[bool] = []
+        masks: list[torch.Tensor | None] = []
+        draft_rows: list[int] = []
+        draft_ids: list[int] = []
+        kept: list[int] = []
+        for s in done:
+            r, drafts, c = s.request, s.draft_token_ids, s.request.constraint
+            sim = replace(r.state) if drafts else r.state   # reasoning state along the drafts
+            k, advanced = len(drafts), 0
+            for i in range(len(drafts) + 1):
+                b = len(ids)
+                ids.append(r.request_id)
+                states.append(r.state)
+                positions.append(r.num_output_tokens + i)
+                reasoning.append(sim.in_reasoning)
+                if r.state.penalty_row and i:
+                    draft_rows += [b] * i
+                    draft_ids += drafts[:i]
+                mask = None
+                if c is not None:
+                    mask = torch.full((1, W), -1, dtype=torch.int32)   # [1, ceil(V/32)], host
+                    c.fill_bitmask(mask, 0)
+                masks.append(mask)
+                ends.append(c.only_end_of_turn() if c is not None else False)
+                if i == len(drafts):
+                    break
+                d = drafts[i]
+                if c is not None:
+                    if not (int(mask[0, d // BITMASK_WORD_BITS]) >> (d % BITMASK_WORD_BITS)) & 1:  # type: ignore[index]
+                        k = i
+                        break
+                    c.accept_token(d)
+                    advanced += 1
+                    if c.is_terminated():
+                        k = i
+                        break
+                sim.observe(d)
+            if advanced:
+                c.rollback(advanced)  # type: ignore[union-attr]
+            kept.append(k)
+        allowed = None
+        if any(m is not None for m in masks):
+            allowed = torch.cat([m if m is not None else torch.full((1, W), -1, dtype=torch.int32)
+                                 for m in masks])   # [rows, ceil(V/32)], host
+        rows = SamplingRows.of(ids, states, positions, ends, allowed, V, held, reasoning,
+                               (draft_rows, draft_ids))
+        return rows, kept
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self.lock:

@@ -199,6 +199,24 @@ class KVCacheManager:
             table.append(self._pop_free())
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's pages past the first ``pages_needed(num_tokens)`` (the tail a
+        speculative step allocated for drafts that were rejected, docs/serving.md §13). Those pages
+        hold no computed full page, so they carry no prefix hash and go to the head of the free
+        queue. A table already that short is left as is."""
+        table = self.block_tables.get(request_id)
+        keep = self.pages_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        for p in reversed(table[keep:]):
+            page = self.pages[p]
+            page.ref_cnt -= 1
+            if page.ref_cnt == 0:
+                self.free_queue[p] = None
+                if page.hash is None:
+                    self.free_queue.move_to_end(p, last=False)
+        del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Drop the request's references; pages reaching 0 join the free queue (tail first)."""
         table = self.block_tables.pop(request_id, [])

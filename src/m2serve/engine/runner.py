@@ -46,10 +46,11 @@ def wants_prompt_logprobs(s: ScheduledRequest) -> bool:
 
 def logits_rows(s: ScheduledRequest) -> int:
     """How many of the chunk's last positions need logits: all of them for prompt logprobs,
-    the last one when the chunk completes the sequence (it samples), else none."""
+    the last one when the chunk completes the sequence (it samples), plus one per drafted token
+    of a speculative decode (docs/serving.md §13: K + 1 verified positions), else none."""
     if wants_prompt_logprobs(s):
         return s.num_new_tokens
-    return 1 if s.completes else 0
+    return 1 + len(s.draft_token_ids) if s.completes else 0
 
 
 def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager],
@@ -78,8 +79,8 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
             raise ValueError(f"request {r.request_id!r} of replica {r.replica} follows a later "
                              "replica's request: pass the scheduled requests replica by replica")
         per_replica[r.replica] += 1
-        c, n = r.num_computed_tokens, s.num_new_tokens
-        new_tokens.append(r.all_token_ids[c:c + n])
+        c, n, k = r.num_computed_tokens, s.num_new_tokens, len(s.draft_token_ids)
+        new_tokens.append(r.all_token_ids[c:c + n - k] + s.draft_token_ids)
         context_lens.append(c + n)
         tables.append(kvs[r.replica].block_table(r.request_id))
     ids = [s.request.request_id for s in scheduled]

@@ -391,7 +391,9 @@ class SamplingBatch:
     bool [B], top_k int64 [B] (0 = off, also on greedy rows), top_p / min_p f32 [B],
     repetition / presence / frequency f32 [B], penalty_rows int64 [B] (0 = none), seeds /
     positions int64 [B] (the uniform's key: stream seed and output position). bias: (rows, cols,
-    values) of logit_bias; eos_mask: (rows, cols) masked by min_tokens. The Python-side flags
+    values) of logit_bias; eos_mask: (rows, cols) masked by min_tokens; draft_counts: (rows, token
+    ids) added once each to the rows' output-token counts before the penalties (the drafted tokens
+    a speculative row assumes accepted, docs/serving.md §13), or None. The Python-side flags
     (kmax, all_*, any_*) pick which stages run, so no
     stage needs to look at device data.
     """
@@ -409,6 +411,7 @@ class SamplingBatch:
     positions: torch.Tensor
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     eos_mask: tuple[torch.Tensor, torch.Tensor] | None
+    draft_counts: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
     kmax: int
     all_top_k: bool
@@ -426,13 +429,16 @@ class SamplingBatch:
     @classmethod
     def build(cls, states: Sequence[SamplingState], num_output_tokens: Sequence[int], vocab_size: int,
               device: torch.device | str = "cpu", end_of_turn: Sequence[bool] = (),
-              buffers: StepBuffers | None = None) -> SamplingBatch:
+              buffers: StepBuffers | None = None,
+              draft_counts: tuple[Sequence[int], Sequence[int]] = ((), ())) -> SamplingBatch:
         """Inputs for rows ``states`` whose requests have generated ``num_output_tokens[b]`` tokens
         (the output position of this draw). A top_k >= vocab_size is off. ``end_of_turn[b]`` True:
         row b's constraint allows only the end of turn, so its min_tokens mask yields (masking the
         only allowed tokens would leave nothing to draw). Host lists only. With ``buffers`` (the
         runner's persistent :class:`~m2serve.model.batch.StepBuffers` for the sampler) every input
-        reaches the device in one copy (docs/serving.md §6.1); without, one copy per input."""
+        reaches the device in one copy (docs/serving.md §6.1); without, one copy per input.
+        ``draft_counts``: (rows, token ids) of drafted tokens counted as output tokens of those rows
+        (a speculative row, docs/serving.md §13)."""
         temps = [s.temperature for s in states]
         greedy = [t < GREEDY_EPS for t in temps]
         ks = [s.params.top_k if 0 < s.params.top_k < vocab_size and not g else 0  # type: ignore[operator]
@@ -457,16 +463,17 @@ class SamplingBatch:
 
         sampled = [not g for g in greedy]
         i64s = [[int(g) for g in greedy], ks, [s.penalty_row for s in states],
-                [_i64(s.seed % 2 ** 64) for s in states], list(num_output_tokens), brows, bcols, mrows, mcols]
+                [_i64(s.seed % 2 ** 64) for s in states], list(num_output_tokens), brows, bcols, mrows, mcols,
+                list(draft_counts[0]), list(draft_counts[1])]
         f32s = [[1.0 if g else t for g, t in zip(greedy, temps)], [s.params.top_p for s in states],
                 [s.params.min_p for s in states], [s.params.repetition_penalty for s in states],
                 [s.params.presence_penalty for s in states], [s.params.frequency_penalty for s in states],
                 bvals]
         if buffers is not None:
-            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc,
+            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc, dr, dc,
              temperature, top_p, min_p, rep, pres, freq, bv) = buffers.load(i64s, [], f32s)
         else:
-            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc) = map(i64, i64s)
+            (greedy_t, top_k, penalty_rows, seeds, positions, br, bc, mr, mc, dr, dc) = map(i64, i64s)
             temperature, top_p, min_p, rep, pres, freq, bv = map(f32, f32s)
         return cls(
             temperature=temperature, greedy=greedy_t.to(torch.bool), top_k=top_k, top_p=top_p,
@@ -474,6 +481,7 @@ class SamplingBatch:
             seeds=seeds, positions=positions,
             bias=(br, bc, bv) if brows else None,
             eos_mask=(mr, mc) if mrows else None,
+            draft_counts=(dr, dc) if len(draft_counts[0]) else None,
             num_logprobs=[s.params.logprobs for s in states],
             kmax=max(ks, default=0),
             all_top_k=all(k > 0 for k, q in zip(ks, sampled) if q) and any(sampled),
@@ -489,8 +497,11 @@ class SamplingRows:
     the request is in reasoning (``in_reasoning[b]``, which picks thinking_temperature), its output
     position (``num_output_tokens[b]``), ``end_of_turn[b]`` (its constraint allows only the end of
     turn) and the constraint bitmask ``allowed`` (int32 [B, ceil(V/32)] on the host, None = no
-    constraint). ``new_states`` holds the `SamplingState` of the rows whose state the drawing side
-    does not hold yet; the others are looked up in the ``held`` dict given to :meth:`sample`.
+    constraint). A speculative decode has K + 1 rows, one per verified position (docs/serving.md
+    §13), each with its own reasoning flag, output position and bitmask, and ``draft_counts``
+    (rows, token ids) adds the drafts before a row to its penalty counts. ``new_states`` holds the
+    `SamplingState` of the rows whose state the drawing side does not hold yet; the others are
+    looked up in the ``held`` dict given to :meth:`sample`.
 
     Picklable, so under data parallelism rank 0 sends each replica its rows, a request's state once
     (its sampling fields; then per step only the fields above), and the replica's rank draws from its
@@ -504,18 +515,22 @@ class SamplingRows:
     end_of_turn: list[bool]
     allowed: torch.Tensor | None
     vocab_size: int
+    draft_counts: tuple[list[int], list[int]] = ((), ())  # type: ignore[assignment]
 
     @classmethod
     def of(cls, ids: list[str], states: list[SamplingState], num_output_tokens: list[int],
            end_of_turn: list[bool], allowed: torch.Tensor | None, vocab_size: int,
-           held: set[str] | None = None) -> SamplingRows:
-        """Rows for requests ``ids`` with ``states``; those in ``held`` (ids whose state the drawing
-        side holds) travel without their state, and the others are added to it."""
+           held: set[str] | None = None, in_reasoning: list[bool] | None = None,
+           draft_counts: tuple[list[int], list[int]] = ((), ())) -> SamplingRows:  # type: ignore[assignment]
+        """Rows for requests ``ids`` with ``states`` (an id repeats for each row of a speculative
+        decode); those in ``held`` (ids whose state the drawing side holds) travel without their
+        state, and the others are added to it. ``in_reasoning``: per row (default: the states')."""
         new = {i: s for i, s in zip(ids, states, strict=True) if held is None or i not in held}
         if held is not None:
             held.update(new)
-        return cls(list(ids), new, [s.in_reasoning for s in states], list(num_output_tokens),
-                   list(end_of_turn), allowed, vocab_size)
+        reasoning = list(in_reasoning) if in_reasoning is not None else [s.in_reasoning for s in states]
+        return cls(list(ids), new, reasoning, list(num_output_tokens),
+                   list(end_of_turn), allowed, vocab_size, draft_counts)
 
     @property
     def num_rows(self) -> int:
@@ -530,14 +545,18 @@ class SamplingRows:
         ``held``: the drawing side's states by request id (updated with ``new_states``). Raises
         KeyError for a row whose state is neither new nor held."""
         held = {} if held is None else held
-        states = []
+        states, seen = [], set()
         for rid, reasoning in zip(self.request_ids, self.in_reasoning, strict=True):
             st = self.new_states[rid] if rid in self.new_states else held[rid]
             held[rid] = st
-            st.in_reasoning = reasoning
+            if rid not in seen:            # a request's first row carries its current state
+                seen.add(rid)
+                st.in_reasoning = reasoning
+            elif st.in_reasoning != reasoning:   # a later speculative row, past a reasoning end
+                st = replace(st, in_reasoning=reasoning)
             states.append(st)
         batch = SamplingBatch.build(states, self.num_output_tokens, self.vocab_size, logits.device,
-                                    self.end_of_turn, buffers)
+                                    self.end_of_turn, buffers, self.draft_counts)
         allowed = self.allowed.to(logits.device) if self.allowed is not None else None
         return sample(logits, batch, penalties, allowed)
 
@@ -692,6 +711,9 @@ def _apply_penalties(x: torch.Tensor, batch: SamplingBatch, penalties: PenaltySt
     rows' device counts (docs/serving.md §10; OpenAI / vLLM definitions). Rows without penalties read
     the zero row with r = 1, presence = frequency = 0, which leaves them unchanged."""
     counts = penalties.counts.index_select(0, batch.penalty_rows)             # [B, V] int32
+    if batch.draft_counts is not None:
+        one = torch.ones_like(batch.draft_counts[0], dtype=torch.int32)
+        counts = counts.index_put(batch.draft_counts, one, accumulate=True)
     out = counts > 0
     seen = penalties.prompt.index_select(0, batch.penalty_rows) | out
     r = batch.repetition.unsqueeze(1)

@@ -15,33 +15,48 @@ pages in the prefix cache, appends each drawn token to the request's token list 
 penalty counts, updates the reasoning state and the constraint, decides finish (eos,
 stop_token_ids, a terminated constraint, max_tokens, the max context) and frees finished
 requests. Stop strings are matched above the engine (serve/output.py), which aborts the request.
+
+With speculative decoding (docs/serving.md §13) a running request one token behind (a decode)
+also gets up to K drafted tokens (engine/speculative.py ``propose_ngram``), computed in the same
+chunk: its KV pages are allocated for them (never at the price of a preemption: a draft that does
+not fit is dropped), the update appends the accepted drafts and the target's next token, and pages
+past the kept tokens are released (``KVCacheManager.trim``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from m2serve.config.engine_args import SpeculativeConfig
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.request import Request, RequestStatus
 from m2serve.engine.sampling import PenaltyState, SamplerOutput
+from m2serve.engine.speculative import propose_ngram
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: compute tokens [num_computed, num_computed + num_new)."""
+    """One request's share of a step: compute tokens [num_computed, num_computed + num_new).
+
+    draft_token_ids: the K drafted tokens of a speculative decode (docs/serving.md §13), the last K
+    of the ``num_new_tokens`` computed (positions num_tokens .. num_tokens + K - 1, not yet in the
+    request's token list); empty otherwise.
+    """
 
     request: Request
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the request's last token (its logits give the next one)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == r.num_tokens
 
 
 @dataclass(slots=True)
@@ -76,12 +91,19 @@ def choose_replica(schedulers: list[Scheduler], request: Request) -> int:
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """Counters: steps that split a prompt, preemptions, scheduled steps, generated tokens."""
+    """Counters: steps that split a prompt, preemptions, scheduled steps, generated tokens; and of
+    speculative decoding (docs/serving.md §13): drafts verified (requests x steps with a draft),
+    tokens drafted, drafted tokens accepted, and accepted_per_pos[i] the drafts accepted at draft
+    position i (0-based, grown as needed)."""
 
     chunked_prefill_steps: int = 0
     preemptions: int = 0
     steps: int = 0
     generated_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -91,13 +113,15 @@ class Scheduler:
     max_batch_input_tokens: budget of tokens per step (prefill chunks and decodes alike);
     max_batch_size: most running requests (clamped to the token budget, as in MAX);
     penalties: the sampler's batched penalty counts (rows taken at :meth:`add` for requests with
-    penalties, released at :meth:`finish`); None = no request may ask for penalties.
+    penalties, released at :meth:`finish`); None = no request may ask for penalties;
+    speculative: n-gram drafting for decodes (docs/serving.md §13), None = off.
     """
 
     kv: KVCacheManager
     max_batch_input_tokens: int
     max_batch_size: int
     penalties: PenaltyState | None = None
+    speculative: SpeculativeConfig | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -163,8 +187,11 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+                drafts = self._draft(req, budget - n) if n == 1 else []
+                if drafts and not self.kv.allocate(req.request_id, req.num_tokens + len(drafts)):
+                    drafts = []   # no page for the drafts: decode without (never preempt for one)
+                scheduled.append(ScheduledRequest(req, n + len(drafts), drafts))
+                budget -= n + len(drafts)
                 i += 1
                 continue
             break
@@ -194,38 +221,86 @@ class Scheduler:
             self.stats.chunked_prefill_steps += 1
         return SchedulerOutput(scheduled, preempted)
 
-    def update_from_output(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput) -> list[Request]:
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """Drafted tokens for a decode of ``req`` (docs/serving.md §13): at most K, at most ``room``
+        (the step's token budget left), and never past max_tokens or the max context (the step
+        emits at most drafts + 1 tokens)."""
+        spec = self.speculative
+        if spec is None or room <= 0:
+            return []
+        p = req.sampling_params
+        k = min(spec.num_speculative_tokens, room, req.max_length - req.num_tokens - 1)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - req.num_output_tokens - 1)
+        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def update_from_output(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
+                           num_accepted: Sequence[int] | None = None) -> list[Request]:
         """Apply one step's results (see the module docstring); returns the requests that got a
         token, in batch order (finished ones have ``is_finished`` set and are already freed).
 
         ``scheduled`` is the step's `SchedulerOutput.scheduled` as run, with ``num_computed_tokens``
-        not yet advanced; ``sampled`` holds one token (and logprobs entry) per scheduled request
-        whose chunk completed its sequence, in the same order. Raises ValueError when the counts
-        differ.
+        not yet advanced; ``sampled`` holds the tokens (and logprobs entries) of the scheduled
+        requests whose chunk completed its sequence, in the same order: one each, or with
+        ``num_accepted`` (one count per such request, docs/serving.md §13) ``1 + num_accepted[j]``
+        for request j, its accepted drafts then the target's next token. The tokens are applied one
+        at a time as plain decoding would (penalty counts, reasoning state, constraint, finish), and
+        the ones after a token that finishes the request are dropped. Raises ValueError when the
+        counts differ.
         """
-        done = [s.request for s in scheduled if s.completes]   # read before num_computed moves
-        if len(done) != len(sampled.token_ids):
+        done_s = [s for s in scheduled if s.completes]   # read before num_computed moves
+        done = [s.request for s in done_s]
+        acc = list(num_accepted) if num_accepted is not None else [0] * len(done)
+        if len(acc) != len(done) or len(sampled.token_ids) != len(done) + sum(acc):
             raise ValueError(f"update_from_output: {len(sampled.token_ids)} sampled tokens for "
-                             f"{len(done)} requests whose chunk completed; sample exactly those rows")
+                             f"{len(done)} requests whose chunk completed (accepted drafts {acc}); "
+                             "sample exactly those rows")
         for s in scheduled:
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
-        if self.penalties is not None:
-            pen = [(r.state.penalty_row, t) for r, t in zip(done, sampled.token_ids) if r.state.penalty_row]
-            self.penalties.append([p for p, _ in pen], [t for _, t in pen])
-        for r, t, lp in zip(done, sampled.token_ids, sampled.logprobs, strict=True):
-            r.all_token_ids.append(t)
-            if r.sampling_params.logprobs is not None:
-                r.logprobs.append(lp)
-            r.state.observe(t)
-            if r.constraint is not None:
-                r.constraint.accept_token(t)
-            reason = self._finish_reason(r, t)
-            if reason is not None:
-                self.finish(r, reason)
-        self.stats.generated_tokens += len(done)
+            if not s.draft_token_ids:
+                r = s.request
+                r.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
+        o = 0
+        pen_rows: list[int] = []
+        pen_ids: list[int] = []
+        for s, r, a in zip(done_s, done, acc, strict=True):
+            toks, lps = sampled.token_ids[o:o + 1 + a], sampled.logprobs[o:o + 1 + a]
+            o += 1 + a
+            if s.draft_token_ids:
+                self._count_draft(len(s.draft_token_ids), a)
+            for t, lp in zip(toks, lps, strict=True):
+                if r.state.penalty_row:
+                    pen_rows.append(r.state.penalty_row)
+                    pen_ids.append(t)
+                r.all_token_ids.append(t)
+                self.stats.generated_tokens += 1
+                if r.sampling_params.logprobs is not None:
+                    r.logprobs.append(lp)
+                r.state.observe(t)
+                if r.constraint is not None:
+                    r.constraint.accept_token(t)
+                reason = self._finish_reason(r, t)
+                if reason is not None:
+                    self.finish(r, reason)
+                    break
+            if s.draft_token_ids and not r.is_finished:
+                # the last token and the accepted drafts have K/V; rejected drafts' slots are released
+                r.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids) + a
+                self.kv.cache_full_pages(r.request_id, r.all_token_ids, r.num_computed_tokens)
+                self.kv.trim(r.request_id, r.num_tokens)
+        if self.penalties is not None:   # one op; a row released above is cleared when handed out again
+            self.penalties.append(pen_rows, pen_ids)
         return done
+
+    def _count_draft(self, k: int, accepted: int) -> None:
+        st = self.stats
+        st.spec_drafts += 1
+        st.spec_draft_tokens += k
+        st.spec_accepted_tokens += accepted
+        if len(st.spec_accepted_per_pos) < k:
+            st.spec_accepted_per_pos.extend([0] * (k - len(st.spec_accepted_per_pos)))
+        for i in range(accepted):
+            st.spec_accepted_per_pos[i] += 1
 
     @staticmethod
     def _finish_reason(r: Request, token_id: int) -> str | None:

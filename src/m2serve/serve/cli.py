@@ -95,6 +95,7 @@ UNSET_MEANING: dict[str, str] = {
     "top_k": "the checkpoint's generation_config.json",
     "sampling_seed": "unseeded",
     "device_memory_gib": "measured free memory",
+    "speculative_config": "off",
 }
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
 
@@ -161,6 +162,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--threads", type=int, help="intra-op CPU threads per process")
     a("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
       help="seeded requests get the same tokens alone and in any batch, at a speed cost (CPU)")
+    a("--speculative-config",
+      help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}; same tokens as without (docs/serving.md §13)')
 
 
 def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
@@ -367,13 +371,15 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     cuda_graphs = (f"CUDA graphs: decode buckets {graphs.buckets[0]}..{graphs.buckets[-1]} "
                    f"({len(graphs.buckets)})" if graphs is not None and off is None
                    else f"CUDA graphs off ({off})")
+    spec = getattr(llm.engine, "speculative", None)
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
         f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
-        f"max context {llm.max_length} | attention {attention} | {cuda_graphs} | {weights} | "
+        f"max context {llm.max_length} | attention {attention} | {cuda_graphs} | "
+        f"speculative {spec.describe() if spec is not None else 'off'} | {weights} | "
         f"{numerics_banner(llm.args, llm.config)}{url}"
     )
 

@@ -31,7 +31,12 @@ class ServerMetrics:
       ``vllm:num_preemptions_total`` (requests preempted), ``vllm:prefix_cache_queries_total`` /
       ``vllm:prefix_cache_hits_total`` (prompt tokens looked up / found in the prefix cache), and
       ``m2serve_prefix_cache_requests_total`` / ``m2serve_prefix_cache_requests_hit_total`` (lookups /
-      lookups that found a page; vLLM counts these but does not export them).
+      lookups that found a page; vLLM counts these but does not export them);
+    - speculative decoding under vLLM's names (docs/serving.md §13): ``vllm:spec_decode_num_drafts_total``
+      (drafts verified: one per request and step with a draft), ``vllm:spec_decode_num_draft_tokens_total``
+      (tokens drafted), ``vllm:spec_decode_num_accepted_tokens_total`` (drafted tokens accepted) and
+      ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`` (accepted at draft position
+      ``position``, 0-based); all 0 with speculation off.
     """
 
     def __init__(self) -> None:
@@ -102,7 +107,23 @@ class ServerMetrics:
                 registry=r,
             ),
         }
+        self.engine_counters.update({
+            "spec_drafts": Counter(
+                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts", registry=r
+            ),
+            "spec_draft_tokens": Counter(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens", registry=r
+            ),
+            "spec_accepted_tokens": Counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens", registry=r
+            ),
+        })
         self._engine_counts = dict.fromkeys(self.engine_counters, 0)
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position", ["position"], registry=r,
+        )
+        self._per_pos: list[int] = []
 
     def set_engine(self, g: EngineStats) -> None:
         """Update the gauges and the engine's counters from an engine snapshot (LLMEngine.stats)."""
@@ -112,10 +133,18 @@ class ServerMetrics:
             "prefix_cache_hits": g.prefix_cache_hits,
             "prefix_cache_requests": g.prefix_cache_requests,
             "prefix_cache_requests_hit": g.prefix_cache_requests_hit,
+            "spec_drafts": g.spec_drafts,
+            "spec_draft_tokens": g.spec_draft_tokens,
+            "spec_accepted_tokens": g.spec_accepted_tokens,
         }
         for name, value in counts.items():
             self.engine_counters[name].inc(value - self._engine_counts[name])
             self._engine_counts[name] = value
+        for i, value in enumerate(g.spec_accepted_per_pos):
+            if i == len(self._per_pos):
+                self._per_pos.append(0)
+            self.spec_accepted_per_pos.labels(position=str(i)).inc(value - self._per_pos[i])
+            self._per_pos[i] = value
         self.running.set(g.running)
         self.waiting.set(g.waiting)
         self.kv_used.set(g.kv_pages_used)

@@ -26,6 +26,9 @@ Schema (every key optional; unknown keys are an error naming the key and its pat
       activation_quant: auto         # auto (W4A4 as the checkpoint declares) | none (W4A16)
       attention_backend: auto        # auto | torch | triton (docs/kernels.md §7)
       enforce_eager: false           # true: no CUDA graphs (docs/serving.md §6.3)
+      speculative_config:            # off when absent (docs/serving.md §13)
+        method: ngram
+        num_speculative_tokens: 4
 
 :func:`recipe_overrides` flattens a recipe into the CLI's flag names (``--ep-size`` ->
 ``ep_size``); the CLI applies CLI > environment > recipe > defaults.
@@ -40,7 +43,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from m2serve.config.engine_args import ATTENTION_BACKENDS
+from m2serve.config.engine_args import ATTENTION_BACKENDS, parse_speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class RuntimeSection(_Strict):
     max_queue_size: int | None = Field(default=None, ge=0)
     thinking_temperature: float | None = Field(default=None, ge=0.0)
     activation_quant: Literal["auto", "none"] | None = None
+    speculative_config: dict[str, Any] | str | None = None
     attention_backend: str | None = None
     enforce_eager: bool | None = None
 
@@ -142,6 +146,10 @@ def load_recipe(path: str | Path) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(f"--config-file {p}: " + "; ".join(_describe(err) for err in e.errors())) from e
+    try:
+        parse_speculative_config(recipe.runtime.speculative_config)
+    except ValueError as e:
+        raise RecipeError(f"--config-file {p}: runtime.{e}") from e
     if recipe.trust_remote_code is not None or recipe.model.trust_remote_code is not None:
         log.info("%s: trust_remote_code is accepted and ignored (m2serve never executes checkpoint code)", p)
     return recipe
@@ -178,5 +186,6 @@ def recipe_overrides(recipe: Recipe) -> dict[str, Any]:
         "activation_quant": r.activation_quant,
         "attention_backend": r.attention_backend,
         "enforce_eager": r.enforce_eager,
+        "speculative_config": r.speculative_config,
     }
     return {k: v for k, v in out.items() if v is not None}

@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ from typing import Any, Literal
 import llguidance
 import torch
 
+from m2serve.config.engine_args import MAX_SPECULATIVE_TOKENS
 from m2serve.text.schema import allowed_types
 from m2serve.text.tokenizer import Tokenizer
 
@@ -576,6 +578,9 @@ class GrammarConstraint:
         self.reasoning_tokens = 0
         self.error: str | None = None
         self._ended = False
+        # per accepted token: the state before it and whether the matcher consumed it (rollback)
+        self._history: deque[tuple[str, int, str | None, bool, bool]] = deque(
+            maxlen=MAX_SPECULATIVE_TOKENS + 1)
 
     @property
     def in_reasoning(self) -> bool:
@@ -607,18 +612,38 @@ class GrammarConstraint:
 
     def accept_token(self, token_id: int) -> None:
         """Advance with the sampled token (an id outside the mask puts the constraint in error)."""
+        before = (self._phase, self.reasoning_tokens, self.error, self._ended)
+        consumed = self._accept(token_id)
+        self._history.append((*before, consumed))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` :meth:`accept_token` calls (speculative decoding's drafts,
+        docs/serving.md §13): the phase, reasoning count, error and end state return to what they
+        were and the matcher rolls back the tokens it consumed. ValueError past the kept history
+        (MAX_SPECULATIVE_TOKENS + 1 tokens)."""
+        if num_tokens > len(self._history):
+            raise ValueError(f"rollback({num_tokens}): only {len(self._history)} accepted tokens are kept")
+        consumed = 0
+        for _ in range(num_tokens):
+            self._phase, self.reasoning_tokens, self.error, self._ended, used = self._history.pop()
+            consumed += used
+        if consumed:
+            self._matcher.rollback(consumed)
+
+    def _accept(self, token_id: int) -> bool:
+        """:meth:`accept_token`'s work; True when the matcher consumed the token."""
         if self.error is not None or self._ended:
-            return
+            return False
         if token_id in self._compiler.eos_token_ids:
             self._ended = True
             if not (self._phase == "answer" and self._free_answer) and not self._matcher.is_accepting():
                 self._fail(f"end of turn (id {token_id}) before the grammar was complete")
-            return
+            return False
         if self._phase == "answer" and self._free_answer:
-            return
+            return False
         if not self._matcher.consume_token(token_id):
             self._fail(self._matcher.get_error() or f"token {token_id} is not allowed by the grammar")
-            return
+            return False
         tok = self._compiler.tokenizer
         if self._phase == "start":
             self._phase = "reasoning" if token_id == tok.think_id else "answer"
@@ -627,6 +652,7 @@ class GrammarConstraint:
                 self._phase = "answer"
             else:
                 self.reasoning_tokens += 1
+        return True
 
     def is_terminated(self) -> bool:
         """True once an end-of-turn id was accepted, or the grammar is in error."""

@@ -1,0 +1,104 @@
+"""Speculative decoding: the n-gram (prompt lookup) proposer and the two acceptance rules
+(docs/serving.md §13).
+
+* :func:`propose_ngram` drafts up to K tokens by finding the sequence's last n tokens earlier in the
+  sequence (prompt + output) and copying what followed them; a pure function of the token list.
+* :func:`accepted_length` is the engine's rule for a deterministic draft: the target samples every
+  verified position itself (the same uniform, keyed by seed and output position, as plain decoding
+  would use there), and a drafted token is accepted iff it equals the target's own sample, so the
+  output is token for token the plain decoding's (docs/serving.md §13, the proof).
+* :func:`rejection_sample` is the standard rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023)
+  for drafts that carry their own distribution q (a draft model, EAGLE): accept token x with
+  probability min(1, p(x) / q(x)), else draw from norm(max(0, p - q)); every output token is then
+  distributed as p. Not used by the n-gram path.
+
+Legend: K drafted tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` drafted tokens for a sequence ``token_ids`` (prompt + output so far).
+
+    For n from ``max_n`` down to ``min_n`` (the longest match wins): the last n tokens are the
+    pattern; its most recent earlier occurrence (one that starts before len - n) is the match, and
+    the draft is the (at most k) tokens that follow that occurrence (fewer when the sequence ends
+    first). No match of any length, or ``k`` <= 0: []. docs/serving.md §13.
+    """
+    L = len(token_ids)
+    if k <= 0 or L < 2:
+        return []
+    toks = list(token_ids)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        pattern = toks[L - n:]
+        last = pattern[-1]
+        # candidate ends e (exclusive) of an earlier occurrence: toks[e - n:e] == pattern, e < L
+        for e in range(L - 1, n - 1, -1):
+            if toks[e - 1] == last and toks[e - n:e] == pattern:
+                return toks[e:e + k]
+    return []
+
+
+def accepted_length(draft_token_ids: Sequence[int], sampled_token_ids: Sequence[int]) -> int:
+    """How many leading drafted tokens the target accepts: the largest a with
+    ``sampled_token_ids[i] == draft_token_ids[i]`` for every i < a (sample i is the target's own
+    draw at the position of draft i, docs/serving.md §13). The request then emits
+    ``sampled_token_ids[:a + 1]``: the a accepted drafts and the target's token after them.
+    Raises ValueError unless there is one more sample than drafts."""
+    if len(sampled_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(f"accepted_length: {len(sampled_token_ids)} samples for {len(draft_token_ids)} "
+                         "drafts; verification samples K + 1 positions")
+    a = 0
+    while a < len(draft_token_ids) and sampled_token_ids[a] == draft_token_ids[a]:
+        a += 1
+    return a
+
+
+def _inverse_cdf(w: torch.Tensor, u: float) -> int:
+    """First token id whose cumulative weight exceeds u · total (w [V] >= 0, total > 0)."""
+    cdf = w.double().cumsum(0)
+    target = torch.tensor([u], dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, target, right=True).clamp(max=w.numel() - 1))
+
+
+def rejection_sample(draft_token_ids: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     accept_uniforms: Sequence[float], resample_uniforms: Sequence[float]) -> list[int]:
+    """The standard speculative-sampling rule (Leviathan et al. 2023, Algorithm 1) for K drafted
+    tokens that carry their own distribution; returns the emitted tokens (the accepted drafts, then
+    one more: the residual draw at the first rejection, or the bonus draw after K acceptances).
+
+    draft_token_ids: [K] the drafted ids; draft_probs: f32/f64 [K, V], q_i (row i drafted token i);
+    target_probs: [K + 1, V], p_i (row K: the target's distribution after all K drafts);
+    accept_uniforms: K numbers in [0, 1): draft i is accepted iff u_i < p_i(x_i) / q_i(x_i) (i.e. with
+    probability min(1, p/q)); resample_uniforms: K + 1 numbers in [0, 1): at the first rejection i the
+    token is drawn by inverse CDF over token ids from norm(max(0, p_i - q_i)) (p_i itself when that
+    is all zero), after K acceptances from p_K. Raises ValueError on mismatched shapes or a drafted
+    token with q = 0 (a draft cannot propose a token its own distribution excludes).
+    """
+    K = len(draft_token_ids)
+    if draft_probs.dim() != 2 or draft_probs.shape[0] != K or target_probs.dim() != 2 \
+            or target_probs.shape[0] != K + 1 or target_probs.shape[1] != draft_probs.shape[1]:
+        raise ValueError(f"rejection_sample: draft_probs {tuple(draft_probs.shape)} must be [K, V] and "
+                         f"target_probs {tuple(target_probs.shape)} [K + 1, V] for K = {K}")
+    if len(accept_uniforms) != K or len(resample_uniforms) != K + 1:
+        raise ValueError(f"rejection_sample: needs K = {K} accept uniforms and K + 1 resample uniforms")
+    out: list[int] = []
+    for i, x in enumerate(draft_token_ids):
+        q, p = float(draft_probs[i, x]), float(target_probs[i, x])
+        if q <= 0:
+            raise ValueError(f"rejection_sample: draft {i} (token {x}) has draft probability 0")
+        if accept_uniforms[i] < p / q:
+            out.append(int(x))
+            continue
+        residual = (target_probs[i].double() - draft_probs[i].double()).clamp(min=0)
+        if float(residual.sum()) <= 0:
+            residual = target_probs[i].double()
+        out.append(_inverse_cdf(residual, resample_uniforms[i]))
+        return out
+    out.append(_inverse_cdf(target_probs[K], resample_uniforms[K]))
+    return out
