@@ -120,8 +120,23 @@ class OutputProcessor:
         if self.finished:
             out.token_ids, out.logprobs = [], None
             return self._stamp(out)
-        self._count(new_token_ids)
-        emit = self.decoder.push(list(new_token_ids))
+        if len(new_token_ids) > 1 and self.decoder.has_stops:
+            # several tokens in one step (speculative decoding, docs/serving.md §13): pushed one at a
+            # time, as plain decoding would, so a stop string ends the output at the token that
+            # completed it and the tokens after it are dropped
+            emit, kept = "", 0
+            for t in new_token_ids:
+                emit += self.decoder.push([t])
+                kept += 1
+                if self.decoder.stopped:
+                    break
+            out.token_ids = out.token_ids[:kept]
+            if out.logprobs is not None:
+                out.logprobs = out.logprobs[:kept]
+            self._count(out.token_ids)
+        else:
+            self._count(new_token_ids)
+            emit = self.decoder.push(list(new_token_ids))
         if finished and not self.decoder.stopped:
             emit += self.decoder.flush()
         if self.decoder.stopped:

@@ -43,6 +43,11 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text held back for stop strings
         self.stopped = False
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether stop strings are matched."""
+        return bool(self._stops)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the text that is now certain."""
         if self.stopped:
