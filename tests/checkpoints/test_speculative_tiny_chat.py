@@ -62,7 +62,8 @@ def _generate(llm: LLM, jobs: list[cp.ChatJob]) -> list[tuple]:
     while llm.has_unfinished_requests():
         for d in llm.step():
             accs[d.request_id].add(d)
-    return [(list(r.token_ids), r.text, r.finish_reason, r.content) for r in (a.result() for a in accs.values())]
+    results = [a.result() for a in accs.values()]
+    return [(list(r.token_ids), r.text, r.finish_reason, r.content) for r in results]
 
 
 def _llm(batch: int, spec) -> LLM:
