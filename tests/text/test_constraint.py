@@ -251,3 +251,34 @@ def test_a_name_the_format_cannot_express_points_at_the_docs(make):
     docs = (Path(__file__).parents[2] / "docs/parsers.md").read_text(encoding="utf-8")
     section = docs.split("### §3.7")[1].split("\n#")[0]
     assert "Names and keys cannot contain `>`" in section
+
+
+def test_rollback_restores_the_matcher_and_the_reasoning_state():
+    # speculative decoding (docs/serving.md §13): accept_token over drafted tokens, then rollback(n)
+    # undoes them; the reference is the same constraint before the accepts (its bitmask and state)
+    compiler = make_compiler("tiny-chat")
+    tok = compiler.tokenizer
+    c = compiler.constraint(json_spec({"type": "object", "properties": {"a": {"type": "integer"}},
+                                       "required": ["a"], "additionalProperties": False}), "inside")
+    reasoning = tok.encode("ok") + [tok.think_end_id]
+    answer = tok.encode('\n\n{"a": 12}')
+    for t in reasoning:
+        assert t in _allowed(compiler, c)
+        c.accept_token(t)
+    before = (_allowed(compiler, c), c.in_reasoning, c.reasoning_tokens)
+    assert not before[1]
+    for t in answer[:3]:
+        assert t in _allowed(compiler, c)
+        c.accept_token(t)
+    assert _allowed(compiler, c) != before[0]
+    c.rollback(3)
+    assert (_allowed(compiler, c), c.in_reasoning, c.reasoning_tokens) == before
+    # across the end of reasoning: the phase and the count come back too
+    c.rollback(1)
+    assert c.in_reasoning and c.reasoning_tokens == len(reasoning) - 1
+    c.accept_token(tok.think_end_id)
+    for t in answer:
+        c.accept_token(t)
+    assert c.error is None and tok.think_end_id not in answer
+    with pytest.raises(ValueError, match="rollback"):
+        c.rollback(10_000)
