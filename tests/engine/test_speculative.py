@@ -119,13 +119,13 @@ def test_rejection_sample_output_is_distributed_as_the_target():
     q = torch.tensor([[0.7, 0.2, 0.1]])
     p = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
     counts = torch.zeros(3)
-    G = 200
+    G = 80
     grid = [(i + 0.5) / G for i in range(G)]
     for x, qx in enumerate(q[0].tolist()):   # the draft's own token, drawn with probability q(x)
         for ua in grid:
             for ur in grid:
                 counts[rejection_sample([x], q, p, [ua], [ur, 0.0])[0]] += qx
-    assert torch.allclose(counts / G ** 2, p[0], atol=0.01)
+    assert torch.allclose(counts / G ** 2, p[0], atol=0.02)   # grid resolution 1/G
 
 
 # ---- KV tail trim ---------------------------------------------------------------------------------
