@@ -218,6 +218,7 @@ class CUDAGraphRunner:
                 for _ in range(GRAPH_WARMUP_RUNS):
                     self.forward(b)
             torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()  # no warm-up collective in flight when the capture begins
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self.forward(b)
