@@ -320,7 +320,7 @@ class DistributedModel:
         try:
             local = CUDAGraphRunner(self.model, kv, buckets, max_length, pad_page, capture)
         except RuntimeError:
-            self._name_dead_worker()
+            self.raise_if_worker_died()
             raise
         return TPStaticDecode(self, local)
 
@@ -338,7 +338,9 @@ class DistributedModel:
             self.encoder, self.held = MessageEncoder(), {}
         return first
 
-    def _name_dead_worker(self) -> None:
+    def raise_if_worker_died(self) -> None:
+        """After a failed collective: raise WorkerError naming a dead worker if one died (else return,
+        and the caller re-raises the collective's error)."""
         if self.workers is not None:
             self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
 
@@ -346,7 +348,7 @@ class DistributedModel:
         try:
             _send(self.state, msg)
         except RuntimeError:
-            self._name_dead_worker()
+            self.raise_if_worker_died()
             raise
 
     def send_step(self, step: StepMessage, sampling: list[Any] | None, spec: KVSpec | None) -> None:
@@ -375,7 +377,7 @@ class DistributedModel:
         try:
             return run_rank_step(self.model, self.state, batch, kv, sampling, self.held)
         except RuntimeError:
-            self._name_dead_worker()
+            self.raise_if_worker_died()
             raise
 
     def stop(self) -> None:
@@ -429,6 +431,6 @@ class TPStaticDecode:
         try:
             return self.local.run(tokens, context_lens, block_tables, bucket=b)
         except RuntimeError:
-            o._name_dead_worker()
+            o.raise_if_worker_died()
             raise
 
