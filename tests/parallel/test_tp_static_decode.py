@@ -5,8 +5,10 @@ on every rank the same static forward a graph records, at the bucket rank 0 chos
 References: the one-rank engine's greedy tokens (eager, the same triton backend) and the same
 TP_TP engine's own eager tokens before the static path was switched on; a rank whose bucket or
 padding differed from rank 0's would send all-reduces of another shape (gloo fails the step), and
-a rank whose block tables drifted would read other pages (other tokens). The banners are the real
-``m2serve`` start-up lines of a TP_TP and a TP_EP deployment.
+a rank whose block tables drifted would read other pages (other tokens). The engine's start-up
+path on TP_TP CUDA ranks runs too, with only the capture switched off (rank 0 tells every rank
+capture=False). The banners are the real ``m2serve`` start-up lines of TP_TP deployments (on
+CPU; on that start-up path) and of a TP_EP one.
 
 The scenario runs in a child process: the engine process joins the process group as rank 0,
 which the pytest process should not do.
@@ -19,7 +21,7 @@ import traceback
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts rank processes (about 25 s on 2 busy cores)
+pytestmark = pytest.mark.slow  # starts rank processes (30-60 s on 2 busy cores)
 
 PROMPTS = [[5 + (i * 7) % 50, 9 + i % 11, 3 + (i * 5) % 13] * (1 + i % 2) for i in range(5)]
 SMALL = {"dtype": "float32", "kv_cache_format": "float32", "num_kv_pages": 48, "kv_cache_page_size": 4,
@@ -66,6 +68,24 @@ def _scenario(ckpt: str, results) -> None:
                "graph_steps": runner.graph_steps, "pages": (pages_before, runner.kv_storage.num_pages),
                "tp_banner": tp_banner, "off": runner.graphs_off}
         model.shutdown()
+        # what LLMEngine.from_model does on TP_TP CUDA ranks, minus the capture (rank 0 tells every
+        # rank capture=False): the pools allocated with the padding page, the path built at start-up
+        import m2serve.engine.core as core
+        from m2serve.parallel.worker import DistributedModel
+
+        real_reason, real_static = core.graphs_off_reason, DistributedModel.static_decode
+        core.graphs_off_reason = lambda *a: None
+        DistributedModel.static_decode = lambda self, kv, b, n, pad, capture: real_static(self, kv, b, n, pad,
+                                                                                          False)
+        try:
+            started = LLM(ckpt, devices="cpu:2", **SMALL)
+        finally:
+            core.graphs_off_reason, DistributedModel.static_decode = real_reason, real_static
+        r = started.engine.runner
+        res["started"] = {"tokens": _generate(started.engine, "u"), "graph_steps": r.graph_steps,
+                          "off": r.graphs_off, "banner": banner(started, {}),
+                          "pages": (started.engine.stats.kv_pages_total, r.kv_storage.num_pages)}
+        r.model.shutdown()
         ep = LLM(ckpt, devices="cpu:2", ep_size=2, **SMALL)
         res["ep_banner"] = banner(ep, {})
         ep.engine.runner.model.shutdown()
@@ -98,6 +118,11 @@ def test_tp_tp_static_decode_on_cpu2_gives_one_ranks_greedy_tokens(tiny_random_d
     # TP_TP is no longer ruled out by its mode: on CPU the device is the reason; TP_EP names its own
     assert "| devices cpu:2 mode TP_TP |" in res["tp_banner"]
     assert "| CUDA graphs off (CUDA only) |" in res["tp_banner"], res["tp_banner"]
+    started = res["started"]
+    assert started["tokens"] == res["ref"] and started["graph_steps"] == 6 and started["off"] is None
+    assert started["pages"] == (48, 49)
+    assert "| devices cpu:2 mode TP_TP |" in started["banner"]
+    assert "| CUDA graphs: decode buckets 1..8 (4) |" in started["banner"], started["banner"]
     assert "mode TP_EP" in res["ep_banner"]
     assert ("| CUDA graphs off (TP_EP runs eager: the EP exchange reads its counts on the host) |"
             in res["ep_banner"]), res["ep_banner"]
