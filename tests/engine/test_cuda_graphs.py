@@ -18,12 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import m2serve.kernels.triton  # noqa: F401  (before anything imports triton: docs/kernels.md §1)
 from m2serve.config.engine_args import EngineArgs
+from m2serve.config.parallel import ParallelismMode, ParallelState
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.runner import graphs_off_reason
 from m2serve.engine.sampling import SamplingParams
 from m2serve.model.batch import KVStorage, ragged_batch
 from m2serve.model.cuda_graphs import CUDAGraphRunner, StaticDecodeBuffers
 from m2serve.model.load import load_model
+from m2serve.parallel.worker import DistributedModel
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from test_step_sync import SyncAudit  # noqa: E402  (the sync audit of tests/model/test_step_sync.py)
@@ -191,11 +193,36 @@ def test_graphs_off_reasons_and_refusals():
     assert graphs_off_reason(triton_like, "cpu", enforce_eager=False, replicas=1) == "CUDA only"
     torch_like = _Stub(None)
     assert graphs_off_reason(torch_like, "cuda", enforce_eager=False, replicas=1) == "torch attention backend"
-    multi = "multi-rank modes run eager: EP reads its exchange counts on the host, TP_TP capture not built"
-    assert graphs_off_reason(object(), "cuda", enforce_eager=False, replicas=1) == multi
-    assert graphs_off_reason(object(), "cpu", enforce_eager=False, replicas=1) == multi
-    assert "multi-rank" in graphs_off_reason(triton_like, "cuda", enforce_eager=False, replicas=2)
+    none = "no static decode path: data-parallel replicas and EP modes run eager"
+    assert graphs_off_reason(object(), "cuda", enforce_eager=False, replicas=1) == none
+    assert graphs_off_reason(object(), "cpu", enforce_eager=False, replicas=1) == none
+    assert graphs_off_reason(triton_like, "cuda", enforce_eager=False, replicas=2) == none
+    # multi-rank models (rank 0's DistributedModel, no worker needed to ask): TP_TP is on with the
+    # triton backend on CUDA; every EP configuration says why not, before the device
+    P = ParallelismMode
+    tp = DistributedModel(triton_like, ParallelState(P.TP_TP, 2, 0, tp_size=2))
+    assert graphs_off_reason(tp, "cuda:0", enforce_eager=False, replicas=1) is None
+    assert graphs_off_reason(tp, "cpu", enforce_eager=False, replicas=1) == "CUDA only"
+    assert graphs_off_reason(tp, "cuda:0", enforce_eager=True, replicas=1) == "--enforce-eager"
+    tp_torch = DistributedModel(torch_like, ParallelState(P.TP_TP, 2, 0, tp_size=2))
+    assert graphs_off_reason(tp_torch, "cuda:0", enforce_eager=False, replicas=1) == "torch attention backend"
+    ep = {"TP_EP": ParallelState(P.TP_EP, 2, 0, tp_size=2, ep_size=2),
+          "TP_EP_AR": ParallelState(P.TP_EP, 2, 0, tp_size=2, ep_size=2, ep_use_allreduce=True),
+          "DP_EP": ParallelState(P.DP_EP, 2, 0, ep_size=2, data_parallel_degree=2),
+          "DP": ParallelState(P.DP_EP, 2, 0, data_parallel_degree=2)}
+    reasons = {k: graphs_off_reason(DistributedModel(triton_like, st), "cuda:0", False, 1)
+               for k, st in ep.items()}
+    assert reasons == {
+        "TP_EP": "TP_EP runs eager: the EP exchange reads its counts on the host",
+        "TP_EP_AR": "TP_EP runs eager: static decode is built for one rank and TP_TP, not TP_EP with "
+                    "ep_use_allreduce",
+        "DP_EP": "DP_EP runs eager: the EP exchange reads its counts on the host",
+        "DP": "DP_EP runs eager: static decode is built for one rank and TP_TP, not data-parallel replicas"}
     kv = KVStorage.allocate(1, 4, 4, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="static decode: TP_EP runs eager: the EP exchange"):
+        DistributedModel(triton_like, ep["TP_EP"]).static_decode(kv, [1], 16, 3, capture=False)
+    with pytest.raises(ValueError, match="needs attention_backend='triton'"):  # refused before any send
+        tp_torch.static_decode(kv, [1], 16, 3, capture=False)
     with pytest.raises(ValueError, match="needs attention_backend='triton'"):
         CUDAGraphRunner(_Stub(None), kv, [1], 16, 3, capture=False)
     with pytest.raises(ValueError, match="capture=True: CUDA graphs need a CUDA device, the KV pool is on"):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from m2serve.model.batch import ForwardBatch, ragged_batch
@@ -66,6 +67,35 @@ def test_other_ranks_rebuild_rank0_batch_step_by_step():
         msg = enc.encode(batch)
         _same(dec.decode(msg, S), batch)
 
+
+
+def test_static_decode_steps_keep_the_tables_in_step():
+    # TP_TP static decode (docs/serving.md §6.3): a decode step travels as the same message with
+    # the bucket set; the other ranks apply its page deltas (append, finished id reused, preemption
+    # reset) and get rank 0's rows, so an eager step after it rebuilds rank 0's batch exactly
+    enc, dec = MessageEncoder(), MessageDecoder()
+    first = ragged_batch([[1, 2, 3, 4], [5] * 16], [4, 16], [[3], [0]], [1, 1], S, request_ids=["a", "b"])
+    dec.decode(enc.encode(first), S)
+    statics = [  # (ids, tokens, contexts, tables, finished, bucket): rows the other ranks must see
+        (["a", "b"], [6, 7], [5, 17], [[3], [0, 1]], [], 2),           # b appends page 1
+        (["b", "a", "c"], [8, 9, 1], [18, 6, 1], [[0, 1], [3], [8]], [], 4),  # c new (its whole table)
+        (["a", "c"], [2, 3], [1, 2], [[5], [8]], ["a", "b"], 2),       # a reused after finishing, b gone
+        (["c"], [4], [17], [[9, 2]], [], 1),                           # c preempted: table replaced
+    ]
+    for ids, tokens, ctx, tables, finished, bucket in statics:
+        msg = enc.encode_decode(ids, tokens, ctx, tables, finished, bucket)
+        assert msg.bucket == bucket and msg.request_ids == ids
+        assert dec.apply(msg) == ([[t] for t in tokens], ctx, [1] * len(ids), tables)
+    assert set(dec.tables) == {"a", "c"}
+    after = ragged_batch([[5], [6, 7]], [18, 3], [[9, 2, 4], [5]], [1, 1], S, request_ids=["c", "a"])
+    after.host.finished_request_ids = []
+    msg = enc.encode(after)
+    assert msg.bucket is None and len(msg.pages) == 8   # only c's appended page 4 travels
+    _same(dec.decode(msg, S), after)
+    with pytest.raises(ValueError, match="2 request_ids, 1 tokens, 2 context_lens, 2 block_tables for"):
+        enc.encode_decode(["a", "c"], [1], [2, 3], [[5], [8]], [], 2)
+    with pytest.raises(ValueError, match="for bucket 1: give one of each per row, at most bucket rows"):
+        enc.encode_decode(["a", "c"], [1, 2], [2, 3], [[5], [8]], [], 1)
 
 def test_sampling_fields_travel_once():
     # issue 27 item 5 for the replicas' draws (engine/sampling.py SamplingRows): a request's

@@ -164,9 +164,9 @@ class EngineArgs:
     attention_backend: one of ATTENTION_BACKENDS, chosen once when the model is built
         (model/attention.py ``resolve_attention_backend``).
     enforce_eager: never capture CUDA graphs (vLLM's ``--enforce-eager``): every decode step runs
-        eagerly. Without it, on one CUDA device with the triton attention backend, decode steps
-        replay one CUDA graph per batch-size bucket (docs/serving.md §6.3); CPU, multi-rank modes and
-        the torch backend run eager anyway (the banner says why).
+        eagerly. Without it, on one CUDA device or TP_TP CUDA ranks with the triton attention
+        backend, decode steps replay one CUDA graph per batch-size bucket (docs/serving.md §6.3);
+        CPU, EP modes, DP replicas and the torch backend run eager anyway (the banner says why).
     batch_invariant: the batch-invariant mode (docs/model.md §7): a request's logits, hence a seeded
         request's tokens, do not depend on what else is in the batch, at some speed cost. Also
         ``M2SERVE_BATCH_INVARIANT=1`` (:func:`batch_invariant_enabled`); chosen once at load.

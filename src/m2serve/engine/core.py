@@ -182,10 +182,10 @@ class LLMEngine:
         loading). ``max_length`` defaults to max_position_embeddings, lowered to the pool's
         capacity with a warning; an explicit ``args.max_length`` larger than the pool is a
         ValueError, as is a non-positive max_length, an unknown kv_cache_format, a non-positive
-        page size or a bad ``args.speculative_config`` (naming the field). On one CUDA device with
-        the triton attention backend and without ``args.enforce_eager`` the decode graphs are
-        captured here, one per batch-size bucket (docs/serving.md §6.3); ``runner.graphs_off``
-        says why not otherwise."""
+        page size or a bad ``args.speculative_config`` (naming the field). On one CUDA device (or
+        TP_TP CUDA ranks: every rank at once) with the triton attention backend and without
+        ``args.enforce_eager`` the decode graphs are captured here, one per batch-size bucket
+        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         speculative = parse_speculative_config(args.speculative_config)
         S = check_page_and_length(args)

@@ -15,9 +15,11 @@ runner's persistent buffers (model/batch.py ``StepBuffers``: one int64 host buff
 and copied to the device in one copy (``non_blocking`` on CUDA); the same lists travel with the
 batch (model/batch.py ``StepHost``), so the model sizes and indexes the step without reading
 anything back from the device, and the forward has no per-request work (docs/serving.md §6.1).
-With :meth:`ModelRunner.enable_graphs` (the engine on one CUDA device) every all-decode step
-instead takes the static path of model/cuda_graphs.py: fixed-address buffers, one CUDA graph
-per batch-size bucket replayed (docs/serving.md §6.3); every other step stays on this path.
+With :meth:`ModelRunner.enable_graphs` (the engine on one CUDA device, or on TP_TP CUDA ranks)
+every all-decode step instead takes the static path of model/cuda_graphs.py: fixed-address
+buffers, one CUDA graph per batch-size bucket replayed (docs/serving.md §6.3; a TP_TP model
+brings its own, parallel/worker.py ``TPStaticDecode``, which tells the other ranks the bucket);
+every other step stays on this path.
 
 Legend: T new tokens in the step, B requests, N logit rows returned, V vocab, S page size.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -108,14 +111,17 @@ def build_batch(scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]
 def graphs_off_reason(model: object, device: torch.device | str, enforce_eager: bool,
                       replicas: int) -> str | None:
     """Why decode steps run eager instead of under CUDA graphs (docs/serving.md §6.3), or None when
-    they are captured, first match: ``--enforce-eager``; a multi-rank model or data-parallel
-    replicas (EP modes read the exchange's counts on the host; TP_TP capture on every rank is not
-    built); a device other than CUDA; the torch attention backend (its per-request loop reads host
-    lists)."""
+    they are captured, first match: ``--enforce-eager``; a multi-rank mode other than TP_TP (the
+    model's ``static_decode_off``, parallel/worker.py: EP reads the exchange's counts on the host),
+    data-parallel replicas or a model with no static decode path; a device other than CUDA (rank
+    0's, ``device``); the torch attention backend (its per-request loop reads host lists)."""
     if enforce_eager:
         return "--enforce-eager"
-    if replicas > 1 or not hasattr(model, "forward_decode"):
-        return "multi-rank modes run eager: EP reads its exchange counts on the host, TP_TP capture not built"
+    off = getattr(model, "static_decode_off", None)
+    if off is not None:
+        return off
+    if replicas > 1 or not (hasattr(model, "forward_decode") or hasattr(model, "static_decode")):
+        return "no static decode path: data-parallel replicas and EP modes run eager"
     if torch.device(device).type != "cuda":
         return "CUDA only"
     if getattr(model, "attention_kernel", None) is None:
@@ -155,19 +161,16 @@ class ModelRunner:
     sampling_buffers: StepBuffers | None = None   # the sampler's inputs, likewise
     buckets: list[int] | None = None     # decode batch-size buckets when decodes are padded, else None
     pad_page: int | None = None          # the padding rows' KV page (outside every allocator)
-    graphs: CUDAGraphRunner | None = None  # static decode path (CUDA graphs on CUDA), else None
+    graphs: Any = None                   # static decode path (CUDAGraphRunner or a TP_TP model's), else None
     graph_steps: int = 0                 # steps run through ``graphs`` (tests)
     graphs_off: str | None = "not enabled"  # why decode runs eager (graphs_off_reason), None when on
 
     def _add_pad_page(self) -> int:
         """The padding rows' page: ``pad_page`` when the pool was allocated with it (the engine on
         CUDA), else one page appended to every layer's pools now."""
-        kv = self.kv_storage
         if self.pad_page is None:
-            self.pad_page = kv.num_pages
-            for pools in (kv.k, kv.v):
-                for i, t in enumerate(pools):
-                    pools[i] = torch.cat([t, torch.zeros_like(t[:1])])
+            self.pad_page = self.kv_storage.num_pages
+            self.kv_storage.append_pages(1)
         return self.pad_page
 
     def enable_decode_padding(self, max_batch_size: int) -> None:
@@ -184,11 +187,17 @@ class ModelRunner:
         graph per bucket now and replayed when ``capture`` (CUDA), run eagerly otherwise (the CPU
         test path). The padding page is ``pad_page`` when already set (the engine allocates it with
         the pool), else appended now, before anything records the pools' addresses; prefill,
-        mixed and multi-token steps stay eager. Raises ValueError (from ``CUDAGraphRunner``) for a
-        model on the torch attention backend or capture off CUDA."""
+        mixed and multi-token steps stay eager. A model with a ``static_decode`` method (a TP_TP
+        ``DistributedModel``) builds the path on every rank. Raises ValueError (from
+        ``CUDAGraphRunner.check``) for a model on the torch attention backend or capture off CUDA,
+        and for a multi-rank mode other than TP_TP."""
         pad = self._add_pad_page()
-        self.graphs = CUDAGraphRunner(self.model, self.kv_storage, decode_buckets(max_batch_size), max_length,
-                                      pad, capture)
+        make = getattr(self.model, "static_decode", None)
+        if make is None:
+            self.graphs = CUDAGraphRunner(self.model, self.kv_storage, decode_buckets(max_batch_size),
+                                          max_length, pad, capture)
+        else:
+            self.graphs = make(self.kv_storage, decode_buckets(max_batch_size), max_length, pad, capture)
         self.graphs_off = None if capture else "static decode path run eagerly (no capture)"
 
     def _pad_to(self, scheduled: list[ScheduledRequest], kvs: Sequence[KVCacheManager]) -> int | None:
@@ -206,9 +215,9 @@ class ModelRunner:
             tokens.append(r.all_token_ids[c])
             ctx.append(c + 1)
             tables.append(kv.block_table(r.request_id))
-        self._take_finished()
+        ids = [s.request.request_id for s in scheduled]
         self.graph_steps += 1
-        logits = self.graphs.run(tokens, ctx, tables)   # [B, V] f32, padding rows dropped
+        logits = self.graphs.run_step(tokens, ctx, tables, ids, self._take_finished())   # [B, V] f32
         return [logits[i:i + logits_rows(s)] for i, s in enumerate(scheduled)]
 
     @torch.inference_mode()

@@ -308,6 +308,13 @@ class KVStorage:
             v_scale=list(v_scale) if v_scale else [1.0] * num_layers,
         )
 
+    def append_pages(self, n: int) -> None:
+        """Grow every layer's K and V pool by ``n`` zeroed pages at the end (the existing pages keep
+        their contents; the pools get new addresses, so nothing may have recorded them yet)."""
+        for pools in (self.k, self.v):
+            for i, t in enumerate(pools):
+                pools[i] = torch.cat([t, t.new_zeros((n, *t.shape[1:]))])
+
     @property
     def num_pages(self) -> int:
         """P."""

@@ -20,6 +20,10 @@ forward eagerly, which is how the static path is tested without a GPU. The RoPE 
 computed once for max_length positions and never replaced (a graph would keep reading a freed
 table), the attention kernel's split count follows the bucket and max_length only, so nothing a
 captured kernel reads changes between replays but the buffers' contents.
+
+Under TP_TP every rank holds one :class:`CUDAGraphRunner` over its own shard and pool, built and
+captured in the same order (the all-reduces inside the forward are recorded on every rank), and
+every step runs the bucket rank 0 chose on every rank (parallel/worker.py; docs/serving.md §6.3).
 """
 
 from __future__ import annotations
@@ -156,25 +160,23 @@ class StaticDecodeBuffers:
 
 
 class CUDAGraphRunner:
-    """Decode steps of ``model`` (a one-rank ``MiniMaxM2ForCausalLM`` on the triton attention
-    backend) at the buckets' fixed shapes (docs/serving.md §6.3).
+    """Decode steps of ``model`` (a ``MiniMaxM2ForCausalLM`` on the triton attention backend: one
+    rank, or one TP_TP rank's shard) at the buckets' fixed shapes (docs/serving.md §6.3).
 
     ``capture=True`` (CUDA only) records one ``torch.cuda.CUDAGraph`` per bucket now, largest first,
     in one shared memory pool, after GRAPH_WARMUP_RUNS eager runs on a side stream; :meth:`run`
     then replays. ``capture=False`` runs the same static forward eagerly (the CPU test path). The
     KV pools of ``kv`` must not be reallocated afterwards (the graphs hold their addresses), and
     ``pad_page`` must be a page of them no allocator hands out. Raises ValueError for a model on
-    the torch attention backend (its per-request loop cannot be recorded) or capture off CUDA.
+    the torch attention backend (its per-request loop cannot be recorded) or capture off CUDA
+    (:meth:`check`). Under TP_TP the ranks' forwards all-reduce, so every rank must construct its
+    runner at the same time with the same buckets (the capture records the collectives).
     """
 
     def __init__(self, model, kv: KVStorage, buckets: Sequence[int], max_length: int, pad_page: int,
                  capture: bool):
-        if getattr(model, "attention_kernel", None) is None:
-            raise ValueError("CUDA-graph decode needs attention_backend='triton' (the torch backend "
-                             "loops over the requests on the host)")
+        self.check(model, kv, capture)
         device = kv.k[0].device
-        if capture and device.type != "cuda":
-            raise ValueError(f"capture=True: CUDA graphs need a CUDA device, the KV pool is on {device}")
         self.model, self.kv, self.max_length = model, kv, max_length
         self.buffers = StaticDecodeBuffers(buckets, -(-max_length // kv.page_size), kv.page_size, pad_page,
                                            device)
@@ -183,6 +185,18 @@ class CUDAGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
+
+    @staticmethod
+    def check(model, kv: KVStorage, capture: bool) -> None:
+        """Raise ValueError when ``model`` is not on the triton attention backend or ``capture`` is
+        asked off CUDA (what the constructor refuses; rank 0 of a TP_TP model asks before it tells
+        the other ranks to build theirs)."""
+        if getattr(model, "attention_kernel", None) is None:
+            raise ValueError("CUDA-graph decode needs attention_backend='triton' (the torch backend "
+                             "loops over the requests on the host)")
+        device = kv.k[0].device
+        if capture and device.type != "cuda":
+            raise ValueError(f"capture=True: CUDA graphs need a CUDA device, the KV pool is on {device}")
 
     @property
     def buckets(self) -> list[int]:
@@ -204,6 +218,7 @@ class CUDAGraphRunner:
                 for _ in range(GRAPH_WARMUP_RUNS):
                     self.forward(b)
             torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()  # no warm-up collective in flight when the capture begins
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self.forward(b)
@@ -213,11 +228,13 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def run(self, tokens: Sequence[int], context_lens: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_tables: Sequence[Sequence[int]], bucket: int | None = None) -> torch.Tensor:
         """One decode step of ``len(tokens)`` rows (:meth:`StaticDecodeBuffers.load`) -> their
         logits [len(tokens), V] fp32, a view of the bucket's output valid until the next step.
-        Raises ValueError for more rows than the largest bucket."""
-        b = bucket_for(len(tokens), self.buckets)
+        ``bucket``: the bucket to run (the other TP_TP ranks pass rank 0's choice), default the
+        smallest that holds the rows. Raises ValueError for more rows than the largest bucket (or
+        than ``bucket``) and for a ``bucket`` that is not one of :attr:`buckets`."""
+        b = bucket_for(len(tokens), self.buckets) if bucket is None else bucket
         if b is None:
             raise ValueError(f"{len(tokens)} decode rows: the largest bucket is {self.buckets[-1]}")
         self.buffers.load(b, tokens, context_lens, block_tables)
@@ -226,3 +243,11 @@ class CUDAGraphRunner:
             return self.forward(b)[:len(tokens)]
         graph.replay()
         return self.outputs[b][:len(tokens)]
+
+    def run_step(self, tokens: Sequence[int], context_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], request_ids: Sequence[str],
+                 finished_request_ids: Sequence[str]) -> torch.Tensor:
+        """The engine's call (engine/runner.py): :meth:`run` at the smallest bucket. The request ids
+        (and those finished since the last step) are for a multi-rank runner, which sends them to
+        the other ranks (parallel/worker.py ``TPStaticDecode``); one rank has none to tell."""
+        return self.run(tokens, context_lens, block_tables)

@@ -11,6 +11,12 @@ that append a page the message is the same size at a context of 100 or 10,000 to
 ranks' :class:`MessageDecoder` rebuilds the `ForwardBatch` from it with model/batch.py
 ``ragged_batch``, the builder the engine's runner uses.
 
+A static decode step (TP_TP under CUDA graphs, docs/serving.md §6.3) is the same message with
+``bucket`` set: every request one new token; the other ranks load the rows into their fixed decode
+buffers at that bucket (padding the rest) instead of building a batch, and the page deltas are
+applied to the tables exactly as for any other step (:meth:`MessageDecoder.apply`), so an eager
+step after static ones sends only what changed since.
+
 Legend: B requests, T new tokens.
 """
 
@@ -45,6 +51,8 @@ class StepMessage:
     appended pages replace its table). tokens: int64 [T] the new tokens, batch order. pages: int64
     the appended page ids, batch order. data_parallel_splits: [dp+1] or None.
     finished_request_ids: requests to forget (before this step's requests are applied).
+    bucket: None for a step the other ranks run eagerly from its `ForwardBatch`; b for a static
+    decode step padded to bucket b (every request one new token; docs/serving.md §6.3).
     """
 
     request_ids: list
@@ -53,6 +61,7 @@ class StepMessage:
     pages: bytes
     data_parallel_splits: list[int] | None
     finished_request_ids: list
+    bucket: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -73,24 +82,46 @@ class MessageEncoder:
         h = batch.host
         if h.request_ids is None:
             raise ValueError("a multi-rank step needs the batch's request_ids (StepHost.request_ids)")
-        for rid in h.finished_request_ids or []:
-            self.sent.pop(rid, None)
-        counts: list[int] = []
-        pages: list[int] = []
         if h.tokens is None:
             raise ValueError("a multi-rank step needs the batch's new tokens as a host list "
                              "(StepHost.tokens)")
-        for b, rid in enumerate(h.request_ids):
-            table = h.block_tables[b]
+        qs = h.query_starts
+        return self._encode(h.request_ids, h.tokens, [qs[b + 1] - qs[b] for b in range(len(qs) - 1)],
+                            h.context_lens, h.logit_counts, h.block_tables, h.data_parallel_splits,
+                            list(h.finished_request_ids or []), None)
+
+    def encode_decode(self, request_ids: list, tokens: list[int], context_lens: list[int],
+                      block_tables: list[list[int]], finished_request_ids: list, bucket: int) -> StepMessage:
+        """The message of a static decode step (docs/serving.md §6.3): request i decodes
+        ``tokens[i]`` with ``context_lens[i]`` tokens visible over ``block_tables[i]`` (one logit
+        row each), padded to ``bucket`` on every rank; forgets ``finished_request_ids`` and records
+        the tables as sent, as :meth:`encode` does. Raises ValueError for lists of different
+        lengths or more rows than ``bucket``."""
+        k = len(request_ids)
+        if not len(tokens) == len(context_lens) == len(block_tables) == k or k > bucket:
+            raise ValueError(f"{k} request_ids, {len(tokens)} tokens, {len(context_lens)} context_lens, "
+                             f"{len(block_tables)} block_tables for bucket {bucket}: give one of each per "
+                             "row, at most bucket rows")
+        return self._encode(request_ids, tokens, [1] * k, context_lens, [1] * k, block_tables, None,
+                            list(finished_request_ids), bucket)
+
+    def _encode(self, request_ids: list, tokens: list[int], new_counts: list[int], context_lens: list[int],
+                logit_counts: list[int], block_tables: list[list[int]], splits: list[int] | None,
+                finished: list, bucket: int | None) -> StepMessage:
+        for rid in finished:
+            self.sent.pop(rid, None)
+        counts: list[int] = []
+        pages: list[int] = []
+        for b, rid in enumerate(request_ids):
+            table = block_tables[b]
             old = self.sent.get(rid)
             reset = old is None or table[:len(old)] != old
             new_pages = table if reset else table[len(old):]
             self.sent[rid] = list(table)
             pages.extend(new_pages)
-            counts += [h.query_starts[b + 1] - h.query_starts[b], h.context_lens[b], h.logit_counts[b],
-                       len(new_pages), int(reset)]
-        return StepMessage(list(h.request_ids), _i64(counts), _i64(h.tokens), _i64(pages),
-                           h.data_parallel_splits, list(h.finished_request_ids or []))
+            counts += [new_counts[b], context_lens[b], logit_counts[b], len(new_pages), int(reset)]
+        return StepMessage(list(request_ids), _i64(counts), _i64(tokens), _i64(pages), splits, finished,
+                           bucket)
 
 
 @dataclass(slots=True)
@@ -101,6 +132,17 @@ class MessageDecoder:
 
     def decode(self, msg: StepMessage, page_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
         """The step's `ForwardBatch` on ``device`` (same layout as rank 0's)."""
+        new_tokens, context_lens, n_logits, tables = self.apply(msg)
+        batch = ragged_batch(new_tokens, context_lens, tables, n_logits, page_size, device,
+                             msg.data_parallel_splits, list(msg.request_ids))
+        batch.host.finished_request_ids = list(msg.finished_request_ids)
+        return batch
+
+    def apply(self, msg: StepMessage) -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
+        """Apply the step's finished ids and page deltas to the kept tables; returns per request
+        (batch order) its new tokens, context length, logit rows and whole block table (the list
+        the decoder keeps). A static decode step (``msg.bucket`` set) goes through here too, so the
+        tables stay in step with rank 0's whichever path a step takes."""
         for rid in msg.finished_request_ids:
             self.tables.pop(rid, None)
         counts = _ints(msg.counts)
@@ -119,7 +161,4 @@ class MessageDecoder:
             context_lens.append(ctx)
             n_logits.append(nl)
             tables.append(table)
-        batch = ragged_batch(new_tokens, context_lens, tables, n_logits, page_size, device,
-                             msg.data_parallel_splits, list(msg.request_ids))
-        batch.host.finished_request_ids = list(msg.finished_request_ids)
-        return batch
+        return new_tokens, context_lens, n_logits, tables

@@ -14,6 +14,16 @@ whose page ids are replica-local; rank r runs the contiguous slice of replica r,
 batch's host lists (no device read), against its own pool (every rank allocates a pool of the
 same geometry, which holds only its replica's pages).
 
+TP_TP static decode (docs/serving.md §6.3): rank 0 sends one "graphs" message at start-up (the
+pool's spec, the buckets, max_length, the padding page, capture or not), after which every rank
+builds its model/cuda_graphs.py ``CUDAGraphRunner`` over its own shard and pool at the same time
+(on CUDA each captures its buckets in the same order: the forward's all-reduces are recorded on
+the one communicator every rank shares). A decode step is then a step message with ``bucket`` set:
+rank 0 chose the bucket (the padding follows from it: bucket - rows padding rows into the padding
+page), every rank applies the page deltas (parallel/message.py ``MessageDecoder.apply``), loads
+the same rows into its fixed buffers and runs (replays) that bucket. EP modes and DP replicas
+stay eager (:attr:`DistributedModel.static_decode_off`).
+
 Legend: B requests, T new tokens, N returned logit rows, V vocab.
 """
 
@@ -28,11 +38,13 @@ import torch
 import torch.distributed as dist
 
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.config.parallel import ParallelState, dp_attention
+from m2serve.config.parallel import ParallelismMode, ParallelState, dp_attention
 from m2serve.model.batch import ForwardBatch, KVStorage, StepHost, host_tensor
+from m2serve.model.collectives import uses_ep_exchange
+from m2serve.model.cuda_graphs import CUDAGraphRunner, bucket_for
 from m2serve.model.load import load_model
 from m2serve.parallel.launch import WorkerError, WorkerGroup
-from m2serve.parallel.message import MessageDecoder, MessageEncoder
+from m2serve.parallel.message import MessageDecoder, MessageEncoder, StepMessage
 from m2serve.parallel.shard import make_shard_plan
 
 log = logging.getLogger(__name__)
@@ -58,6 +70,19 @@ class KVSpec:
         """A zeroed pool of this geometry with ``num_kv_heads`` heads of ``head_dim``."""
         return KVStorage.allocate(self.num_layers, self.num_pages, self.page_size, num_kv_heads, head_dim,
                                   self.dtype, device, list(self.k_scale), list(self.v_scale))
+
+    def fit(self, kv: KVStorage | None, num_kv_heads: int, head_dim: int,
+            device: torch.device | str) -> KVStorage:
+        """``kv`` grown to this spec's pages (rank 0 appended the padding page of the static decode
+        path after steps had run: the pages already written keep their contents), or a new pool
+        when ``kv`` is None. Raises ValueError when ``kv`` has more pages than the spec."""
+        if kv is None:
+            return self.allocate(num_kv_heads, head_dim, device)
+        if kv.num_pages > self.num_pages:
+            raise ValueError(f"this rank's KV pool has {kv.num_pages} pages, rank 0's {self.num_pages}")
+        if kv.num_pages < self.num_pages:
+            kv.append_pages(self.num_pages - kv.num_pages)
+        return kv
 
 
 def load_rank_model(path: str, state: ParallelState, dtype: torch.dtype = torch.float32,
@@ -139,23 +164,51 @@ def run_rank_step(model: Any, state: ParallelState, batch: ForwardBatch, kv: KVS
     return torch.cat([b[:n] for b, n in zip(bins, per, strict=True)])
 
 
+def run_static_step(graphs: CUDAGraphRunner, decoder: MessageDecoder, step: StepMessage) -> torch.Tensor:
+    """A TP_TP rank's part of a static decode step (``step.bucket`` set, docs/serving.md §6.3): apply
+    the page deltas to ``decoder``'s tables, load the rows into ``graphs``' buffers at rank 0's
+    bucket and run (replay) it. Returns this rank's logits [rows, V] f32 (every rank ends with the
+    full hidden states; rank 0's are the step's). Raises ValueError for a multi-token row."""
+    new_tokens, context_lens, _, tables = decoder.apply(step)
+    if any(len(t) != 1 for t in new_tokens):
+        raise ValueError(f"static decode step of bucket {step.bucket}: every request decodes one token, "
+                         f"got {[len(t) for t in new_tokens]}")
+    return graphs.run([t[0] for t in new_tokens], context_lens, tables, bucket=step.bucket)
+
+
 def worker_loop(model: Any, state: ParallelState, device: torch.device | str = "cpu") -> None:
     """Serve steps from rank 0 until it sends "stop" (ranks 1…P−1). Allocates the rank's KV pool
     from the first step's :class:`KVSpec` and rebuilds each step's batch from its
-    :class:`~m2serve.parallel.message.StepMessage` (a new pool starts a new decoder)."""
+    :class:`~m2serve.parallel.message.StepMessage` (a new pool starts a new decoder). A "graphs"
+    message builds the rank's static decode path (module docstring); a step with ``bucket`` set
+    runs it (:func:`run_static_step`)."""
     kv: KVStorage | None = None
     cfg: MiniMaxM2Config = model.config
     decoder = MessageDecoder()
     held: dict = {}   # sampling states of this replica's requests (sent once)
+    graphs: CUDAGraphRunner | None = None
     while True:
         msg = _receive(state)
         if msg["kind"] == "stop":
             return
+        if msg["kind"] == "graphs":
+            if msg["new_pool"]:
+                kv, decoder, held = None, MessageDecoder(), {}
+            kv = msg["kv"].fit(kv, model.dims.num_kv_heads, cfg.head_dim, device)
+            graphs = CUDAGraphRunner(model, kv, msg["buckets"], msg["max_length"], msg["pad_page"],
+                                     msg["capture"])
+            continue
         if msg["kv"] is not None:
             kv = msg["kv"].allocate(model.dims.num_kv_heads, cfg.head_dim, device)
-            decoder, held = MessageDecoder(), {}
-        run_rank_step(model, state, decoder.decode(msg["step"], kv.page_size, device), kv, msg["sampling"],
-                      held)
+            decoder, held, graphs = MessageDecoder(), {}, None
+        step = msg["step"]
+        if step.bucket is not None:
+            if graphs is None:
+                raise ValueError(f"rank {state.rank}: a static decode step (bucket {step.bucket}) before "
+                                 "the graphs message")
+            run_static_step(graphs, decoder, step)
+            continue
+        run_rank_step(model, state, decoder.decode(step, kv.page_size, device), kv, msg["sampling"], held)
 
 
 def _receive(state: ParallelState) -> dict[str, Any]:
@@ -229,36 +282,102 @@ class DistributedModel:
         """Checkpoint fp8 KV scales (as the single-process model)."""
         return self.model.kv_scales
 
+    @property
+    def attention_kernel(self) -> Any:
+        """Rank 0's attention kernel (None on the torch backend; every rank loads the same backend)."""
+        return getattr(self.model, "attention_kernel", None)
+
+    @property
+    def static_decode_off(self) -> str | None:
+        """Why this mode has no static decode path (docs/serving.md §6.3), None under TP_TP: the EP
+        exchange reads its counts on the host (TP_EP, DP_EP with ep_size > 1); the other EP and DP
+        configurations are not built."""
+        s = self.state
+        if s.mode is ParallelismMode.TP_TP:
+            return None
+        if uses_ep_exchange(s):
+            return f"{s.mode.value} runs eager: the EP exchange reads its counts on the host"
+        what = "data-parallel replicas" if s.mode is ParallelismMode.DP_EP else "TP_EP with ep_use_allreduce"
+        return f"{s.mode.value} runs eager: static decode is built for one rank and TP_TP, not {what}"
+
+    def static_decode(self, kv: KVStorage, buckets: list[int], max_length: int, pad_page: int,
+                      capture: bool) -> TPStaticDecode:
+        """Build the static decode path on every rank (module docstring; docs/serving.md §6.3): one
+        "graphs" message (the workers fit their pools to ``kv``'s spec: a new pool, or rank 0's
+        grown by the padding page), then rank 0's ``CUDAGraphRunner`` here while the workers build
+        theirs (on CUDA all ranks capture the buckets in the same order). Arguments as for
+        ``CUDAGraphRunner``. Raises ValueError, before any rank is told, for a mode other than
+        TP_TP (:attr:`static_decode_off`), the torch attention backend or capture off CUDA."""
+        off = self.static_decode_off
+        if off is not None:
+            raise ValueError(f"static decode: {off}")
+        CUDAGraphRunner.check(self.model, kv, capture)
+        self._check_open()
+        first = self._see(kv)
+        self._send_or_name_dead({"kind": "graphs", "kv": KVSpec.of(kv), "new_pool": first,
+                                 "buckets": list(buckets), "max_length": max_length, "pad_page": pad_page,
+                                 "capture": capture})
+        try:
+            local = CUDAGraphRunner(self.model, kv, buckets, max_length, pad_page, capture)
+        except RuntimeError:
+            self.raise_if_worker_died()
+            raise
+        return TPStaticDecode(self, local)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise WorkerError("the distributed model was shut down")
+        if self.workers is not None:
+            self.workers.check()
+
+    def _see(self, kv: KVStorage) -> bool:
+        """Record ``kv`` as the pool in use; True (and a new encoder) when it is a new one."""
+        first = kv is not self.kv_seen
+        self.kv_seen = kv
+        if first:
+            self.encoder, self.held = MessageEncoder(), {}
+        return first
+
+    def raise_if_worker_died(self) -> None:
+        """After a failed collective: raise WorkerError naming a dead worker if one died (else return,
+        and the caller re-raises the collective's error)."""
+        if self.workers is not None:
+            self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
+
+    def _send_or_name_dead(self, msg: dict[str, Any]) -> None:
+        try:
+            _send(self.state, msg)
+        except RuntimeError:
+            self.raise_if_worker_died()
+            raise
+
+    def send_step(self, step: StepMessage, sampling: list[Any] | None, spec: KVSpec | None) -> None:
+        """Send one step's message to the other ranks (after checking they are alive)."""
+        self._check_open()
+        self.last_message = (step, sampling)
+        self._send_or_name_dead({"kind": "step", "step": step, "sampling": sampling, "kv": spec})
+
     def __call__(self, batch: ForwardBatch, kv: KVStorage, sampling: list[Any] | None = None) -> Any:
         """Broadcast the step, run rank 0's part, return the logits of all requests in order.
         Under DP_EP ``batch`` must carry ``data_parallel_splits`` (engine/runner.py builds it) and
         ``kv`` is replica 0's pool; ValueError otherwise. With ``sampling`` (DP_EP, one entry per
         replica, see :func:`run_rank_step`) the replicas draw their rows and the call returns each
         replica's draws (None for a replica without rows) instead of logits."""
-        if self.closed:
-            raise WorkerError("the distributed model was shut down")
-        if self.workers is not None:
-            self.workers.check()
+        self._check_open()
         dp = self.data_parallel_degree
         splits = batch.host.data_parallel_splits
         if dp > 1 and (splits is None or len(splits) != dp + 1):
             raise ValueError(f"this DP_EP model has {dp} replicas: the batch needs data_parallel_splits "
                              f"of {dp + 1} entries (requests replica by replica, docs/serving.md §6), "
                              f"got {splits}")
-        first = kv is not self.kv_seen  # a new pool: the workers allocate theirs alike
-        self.kv_seen = kv
-        if first:
-            self.encoder, self.held = MessageEncoder(), {}
+        first = self._see(kv)  # a new pool: the workers allocate theirs alike
         step = self.encoder.encode(batch)
         self.replica_sampled_steps += sampling is not None
-        self.last_message = (step, sampling)
+        self.send_step(step, sampling, KVSpec.of(kv) if first else None)
         try:
-            _send(self.state, {"kind": "step", "step": step, "sampling": sampling,
-                               "kv": KVSpec.of(kv) if first else None})
             return run_rank_step(self.model, self.state, batch, kv, sampling, self.held)
         except RuntimeError:
-            if self.workers is not None:
-                self.workers.check(wait_s=2.0)  # a dead worker is the cause: name it
+            self.raise_if_worker_died()
             raise
 
     def stop(self) -> None:
@@ -280,3 +399,38 @@ class DistributedModel:
                 dist.destroy_process_group()
             if self.workers is not None:
                 self.workers.shutdown()
+
+
+@dataclass(slots=True)
+class TPStaticDecode:
+    """Rank 0's static decode path of a TP_TP model (module docstring; docs/serving.md §6.3): per
+    step it picks the bucket, sends the step message with it (page deltas as any step's) and runs
+    its own ``CUDAGraphRunner`` at that bucket while the other ranks run theirs. Built by
+    :meth:`DistributedModel.static_decode`."""
+
+    owner: DistributedModel
+    local: CUDAGraphRunner
+
+    @property
+    def buckets(self) -> list[int]:
+        """The buckets every rank holds, ascending."""
+        return self.local.buckets
+
+    def run_step(self, tokens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                 request_ids: list[str], finished_request_ids: list[str]) -> torch.Tensor:
+        """One decode step (engine/runner.py): request i decodes ``tokens[i]`` with
+        ``context_lens[i]`` tokens visible over ``block_tables[i]``. Returns logits [rows, V] f32, a
+        view of the bucket's output valid until the next step. Raises ValueError for more rows than
+        the largest bucket (before any rank is told)."""
+        b = bucket_for(len(tokens), self.buckets)
+        if b is None:
+            raise ValueError(f"{len(tokens)} decode rows: the largest bucket is {self.buckets[-1]}")
+        o = self.owner
+        o.send_step(o.encoder.encode_decode(request_ids, tokens, context_lens, block_tables,
+                                            finished_request_ids, b), None, None)
+        try:
+            return self.local.run(tokens, context_lens, block_tables, bucket=b)
+        except RuntimeError:
+            o.raise_if_worker_died()
+            raise
+
