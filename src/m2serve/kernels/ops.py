@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
+from m2serve.formats.act_quant import ActivationScheme
 from m2serve.formats.finite import CopyCheck, copy_check_torch
 from m2serve.formats.fp4 import (
     FP4Scheme,
@@ -304,6 +305,64 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13
     """
     gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend, batch_invariant).chunk(2, dim=-1)
     return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend, batch_invariant)
+
+
+class W4A4Path(enum.IntEnum):
+    """The FP4 x FP4 kernels' instruction paths (csrc/w4a4_linear.cpp; docs/checkpoints.md §9.1)."""
+
+    SCALAR = 0
+    AVX2 = 1  # vpmaddubsw + vpmaddwd
+    AVX512_VNNI = 2  # vpdpbusd (AVX512_VNNI with F/BW/VL)
+
+
+#: The activation scheme each FP4 weight format's W4A4 kernel quantises its input with (same group).
+W4A4_SCHEMES = {WeightFormat.MXFP4: ActivationScheme.MXFP4, WeightFormat.NVFP4_MODELOPT: ActivationScheme.NVFP4,
+                WeightFormat.NVFP4_CT: ActivationScheme.NVFP4}
+
+
+def w4a4_path(isa: int) -> W4A4Path:
+    """The widest W4A4 path for the CPU kernels' ISA code ``isa`` (build.py ``ISA_CODES``) on this
+    CPU: AVX-512 with VNNI, else AVX2, else scalar. Needs the library loaded (build.py)."""
+    supported = torch.ops.m2serve_kernels.w4a4_path_supported
+    if isa >= 2 and supported(int(W4A4Path.AVX512_VNNI)):
+        return W4A4Path.AVX512_VNNI
+    if isa >= 1 and supported(int(W4A4Path.AVX2)):
+        return W4A4Path.AVX2
+    return W4A4Path.SCALAR
+
+
+def cpu_w4a4_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights, path: int,
+                            act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A4: x [R, K] bf16/fp32 (CPU) quantised in the kernel per row to FP4 by the scheme of ``w``'s
+    format (:data:`W4A4_SCHEMES`, docs/checkpoints.md §9), times the FP4 weights ``w`` (MXFP4 or
+    NVFP4, [E, N, K/2]) as int8 dot products per group (csrc/w4a4_linear.cpp, §9.1) -> [R, N] in
+    x's dtype; offsets int32 [E] as :func:`grouped_linear` (rows past offsets[-1] give 0).
+    ``act_scale`` f32 [E]: NVFP4's per-expert input scale (None for MXFP4). ``path``: a
+    :class:`W4A4Path` (chosen once). Equals ``quantize_activations(x)`` (fp32) times the fp32
+    dequantised weight up to the fp32 summation order. Raises RuntimeError (the op's check) for a
+    non-FP4 format, a missing NVFP4 scale or K not a multiple of the group."""
+    return torch.ops.m2serve_kernels.w4a4_linear(
+        x.contiguous(), offsets.to(torch.int32).contiguous(), w.q, w.scale, w.scale_2, int(w.fmt), act_scale,
+        int(path), TILE_N)
+
+
+def cpu_w4a4_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
+                        packed_w2: PackedWeights, path: int, act_scales: tuple[torch.Tensor | None, ...] = (None, None)
+                        ) -> torch.Tensor:
+    """:func:`grouped_expert_ffn` with both products W4A4 (:func:`cpu_w4a4_grouped_linear`): the
+    input of w13 and the SwiGLU output feeding w2 are each quantised in the kernel. ``act_scales``:
+    NVFP4 (w13's, w2's) per-expert input scales f32 [E_loc], else Nones."""
+    gate, up = cpu_w4a4_grouped_linear(x_sorted, offsets, packed_w13, path, act_scales[0]).chunk(2, dim=-1)
+    return cpu_w4a4_grouped_linear(F.silu(gate) * up, offsets, packed_w2, path, act_scales[1])
+
+
+def w4a4_quantized_inputs(x: torch.Tensor, offsets: torch.Tensor, fmt: WeightFormat,
+                          act_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The activations as the W4A4 kernel quantises them, dequantised: x [R, K] -> fp32 [R, K]
+    (code / 2 · group scale; rows past offsets[-1] give 0). For tests: it equals
+    formats/act_quant.py's quantise-dequantise of x in fp32 bit for bit."""
+    return torch.ops.m2serve_kernels.w4a4_quantize(x.contiguous(), offsets.to(torch.int32).contiguous(),
+                                                   int(fmt), act_scale)
 
 
 def _copy_check_kernel(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:
