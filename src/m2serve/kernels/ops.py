@@ -316,7 +316,8 @@ class W4A4Path(enum.IntEnum):
 
 
 #: The activation scheme each FP4 weight format's W4A4 kernel quantises its input with (same group).
-W4A4_SCHEMES = {WeightFormat.MXFP4: ActivationScheme.MXFP4, WeightFormat.NVFP4_MODELOPT: ActivationScheme.NVFP4,
+W4A4_SCHEMES = {WeightFormat.MXFP4: ActivationScheme.MXFP4,
+                WeightFormat.NVFP4_MODELOPT: ActivationScheme.NVFP4,
                 WeightFormat.NVFP4_CT: ActivationScheme.NVFP4}
 
 
@@ -347,8 +348,8 @@ def cpu_w4a4_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWei
 
 
 def cpu_w4a4_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
-                        packed_w2: PackedWeights, path: int, act_scales: tuple[torch.Tensor | None, ...] = (None, None)
-                        ) -> torch.Tensor:
+                        packed_w2: PackedWeights, path: int,
+                        act_scales: tuple[torch.Tensor | None, ...] = (None, None)) -> torch.Tensor:
     """:func:`grouped_expert_ffn` with both products W4A4 (:func:`cpu_w4a4_grouped_linear`): the
     input of w13 and the SwiGLU output feeding w2 are each quantised in the kernel. ``act_scales``:
     NVFP4 (w13's, w2's) per-expert input scales f32 [E_loc], else Nones."""
