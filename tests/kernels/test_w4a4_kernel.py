@@ -98,10 +98,10 @@ def _adversarial(fmt: WeightFormat, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FP4)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_quantisation_is_the_qdq_bit_for_bit(isa, fmt, dtype):
-    # the pre-pass does not depend on the path, but it runs under each: cheap, and it catches a build
-    # where one path's compile changed the rounding
+    # under each path: the layouts differ (AVX-512 VNNI adds the 16-group blocks), and a wrong position
+    # in a layout reads back as a wrong value
     g = torch.Generator().manual_seed(0)
-    for k in (384, 160, 64):
+    for k in (1024, 384, 160, 64):
         spread = torch.exp2(torch.randint(-20, 20, (6, 1), generator=g).float())
         rand = torch.randn(6, k, generator=g) * spread
         x = torch.cat([rand, _adversarial(fmt, k)]).to(dtype)
@@ -110,7 +110,8 @@ def test_kernel_quantisation_is_the_qdq_bit_for_bit(isa, fmt, dtype):
         scales = [1.0, 1e-3, 1e-9, 0.0, -2.0, float("nan")] if nv else [0.0]
         for gs in scales:
             act = torch.tensor([gs]) if nv else None
-            got = w4a4_quantized_inputs(x, torch.tensor([x.shape[0]], dtype=torch.int32), fmt, act)
+            one = torch.tensor([x.shape[0]], dtype=torch.int32)
+            got = w4a4_quantized_inputs(x, one, fmt, act, _path(isa))
             want = _qdq(x, fmt, act[0] if nv else None)
             where = f"{fmt.name} K={k} gs={gs}"
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
@@ -134,7 +135,10 @@ def _check(y: torch.Tensor, xq: torch.Tensor, wd: torch.Tensor) -> None:
     torch.testing.assert_close(y[~finite].double(), ref[~finite], rtol=0, atol=0, equal_nan=True)
 
 
-SHAPES = [(64, 384), (40, 160), (24, 96)]  # whole 128-column chunks, chunks + tail, tail only (MXFP4)
+# AVX-512 VNNI: 16-group blocks (512 columns MXFP4, 256 NVFP4), then 128-column chunks, then groups:
+# 1152 = 2 blocks + 1 chunk (MXFP4) / 4 blocks + 1 chunk (NVFP4); 384 = chunks only (MXFP4) / one block
+# + one chunk (NVFP4); 160 = chunk + tail; 96 = tail only. The other paths: chunks, then groups.
+SHAPES = [(32, 1152), (64, 384), (40, 160), (24, 96)]
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -98,7 +98,7 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], q.shape[1])
 
     @torch.library.register_fake(f"{LIBRARY}::w4a4_quantize")
-    def _(x, offsets, fmt, act_scale):
+    def _(x, offsets, fmt, act_scale, path):
         return x.new_empty(x.shape, dtype=torch.float32)
 
 

@@ -358,12 +358,13 @@ def cpu_w4a4_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w1
 
 
 def w4a4_quantized_inputs(x: torch.Tensor, offsets: torch.Tensor, fmt: WeightFormat,
-                          act_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The activations as the W4A4 kernel quantises them, dequantised: x [R, K] -> fp32 [R, K]
-    (code / 2 · group scale; rows past offsets[-1] give 0). For tests: it equals
-    formats/act_quant.py's quantise-dequantise of x in fp32 bit for bit."""
+                          act_scale: torch.Tensor | None = None,
+                          path: int = W4A4Path.SCALAR) -> torch.Tensor:
+    """The activations as the W4A4 kernel of ``path`` quantises and lays them out, read back and
+    dequantised: x [R, K] -> fp32 [R, K] (code / 2 · group scale; rows past offsets[-1] give 0).
+    For tests: it equals formats/act_quant.py's quantise-dequantise of x in fp32 bit for bit."""
     return torch.ops.m2serve_kernels.w4a4_quantize(x.contiguous(), offsets.to(torch.int32).contiguous(),
-                                                   int(fmt), act_scale)
+                                                   int(fmt), act_scale, int(path))
 
 
 def _copy_check_kernel(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:

@@ -59,6 +59,16 @@ alignas(16) constexpr int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, 
 // Group (within a chunk) of each int32 lane: 8 columns a lane, 32 (MXFP4) or 16 (NVFP4) a group.
 alignas(64) constexpr int32_t LANE_GROUP_MX[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
 alignas(64) constexpr int32_t LANE_GROUP_NV[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+// Block transposes (AVX-512): lane l of vector v takes int32 lane 4(l%4)+v (MXFP4) / 2(l%8)+v (NVFP4)
+// of weight vector l/4 (MXFP4: pairs 0-1 and 2-3 each give 8 lanes) / l/8 (NVFP4), as vpermt2d indices.
+alignas(64) constexpr int32_t BLOCK_IDX_MX[4][16] = {
+    {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28},
+    {1, 5, 9, 13, 17, 21, 25, 29, 1, 5, 9, 13, 17, 21, 25, 29},
+    {2, 6, 10, 14, 18, 22, 26, 30, 2, 6, 10, 14, 18, 22, 26, 30},
+    {3, 7, 11, 15, 19, 23, 27, 31, 3, 7, 11, 15, 19, 23, 27, 31}};
+alignas(64) constexpr int32_t BLOCK_IDX_NV[2][16] = {
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
 constexpr float E2M1_MAG[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 constexpr float NV_MIN_BLOCK_SCALE = 1e-5f;  // formats/act_quant.py NVFP4_MIN_BLOCK_SCALE
 constexpr float NV_MIN_INPUT_SCALE = 1e-12f;  // formats/act_quant.py NVFP4_MIN_INPUT_SCALE
@@ -99,20 +109,39 @@ inline float load_x(const void* x, bool bf16, int64_t i) {
   return static_cast<const float*>(x)[i];
 }
 
-// Activations of one call in the kernel's layout (module comment).
+// Activations of one call in the kernel's layout (module comment). Three regions along K:
+// - blocks (AVX-512 VNNI only): nblk blocks of 16 groups (16·g columns); in a block, vector v
+//   (v < g/8) is [64 even][64 odd] bytes where int32 lane l holds columns 8v..8v+7 of group l, so
+//   that g/8 vpdpbusd leave each group's whole dot product in its own lane (the weight bytes are
+//   transposed to match in registers);
+// - chunks: nch chunks of 128 columns, [64 even][64 odd], lane l = columns 8l..8l+7;
+// - tail: the remaining whole groups, in column order.
 struct Acts {
-  int64_t K, g, nch, tail_groups, sa_row;  // sa_row: floats of sa per row
-  std::vector<uint8_t> codes;              // [R, K]: chunks [even 64][odd 64], then the tail in order
-  std::vector<float> sa;                   // [R, sa_row]: per chunk 16 lane scales, then per tail group
-  std::vector<uint8_t> special;            // [R]: 1 when the row is computed from its fp32 values
+  int64_t K, g, nblk, nch, tail_groups, sa_row;  // sa_row: floats of sa per row
+  std::vector<uint8_t> codes;    // [R, K] stored codes (2·e2m1 + 12), in the layout above
+  std::vector<float> sa;         // [R, sa_row] s_x / 4: per block group, per chunk lane, per tail group
+  std::vector<uint8_t> special;  // [R]: 1 when the row is computed from its fp32 values
+  int64_t kb() const { return nblk * LANES * g; }  // first column after the blocks
+  int64_t kc() const { return kb() + nch * CH; }   // first tail column
+  int64_t sa_chunk0() const { return nblk * LANES; }
+  int64_t sa_tail0() const { return (nblk + nch) * LANES; }
+  int64_t pos(int64_t k) const {  // position of column k in a row's codes
+    if (k < kb()) {
+      const int64_t kk = k % (LANES * g), w = kk % g, j = w % 8;
+      return (k - kk) + (w / 8) * CH + (j & 1) * 64 + (kk / g) * 4 + j / 2;
+    }
+    if (k < kc()) {
+      const int64_t kk = (k - kb()) % CH;
+      return k - kk + (kk & 1) * 64 + kk / 2;
+    }
+    return k;
+  }
+  int64_t sa_index(int64_t k) const {  // where column k's s_x / 4 is in a row's sa
+    if (k < kb()) return k / g;
+    if (k < kc()) return sa_chunk0() + ((k - kb()) / CH) * LANES + ((k - kb()) % CH) / 8;
+    return sa_tail0() + (k - kc()) / g;
+  }
 };
-
-// Position of column k of a row in the code layout.
-inline int64_t code_pos(int64_t k, int64_t nch) {
-  if (k >= nch * CH) return k;
-  const int64_t c = k / CH, kk = k % CH;
-  return c * CH + (kk & 1) * 64 + kk / 2;
-}
 
 // The reference's dequantised value of x in a group of scale s (formats/act_quant.py, fp32).
 inline float qdq_value(float x, float s, bool mx) {
@@ -180,12 +209,10 @@ void quantize_row(const void* x, bool bf16, int64_t r, bool mx, float gs, Acts& 
         c = E2M1_X2[e2m1_code(std::fabs(xs[k]) / s)];
         c = xs[k] >= 0 ? c : -c;
       }
-      codes[code_pos(k, a.nch)] = uint8_t(c + OFF);
+      codes[a.pos(k)] = uint8_t(c + OFF);
     }
   }
-  for (int64_t c = 0; c < a.nch; ++c)
-    for (int64_t l = 0; l < LANES; ++l) sa[c * LANES + l] = sg[(c * CH + 8 * l) / g] * 0.25f;
-  for (int64_t t = 0; t < a.tail_groups; ++t) sa[a.nch * LANES + t] = sg[a.nch * CH / g + t] * 0.25f;
+  for (int64_t k = 0; k < K; k += 8) sa[a.sa_index(k)] = sg[k / g] * 0.25f;
 }
 
 // One grouped FP4 weight as stored.
@@ -223,14 +250,14 @@ void weight_scales_scalar(const Weight& w, int64_t e, int64_t n, float* out) {
 // sw: the weight row's group scales.
 inline float tail_dot(const uint8_t* p, const uint8_t* codes, const float* sa, const float* sw, const Acts& a) {
   float acc = 0.0f;
-  const int64_t k0 = a.nch * CH;
+  const int64_t k0 = a.kc();
   for (int64_t t = 0; t < a.tail_groups; ++t) {
     int32_t d = 0;
     for (int64_t k = k0 + t * a.g; k < k0 + (t + 1) * a.g; k += 2) {
       const uint8_t b = p[k / 2];
       d += (int32_t(codes[k]) - OFF) * E2M1_X2[b & 0xF] + (int32_t(codes[k + 1]) - OFF) * E2M1_X2[b >> 4];
     }
-    acc += float(d) * (sa[a.nch * LANES + t] * sw[a.nch * CH / a.g + t]);
+    acc += float(d) * (sa[a.sa_tail0() + t] * sw[k0 / a.g + t]);
   }
   return acc;
 }
@@ -241,15 +268,25 @@ void rows_scalar(const uint8_t* p, const float* sw, const Acts& a, int64_t r0, i
     const uint8_t* codes = a.codes.data() + (r0 + i) * a.K;
     const float* sa = a.sa.data() + (r0 + i) * a.sa_row;
     float lane[LANES] = {};
+    for (int64_t j = 0; j < a.nblk * LANES; ++j) {  // blocks: one group a term
+      int32_t d = 0;
+      for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 2) {
+        const uint8_t wb = p[k / 2];
+        d += (int32_t(codes[a.pos(k)]) - OFF) * E2M1_X2[wb & 0xF];
+        d += (int32_t(codes[a.pos(k + 1)]) - OFF) * E2M1_X2[wb >> 4];
+      }
+      lane[j % LANES] += float(d) * (sa[j] * sw[j]);
+    }
+    const int64_t kb = a.kb();
     for (int64_t c = 0; c < a.nch; ++c) {
       for (int64_t l = 0; l < LANES; ++l) {
         int32_t d = 0;
         for (int64_t b = 4 * l; b < 4 * l + 4; ++b) {
-          const uint8_t wb = p[c * 64 + b];
-          d += (int32_t(codes[c * CH + b]) - OFF) * E2M1_X2[wb & 0xF];
-          d += (int32_t(codes[c * CH + 64 + b]) - OFF) * E2M1_X2[wb >> 4];
+          const uint8_t wb = p[kb / 2 + c * 64 + b];
+          d += (int32_t(codes[kb + c * CH + b]) - OFF) * E2M1_X2[wb & 0xF];
+          d += (int32_t(codes[kb + c * CH + 64 + b]) - OFF) * E2M1_X2[wb >> 4];
         }
-        lane[l] += float(d) * (sa[c * LANES + l] * sw[(c * CH + 8 * l) / a.g]);
+        lane[l] += float(d) * (sa[a.sa_chunk0() + c * LANES + l] * sw[(kb + c * CH + 8 * l) / a.g]);
       }
     }
     float acc = 0.0f;
@@ -297,16 +334,18 @@ W4_AVX2 void rows_avx2_m(const uint8_t* p, const float* sw, const Acts& a, int64
   const int64_t gpc = CH / a.g, gph = gpc / 2;  // groups per chunk, per half
   __m256 facc[M];
   for (int i = 0; i < M; ++i) facc[i] = _mm256_setzero_ps();
-  const uint8_t* codes = a.codes.data() + r0 * a.K;
-  const float* sa = a.sa.data() + r0 * a.sa_row;
+  const uint8_t* codes = a.codes.data() + r0 * a.K + a.kb();  // the AVX2 layout has no blocks: kb() = 0
+  const float* sa = a.sa.data() + r0 * a.sa_row + a.sa_chunk0();
+  const uint8_t* pc = p + a.kb() / 2;
+  const float* swc = sw + a.kb() / a.g;
   for (int64_t c = 0; c < a.nch; ++c) {
     for (int h = 0; h < 2; ++h) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 64 + h * 32));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc + c * 64 + h * 32));
       const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(b, low4));
       const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
       const __m256i corr = _mm256_madd_epi16(
           _mm256_add_epi16(_mm256_maddubs_epi16(twelve, lo), _mm256_maddubs_epi16(twelve, hi)), ones);
-      const __m256 s = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sw + c * gpc + h * gph), idx);
+      const __m256 s = _mm256_permutevar8x32_ps(_mm256_loadu_ps(swc + c * gpc + h * gph), idx);
       for (int i = 0; i < M; ++i) {
         const uint8_t* ci = codes + i * a.K + c * CH + h * 32;
         const __m256i ae = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci));
@@ -323,7 +362,7 @@ W4_AVX2 void rows_avx2_m(const uint8_t* p, const float* sw, const Acts& a, int64
     _mm256_store_ps(l, facc[i]);
     float acc = 0.0f;
     for (int j = 0; j < 8; ++j) acc += l[j];
-    out[i] = acc + tail_dot(p, codes + i * a.K, sa + i * a.sa_row, sw, a);
+    out[i] = acc + tail_dot(p, a.codes.data() + (r0 + i) * a.K, a.sa.data() + (r0 + i) * a.sa_row, sw, a);
   }
 }
 
@@ -338,12 +377,52 @@ W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64
   for (int i = 0; i < M; ++i) facc[i] = _mm512_setzero_ps();
   const uint8_t* codes = a.codes.data() + r0 * a.K;
   const float* sa = a.sa.data() + r0 * a.sa_row;
+  // blocks of 16 groups: the block's weight bytes transposed so that lane l holds group l's bytes
+  // 4v..4v+3 in vector v (MXFP4: 4 vectors from 4 chunks, NVFP4: 2 from 2), then g/8 vpdpbusd pairs
+  // per row leave each group's dot product in its lane: one scale multiply per 16 groups
+  const bool mx = a.g == 32;
+  const int nv = int(a.g / 8);
+  for (int64_t blk = 0; blk < a.nblk; ++blk) {
+    const uint8_t* pb = p + blk * 8 * a.g;
+    __m512i lo[4], hi[4];
+    __m512i ncorr = zero;
+    for (int v = 0; v < nv; ++v) {
+      const __m512i ix = _mm512_loadu_si512(mx ? BLOCK_IDX_MX[v] : BLOCK_IDX_NV[v]);
+      __m512i t;
+      if (mx) {
+        const __m512i w01 = _mm512_permutex2var_epi32(_mm512_loadu_si512(pb), ix, _mm512_loadu_si512(pb + 64));
+        const __m512i w23 = _mm512_permutex2var_epi32(_mm512_loadu_si512(pb + 128), ix, _mm512_loadu_si512(pb + 192));
+        t = _mm512_mask_blend_epi32(__mmask16(0xFF00), w01, w23);
+      } else {
+        t = _mm512_permutex2var_epi32(_mm512_loadu_si512(pb), ix, _mm512_loadu_si512(pb + 64));
+      }
+      lo[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(t, low4));
+      hi[v] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(t, 4), low4));
+      ncorr = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, twelve, lo[v]), twelve, hi[v]);
+    }
+    ncorr = _mm512_sub_epi32(zero, ncorr);
+    const __m512 s = _mm512_loadu_ps(sw + blk * LANES);
+    for (int i = 0; i < M; ++i) {
+      const uint8_t* ci = codes + i * a.K + blk * LANES * a.g;
+      __m512i d = ncorr;
+      for (int v = 0; v < nv; ++v) {
+        d = _mm512_dpbusd_epi32(d, _mm512_loadu_si512(ci + v * CH), lo[v]);
+        d = _mm512_dpbusd_epi32(d, _mm512_loadu_si512(ci + v * CH + 64), hi[v]);
+      }
+      const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(sa + i * a.sa_row + blk * LANES), s);
+      facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, facc[i]);
+    }
+  }
+  codes += a.kb();
+  sa += a.sa_chunk0();
+  const uint8_t* pc = p + a.kb() / 2;
+  const float* swc = sw + a.kb() / a.g;
   for (int64_t c = 0; c < a.nch; ++c) {
-    const __m512i b = _mm512_loadu_si512(p + c * 64);
+    const __m512i b = _mm512_loadu_si512(pc + c * 64);
     const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low4));
     const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low4));
     const __m512i corr = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, twelve, lo), twelve, hi);
-    const __m512 s = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw + c * gpc));
+    const __m512 s = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(swc + c * gpc));
     for (int i = 0; i < M; ++i) {
       const uint8_t* ci = codes + i * a.K + c * CH;
       __m512i d = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(ci), lo);
@@ -357,7 +436,7 @@ W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64
     _mm512_store_ps(l, facc[i]);
     float acc = 0.0f;
     for (int j = 0; j < 16; ++j) acc += l[j];
-    out[i] = acc + tail_dot(p, codes + i * a.K, sa + i * a.sa_row, sw, a);
+    out[i] = acc + tail_dot(p, a.codes.data() + (r0 + i) * a.K, a.sa.data() + (r0 + i) * a.sa_row, sw, a);
   }
 }
 
@@ -396,8 +475,9 @@ using RowsFn = void (*)(const uint8_t*, const float*, const Acts&, int64_t, int6
 using ScalesFn = void (*)(const Weight&, int64_t, int64_t, float*);
 
 // Checks shared by both ops; returns the row -> expert map and fills the acts (pre-pass).
+// `blocked`: the layout has the block region (the AVX-512 VNNI path).
 std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets, int64_t E, int64_t fmt,
-                                  const std::optional<at::Tensor>& act_scale, Acts& a) {
+                                  const std::optional<at::Tensor>& act_scale, bool blocked, Acts& a) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a4: x must be a contiguous [R, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "w4a4: activations must be bfloat16 or float32, found ", x.scalar_type());
@@ -422,8 +502,11 @@ std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets
     for (int64_t r = start; r < end; ++r) expert[r] = e;
     start = end;
   }
-  a.K = K; a.g = g; a.nch = K / CH; a.tail_groups = (K - a.nch * CH) / g;
-  a.sa_row = a.nch * LANES + a.tail_groups;
+  a.K = K; a.g = g;
+  a.nblk = blocked ? K / (LANES * g) : 0;
+  a.nch = (K - a.kb()) / CH;
+  a.tail_groups = (K - a.kc()) / g;
+  a.sa_row = a.sa_tail0() + a.tail_groups;
   a.codes.assign(R * K, OFF);
   a.sa.assign(R * a.sa_row, 0.0f);
   a.special.assign(R, 0);
@@ -464,7 +547,7 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
   const int64_t E = q.size(0), N = q.size(1), K = x.dim() == 2 ? x.size(1) : 0, R = x.dim() == 2 ? x.size(0) : 0;
   TORCH_CHECK(2 * q.size(2) == K, "w4a4_linear: q holds K = ", 2 * q.size(2), " columns, x has ", K);
   Acts a;
-  const std::vector<int64_t> expert = quantize_all(x, offsets, E, fmt, act_scale, a);
+  const std::vector<int64_t> expert = quantize_all(x, offsets, E, fmt, act_scale, path == AVX512_VNNI, a);
   const bool mx = fmt == MXFP4;
   TORCH_CHECK(scale.is_contiguous() && scale.element_size() == 1 && scale.dim() == 3 && scale.size(0) == E &&
               scale.size(1) == N && scale.size(2) == K / a.g, "w4a4_linear: scale must be one byte per group [E, N, K/g]");
@@ -536,12 +619,12 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
 }
 
 // The kernel's quantised activations, dequantised: x [R, K] -> f32 [R, K] (code / 2 · scale for the
-// integer rows, the fp32 values for the others; rows past offsets[E-1] give 0). For tests: it must
-// equal formats/act_quant.py's qdq of x in fp32 bit for bit.
+// integer rows, read back through `path`'s layout; the fp32 values for the others; rows past
+// offsets[E-1] give 0). For tests: it must equal formats/act_quant.py's qdq of x in fp32 bit for bit.
 at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t fmt,
-                         const std::optional<at::Tensor>& act_scale) {
+                         const std::optional<at::Tensor>& act_scale, int64_t path) {
   Acts a;
-  const std::vector<int64_t> expert = quantize_all(x, offsets, offsets.size(0), fmt, act_scale, a);
+  const std::vector<int64_t> expert = quantize_all(x, offsets, offsets.size(0), fmt, act_scale, path == AVX512_VNNI, a);
   const bool mx = fmt == MXFP4;
   const int64_t R = x.size(0), K = x.size(1);
   at::Tensor out = at::zeros({R, K}, x.options().dtype(at::kFloat));
@@ -555,8 +638,7 @@ at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t
     }
     const float* sa = a.sa.data() + r * a.sa_row;
     for (int64_t k = 0; k < K; ++k) {
-      const float s4 = k < a.nch * CH ? sa[(k / CH) * LANES + (k % CH) / 8] : sa[a.nch * LANES + (k - a.nch * CH) / a.g];
-      o[r * K + k] = float(int(a.codes[r * K + code_pos(k, a.nch)]) - OFF) * s4 * 2.0f;
+      o[r * K + k] = float(int(a.codes[r * K + a.pos(k)]) - OFF) * sa[a.sa_index(k)] * 2.0f;
     }
   }
   return out;
@@ -568,7 +650,7 @@ TORCH_LIBRARY_FRAGMENT(m2serve_kernels, m) {
   m.def("w4a4_path_supported(int path) -> bool");
   m.def("w4a4_linear(Tensor x, Tensor offsets, Tensor q, Tensor scale, Tensor? scale2, int fmt, Tensor? act_scale, "
         "int path, int tile_n) -> Tensor");
-  m.def("w4a4_quantize(Tensor x, Tensor offsets, int fmt, Tensor? act_scale) -> Tensor");
+  m.def("w4a4_quantize(Tensor x, Tensor offsets, int fmt, Tensor? act_scale, int path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(m2serve_kernels, CPU, m) {
