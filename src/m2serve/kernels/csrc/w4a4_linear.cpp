@@ -121,6 +121,8 @@ struct Acts {
   std::vector<uint8_t> codes;    // [R, K] stored codes (2·e2m1 + 12), in the layout above
   std::vector<float> sa;         // [R, sa_row] s_x / 4: per block group, per chunk lane, per tail group
   std::vector<uint8_t> special;  // [R]: 1 when the row is computed from its fp32 values
+  std::vector<int32_t> posmap;   // [K] pos(k), made once per call
+  std::vector<int32_t> samap;    // [K/8] sa_index(8j)
   int64_t kb() const { return nblk * LANES * g; }  // first column after the blocks
   int64_t kc() const { return kb() + nch * CH; }   // first tail column
   int64_t sa_chunk0() const { return nblk * LANES; }
@@ -198,21 +200,21 @@ void quantize_row(const void* x, bool bf16, int64_t r, bool mx, float gs, Acts& 
   uint8_t* codes = a.codes.data() + r * K;
   float* sa = a.sa.data() + r * a.sa_row;
   for (int64_t j = 0; j < G; ++j) {
-    const float s = sg[j];
+    const float s = sg[j], inv = 1.0f / s;
     for (int64_t k = j * g; k < (j + 1) * g; ++k) {
       int c;
       if (mx) {
-        const float v = xs[k] / s;
+        const float v = xs[k] * inv;  // = xs[k] / s: 1/s is exact (a power of two), both round once
         c = E2M1_X2[e2m1_code(std::fabs(v))];
         c = v < 0 ? -c : c;
       } else {
         c = E2M1_X2[e2m1_code(std::fabs(xs[k]) / s)];
         c = xs[k] >= 0 ? c : -c;
       }
-      codes[a.pos(k)] = uint8_t(c + OFF);
+      codes[a.posmap[k]] = uint8_t(c + OFF);
     }
   }
-  for (int64_t k = 0; k < K; k += 8) sa[a.sa_index(k)] = sg[k / g] * 0.25f;
+  for (int64_t k = 0; k < K; k += 8) sa[a.samap[k / 8]] = sg[k / g] * 0.25f;
 }
 
 // One grouped FP4 weight as stored.
@@ -367,29 +369,24 @@ W4_AVX2 void rows_avx2_m(const uint8_t* p, const float* sw, const Acts& a, int64
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI: vpdpbusd
-template <int M>
-W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64_t r0, float* out) {
+// Blocks of 16 groups: the block's weight bytes transposed (vpermt2d) so that lane l holds group l's
+// bytes 4v..4v+3 in vector v (MXFP4: NV = 4 vectors from 4 chunks, NVFP4: NV = 2 from 2); then NV
+// vpdpbusd pairs per row leave each group's whole dot product in its lane, and one multiply by
+// (s_x/4 · s_w) per 16 groups. Rows are interleaved per vector (M independent chains).
+template <int M, int NV>
+W4_VNNI inline void vnni_blocks(const uint8_t* p, const float* sw, const Acts& a, const uint8_t* codes,
+                                const float* sa, __m512* facc) {
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2)));
   const __m512i low4 = _mm512_set1_epi8(0x0F), twelve = _mm512_set1_epi8(OFF), zero = _mm512_setzero_si512();
-  const __m512i idx = _mm512_loadu_si512(a.g == 32 ? LANE_GROUP_MX : LANE_GROUP_NV);
-  const int64_t gpc = CH / a.g;
-  __m512 facc[M];
-  for (int i = 0; i < M; ++i) facc[i] = _mm512_setzero_ps();
-  const uint8_t* codes = a.codes.data() + r0 * a.K;
-  const float* sa = a.sa.data() + r0 * a.sa_row;
-  // blocks of 16 groups: the block's weight bytes transposed so that lane l holds group l's bytes
-  // 4v..4v+3 in vector v (MXFP4: 4 vectors from 4 chunks, NVFP4: 2 from 2), then g/8 vpdpbusd pairs
-  // per row leave each group's dot product in its lane: one scale multiply per 16 groups
-  const bool mx = a.g == 32;
-  const int nv = int(a.g / 8);
+  const int64_t K = a.K, bcols = LANES * a.g, sa_row = a.sa_row;
   for (int64_t blk = 0; blk < a.nblk; ++blk) {
-    const uint8_t* pb = p + blk * 8 * a.g;
-    __m512i lo[4], hi[4];
+    const uint8_t* pb = p + blk * bcols / 2;
+    __m512i lo[NV], hi[NV];
     __m512i ncorr = zero;
-    for (int v = 0; v < nv; ++v) {
-      const __m512i ix = _mm512_loadu_si512(mx ? BLOCK_IDX_MX[v] : BLOCK_IDX_NV[v]);
+    for (int v = 0; v < NV; ++v) {
+      const __m512i ix = _mm512_load_si512(NV == 4 ? BLOCK_IDX_MX[v] : BLOCK_IDX_NV[v]);
       __m512i t;
-      if (mx) {
+      if (NV == 4) {
         const __m512i w01 = _mm512_permutex2var_epi32(_mm512_loadu_si512(pb), ix, _mm512_loadu_si512(pb + 64));
         const __m512i w23 = _mm512_permutex2var_epi32(_mm512_loadu_si512(pb + 128), ix, _mm512_loadu_si512(pb + 192));
         t = _mm512_mask_blend_epi32(__mmask16(0xFF00), w01, w23);
@@ -401,18 +398,34 @@ W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64
       ncorr = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncorr, twelve, lo[v]), twelve, hi[v]);
     }
     ncorr = _mm512_sub_epi32(zero, ncorr);
+    __m512i d[M];
+    for (int i = 0; i < M; ++i) d[i] = ncorr;
+    const uint8_t* cb = codes + blk * bcols;
+    for (int v = 0; v < NV; ++v)
+      for (int i = 0; i < M; ++i) {
+        d[i] = _mm512_dpbusd_epi32(d[i], _mm512_loadu_si512(cb + i * K + v * CH), lo[v]);
+        d[i] = _mm512_dpbusd_epi32(d[i], _mm512_loadu_si512(cb + i * K + v * CH + 64), hi[v]);
+      }
     const __m512 s = _mm512_loadu_ps(sw + blk * LANES);
     for (int i = 0; i < M; ++i) {
-      const uint8_t* ci = codes + i * a.K + blk * LANES * a.g;
-      __m512i d = ncorr;
-      for (int v = 0; v < nv; ++v) {
-        d = _mm512_dpbusd_epi32(d, _mm512_loadu_si512(ci + v * CH), lo[v]);
-        d = _mm512_dpbusd_epi32(d, _mm512_loadu_si512(ci + v * CH + 64), hi[v]);
-      }
-      const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(sa + i * a.sa_row + blk * LANES), s);
-      facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, facc[i]);
+      const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(sa + i * sa_row + blk * LANES), s);
+      facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i]), sc, facc[i]);
     }
   }
+}
+
+template <int M>
+W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64_t r0, float* out) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_X2)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F), twelve = _mm512_set1_epi8(OFF), zero = _mm512_setzero_si512();
+  const __m512i idx = _mm512_loadu_si512(a.g == 32 ? LANE_GROUP_MX : LANE_GROUP_NV);
+  const int64_t gpc = CH / a.g;
+  __m512 facc[M];
+  for (int i = 0; i < M; ++i) facc[i] = _mm512_setzero_ps();
+  const uint8_t* codes = a.codes.data() + r0 * a.K;
+  const float* sa = a.sa.data() + r0 * a.sa_row;
+  if (a.g == 32) vnni_blocks<M, 4>(p, sw, a, codes, sa, facc);
+  else vnni_blocks<M, 2>(p, sw, a, codes, sa, facc);
   codes += a.kb();
   sa += a.sa_chunk0();
   const uint8_t* pc = p + a.kb() / 2;
@@ -507,6 +520,10 @@ std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets
   a.nch = (K - a.kb()) / CH;
   a.tail_groups = (K - a.kc()) / g;
   a.sa_row = a.sa_tail0() + a.tail_groups;
+  a.posmap.resize(K);
+  a.samap.resize(K / 8);
+  for (int64_t k = 0; k < K; ++k) a.posmap[k] = int32_t(a.pos(k));
+  for (int64_t k = 0; k < K; k += 8) a.samap[k / 8] = int32_t(a.sa_index(k));
   a.codes.assign(R * K, OFF);
   a.sa.assign(R * a.sa_row, 0.0f);
   a.special.assign(R, 0);
