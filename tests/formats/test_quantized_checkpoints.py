@@ -794,6 +794,9 @@ def test_tiny_chat_mxfp4_w4a4_matches_quark_oracle(tiny_chat_requantised, tmp_pa
     finally:
         hook.remove()
     assert modes[0].calls > 0 and MiniMaxM2ForCausalLM  # the oracle's expert inputs were quantised
+    # ... and on CPU the experts ran the FP4 x FP4 kernels (docs/checkpoints.md §9.1), not qdq + W4A16
+    summary = load_model(q, dtype=torch.float32, activation_quant="auto").kernel_summary.banner()
+    assert ("cpu-w4a4" in summary) == kernel_backend().available, summary
     # the prefill: ours is one ragged batch, the oracle one forward per prompt -> compare per token
     L = len(ours_inputs) // (1 + DECODE_STEPS)
     ours_prefill = ours_inputs[:L]
