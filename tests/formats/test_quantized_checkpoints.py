@@ -847,6 +847,36 @@ def test_modelopt_nvfp4_w4a4_takes_each_experts_input_scale(modelopt_dir, tmp_pa
     load_model(d, dtype=torch.float32, activation_quant="none")
 
 
+def test_compressed_tensors_nvfp4_w4a4_takes_its_own_rules(ct_dir):
+    # issue 33 item 3 (docs/checkpoints.md §9): a compressed-tensors NVFP4 export (here: compressed-tensors'
+    # own converter of the ModelOpt one) declaring its inputs quantises each expert's inputs with
+    # compressed-tensors' rules (qdq_nvfp4_ct, bit-equal to its forward_quantize in
+    # tests/formats/test_act_quant.py) under that expert's input_global_scale, held exactly as stored
+    from m2serve.formats.act_quant import ActivationScheme, qdq_nvfp4_ct
+    from m2serve.kernels.choice import LinearImpl
+
+    plan = open_checkpoint(ct_dir, MiniMaxM2Config.from_pretrained(ct_dir))
+    assert plan.quant.activations is ActivationScheme.NVFP4_CT
+    plan.reader.close()
+    t = _weights(ct_dir)
+    model = load_model(ct_dir, dtype=torch.float32, activation_quant="auto")
+    ex = model.model.layers[0].block_sparse_moe.experts
+    assert ex.act_scheme is ActivationScheme.NVFP4_CT
+    for e in range(ex.num_local):
+        p = f"model.layers.0.block_sparse_moe.experts.{e}."
+        want = [float(t[p + w + ".input_global_scale"].float().reshape(-1)[0]) for w in ("w1", "w2")]
+        assert ex.input_scale[e].tolist() == want  # bit-exact: not the reciprocal of a reciprocal
+    assert ex.choice.impl is not LinearImpl.CPU_W4A4  # the FP4 x FP4 kernel has ModelOpt's NVFP4 rule only
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, ex.hidden_size, generator=g)
+    got = ex.grouped_rows(x, torch.tensor([5] + [5] * (ex.num_local - 1), dtype=torch.int32))
+    w13, w2 = ex.expert_weights(0, torch.float32)
+    F = torch.nn.functional
+    gate, up = F.linear(qdq_nvfp4_ct(x, ex.input_scale[0, 0]), w13).chunk(2, dim=-1)
+    ref = F.linear(qdq_nvfp4_ct(F.silu(gate) * up, ex.input_scale[0, 1]), w2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 # ---- --quantize-unquantized fp8: the bf16 attention / lm_head of an MXFP4 release in FP8 blocks --
 
 def test_quantize_unquantized_fp8_runs_mxfp4_attention_through_fp8(quark_dir, monkeypatch):

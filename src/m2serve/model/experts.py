@@ -320,11 +320,12 @@ class MiniMaxM2Experts(nn.Module):
     def set_activation_quant(self, scheme: ActivationScheme, input_scales: dict[str, float | None]) -> None:
         """Quantise the input of every expert product (W4A4, docs/checkpoints.md §9) with ``scheme``.
         NVFP4: ``input_scales`` maps hub names (``...experts.E.w1.weight``) to each linear's input
-        scale; this rank keeps its experts' as ``input_scale`` f32 [E_loc, 2] (w13's input, w2's).
+        scale (NVFP4_CT: its input global scale); this rank keeps its experts' as ``input_scale`` f32
+        [E_loc, 2] (w13's input, w2's).
         Raises ValueError naming both tensors when an expert's w1 and w3 scales differ (they share
         one input), or naming the tensor when one is missing."""
         self.act_scheme = scheme
-        if scheme is not ActivationScheme.NVFP4:
+        if scheme not in (ActivationScheme.NVFP4, ActivationScheme.NVFP4_CT):
             return
         by_expert: dict[tuple[int, str], float] = {}
         for name, value in input_scales.items():
