@@ -14,12 +14,13 @@ scalar selects it (build.select_backend, then ops.w4a4_path), where the CPU has 
    exact int32 partial dot product of 8 columns, or of a tail group), each with 2 roundings, in
    some order: |ŷ − Σ a_k w_k| ≤ γ_{L+1} · Σ|t_i| ≤ γ_{L+1} · S (Higham, Accuracy and Stability
    of Numerical Algorithms, §3.1 and §4.2: γ_n = n·u / (1 − n·u), u = 2⁻²⁴). The reference r
-   sums the fp32 values a'_k = a_k(1+δ), w'_k = w_k(1+δ') (rounded for NVFP4, exact for MXFP4)
-   in float64: |r − Σ a_k w_k| ≤ (2u + u² + K·2⁻⁵³(1+u)²)·S. With S ≤ S' (1+u)²/(1−u)... the
-   test uses |ŷ − r| ≤ γ_{K/8 + 6} · S' (S' = Σ|a'_k w'_k|, the covered sum: γ_{L+1} + 2u + ... ≤
-   γ_{K/8+6} for K ≤ 2¹⁶), plus (K + K/8 + 4) · 2⁻¹⁴⁹ for results in the fp32 subnormals, plus
-   2⁻⁸·|y| (one rounding to bf16) for bf16 outputs. One wrong E2M1 code changes y by
-   about |w|·s/2, some hundred times that bound on these shapes.
+   sums the fp32 values a'_k = a_k(1+δ), w'_k = w_k(1+δ'), |δ|, |δ'| ≤ u (rounded for NVFP4,
+   exact for MXFP4) in float64: |r − Σ a_k w_k| ≤ (2u + u² + K·2⁻⁵³(1+u)²)·S. Both together, with
+   S ≤ S'/(1−u)² (S' = Σ|a'_k w'_k|, what the test computes): |ŷ − r| ≤ (γ_{L+1} + 3u)·S'/(1−u)²
+   ≤ γ_{K/8+6}·S' for K ≤ 2¹⁶ (γ_n + γ_m ≤ γ_{n+m}). Plus (K + K/8 + 4)·2⁻¹⁴⁹ for results in
+   the fp32 subnormals (one half-ulp of the smallest subnormal per rounding), plus 2⁻⁸·(|r| + bound)
+   (one rounding to bf16) for bf16 outputs. One wrong E2M1 code changes y by about |w|·s/2, some
+   hundred times that bound on these shapes (a wrong lane in the AVX-512 block transpose fails it).
 """
 
 from __future__ import annotations
@@ -223,3 +224,40 @@ def test_choice_takes_the_w4a4_kernels_only_for_fp4_experts_with_matching_inputs
     none = build.select_backend("none")
     assert choose_impl("cpu", WeightFormat.MXFP4, torch.bfloat16, none, grouped=True,
                        act_scheme=A.MXFP4).impl is LinearImpl.TORCH
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FP4)
+def test_experts_module_runs_the_kernel_with_each_experts_scales(isa, fmt):
+    # model/experts.py with the CPU_W4A4 choice: rows sorted by expert, each quantised with ITS expert's
+    # input scales (NVFP4: w13's and w2's), equal to the module's reference loop (qdq + dequantised
+    # weights, rows_loop) within a loose bound (two products and a bf16-free SwiGLU in fp32)
+    from m2serve.formats.act_quant import ActivationScheme
+    from m2serve.formats.fp4 import FP4Scheme, PackedFP4
+    from m2serve.model.experts import MiniMaxM2Experts
+
+    E, H, I = 3, 256, 128
+    ex = MiniMaxM2Experts(H, I, start=0, num_local=E, dtype=torch.float32)
+    scheme = {WeightFormat.MXFP4: FP4Scheme.MXFP4, WeightFormat.NVFP4_MODELOPT: FP4Scheme.NVFP4_MODELOPT,
+              WeightFormat.NVFP4_CT: FP4Scheme.NVFP4_CT}[fmt]
+    for which, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+        w = make_weight(fmt, n, k, seed=len(which) + n, experts=E)
+        if fmt is WeightFormat.MXFP4:
+            w.scale.clamp_(118, 126)
+        for e in range(E):
+            s2 = None if w.scale_2 is None else w.scale_2[e]
+            ex.load_expert(e, which, PackedFP4(scheme, w.q[e], w.scale[e], s2, f"experts.{e}.{which}.weight"))
+    ex.pack_for_kernels()
+    act = ActivationScheme.MXFP4 if fmt is WeightFormat.MXFP4 else ActivationScheme.NVFP4
+    s13, s2 = [0.02, 0.5, 0.004], [0.01, 0.003, 0.2]
+    ex.set_activation_quant(act, {f"experts.{e}.{w}.weight": (s2 if w == "w2" else s13)[e]
+                                  for e in range(E) for w in ("w1", "w3", "w2")})
+    ex.set_choice(choose_impl("cpu", fmt, torch.float32, build.select_backend(isa), grouped=True,
+                              act_scheme=act))
+    assert ex.choice.impl is LinearImpl.CPU_W4A4 and ex.choice.isa == int(_path(isa))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, H, generator=g)
+    ids = torch.tensor([0, 0, 2, 2, 2, 1, 0, 2, 1])
+    got = ex.rows(x, ids)
+    want = ex.rows_loop(x, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
