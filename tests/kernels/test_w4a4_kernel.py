@@ -29,7 +29,7 @@ import pytest
 import torch
 from test_packed_linear import make_weight  # tests/kernels is on sys.path (pytest rootdir mode)
 
-from m2serve.formats.act_quant import E2M1_MAGNITUDES, qdq_mxfp4, qdq_nvfp4
+from m2serve.formats.act_quant import E2M1_MAGNITUDES, ActivationScheme, qdq_mxfp4, qdq_nvfp4, qdq_nvfp4_ct
 from m2serve.kernels import build
 from m2serve.kernels.choice import LinearImpl, choose_impl
 from m2serve.kernels.ops import (
@@ -43,6 +43,10 @@ from m2serve.kernels.ops import (
 
 ISAS = build.supported_isas()
 FP4 = [WeightFormat.MXFP4, WeightFormat.NVFP4_MODELOPT, WeightFormat.NVFP4_CT]
+#: (weight format, activation rule): Quark MXFP4, ModelOpt NVFP4, compressed-tensors NVFP4 (docs §9)
+CASES = [(WeightFormat.MXFP4, ActivationScheme.MXFP4), (WeightFormat.NVFP4_MODELOPT, ActivationScheme.NVFP4),
+         (WeightFormat.NVFP4_CT, ActivationScheme.NVFP4), (WeightFormat.NVFP4_CT, ActivationScheme.NVFP4_CT)]
+CASE_IDS = ["mxfp4", "nvfp4-modelopt", "nvfp4-ct-weights", "nvfp4-ct-rules"]
 U = 2.0**-24
 
 
@@ -60,8 +64,13 @@ def test_every_path_is_reached():
         assert _path("avx512") is want
 
 
-def _qdq(x: torch.Tensor, fmt: WeightFormat, gs: torch.Tensor | None) -> torch.Tensor:
-    return qdq_mxfp4(x.float()) if fmt is WeightFormat.MXFP4 else qdq_nvfp4(x.float(), gs)
+def _qdq(x: torch.Tensor, act: ActivationScheme, gs: torch.Tensor | None) -> torch.Tensor:
+    """The reference's fp32 values (compressed-tensors: its amax/6 in x's dtype, fp32 output)."""
+    if act is ActivationScheme.MXFP4:
+        return qdq_mxfp4(x.float())
+    if act is ActivationScheme.NVFP4_CT:
+        return qdq_nvfp4_ct(x, gs, torch.float32)
+    return qdq_nvfp4(x.float(), gs)
 
 
 def _adversarial(fmt: WeightFormat, k: int) -> torch.Tensor:
@@ -96,9 +105,9 @@ def _adversarial(fmt: WeightFormat, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize(("fmt", "act"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_quantisation_is_the_qdq_bit_for_bit(isa, fmt, dtype):
+def test_kernel_quantisation_is_the_qdq_bit_for_bit(isa, fmt, act, dtype):
     # under each path: the layouts differ (AVX-512 VNNI adds the 16-group blocks), and a wrong position
     # in a layout reads back as a wrong value
     g = torch.Generator().manual_seed(0)
@@ -107,17 +116,21 @@ def test_kernel_quantisation_is_the_qdq_bit_for_bit(isa, fmt, dtype):
         rand = torch.randn(6, k, generator=g) * spread
         x = torch.cat([rand, _adversarial(fmt, k)]).to(dtype)
         nv = fmt is not WeightFormat.MXFP4
-        # NVFP4: one input scale per expert: 1, a tiny one, 0 and negative (-> 1e-12), NaN (-> 1e-12)
-        scales = [1.0, 1e-3, 1e-9, 0.0, -2.0, float("nan")] if nv else [0.0]
+        # NVFP4: one input scale per expert: 1, a tiny one, 0 and negative (ModelOpt: -> 1e-12), NaN
+        # (ModelOpt: -> 1e-12); compressed-tensors (a global scale): 1, large ones, 0 (s = inf: all NaN)
+        scales = ([1.0, 1e-3, 1e-9, 0.0, -2.0, float("nan")] if act is ActivationScheme.NVFP4
+                  else [1.0, 67.2, 3e5, 0.0] if nv else [0.0])
         for gs in scales:
-            act = torch.tensor([gs]) if nv else None
+            scale = torch.tensor([gs]) if nv else None
             one = torch.tensor([x.shape[0]], dtype=torch.int32)
-            got = w4a4_quantized_inputs(x, one, fmt, act, _path(isa))
-            want = _qdq(x, fmt, act[0] if nv else None)
+            got = w4a4_quantized_inputs(x, one, fmt, scale, _path(isa), act)
+            want = _qdq(x, act, scale[0] if nv else None)
             where = f"{fmt.name} K={k} gs={gs}"
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m, where=where: f"{where}: {m}")
-            num = ~want.isnan()  # every zero +0, as the references (a NaN's sign bit carries nothing)
+            # every zero +0, as Quark and ModelOpt give (a NaN's sign bit carries nothing); compressed-tensors
+            # gives -0 for small negatives, which an integer code cannot hold (the products are the same)
+            num = ~want.isnan() & ((want != 0) | (act is not ActivationScheme.NVFP4_CT))
             assert torch.equal(got.signbit()[num], want.signbit()[num])
 
 
@@ -143,9 +156,9 @@ SHAPES = [(32, 1152), (64, 384), (40, 160), (24, 96)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize(("fmt", "act"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_products_within_the_summation_bound(isa, fmt, dtype):
+def test_products_within_the_summation_bound(isa, fmt, act, dtype):
     path = _path(isa)
     g = torch.Generator().manual_seed(1)
     for n, k in SHAPES:
@@ -155,21 +168,23 @@ def test_products_within_the_summation_bound(isa, fmt, dtype):
         counts = [5, 0, 13]  # an empty expert; 13 rows: one block of 8 and one of 5
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
         x = (torch.randn(sum(counts) + 2, k, generator=g) * 4).to(dtype)  # 2 rows past offsets[-1]
-        act = torch.tensor([0.02, 5.0, 1e-3]) if fmt is not WeightFormat.MXFP4 else None
-        y = cpu_w4a4_grouped_linear(x, offsets, w, path, act)
+        scale = None if fmt is WeightFormat.MXFP4 else torch.tensor([0.02, 5.0, 1e-3])
+        if act is ActivationScheme.NVFP4_CT:
+            scale = 1 / scale  # global scales
+        y = cpu_w4a4_grouped_linear(x, offsets, w, path, scale, act)
         assert y.dtype == dtype and y.shape == (x.shape[0], n)
         assert y[-2:].eq(0).all()
         start = 0
         for e, end in enumerate(offsets.tolist()):
             if end > start:
-                xq = _qdq(x[start:end], fmt, act[e] if act is not None else None)
+                xq = _qdq(x[start:end], act, scale[e] if scale is not None else None)
                 _check(y[start:end], xq, w.dequantize(e, torch.float32))
             start = end
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", FP4)
-def test_adversarial_rows_within_the_bound_or_as_the_reference(isa, fmt):
+@pytest.mark.parametrize(("fmt", "act"), CASES, ids=CASE_IDS)
+def test_adversarial_rows_within_the_bound_or_as_the_reference(isa, fmt, act):
     # rounding ties, saturation, zeros, subnormal amax; inf and NaN rows take the fp32 path and give the
     # reference's inf / NaN (weights with moderate scales so that finite sums stay finite)
     k, n = 384, 32
@@ -178,9 +193,9 @@ def test_adversarial_rows_within_the_bound_or_as_the_reference(isa, fmt):
         w.scale.clamp_(120, 130)
     x = _adversarial(fmt, k)
     x = x[(x.abs().amax(1) < 1e30) | ~x.isfinite().all(1)]  # huge finite rows would overflow the sums
-    act = torch.tensor([1.0]) if fmt is not WeightFormat.MXFP4 else None
-    y = cpu_w4a4_grouped_linear(x, torch.tensor([x.shape[0]], dtype=torch.int32), w, _path(isa), act)
-    _check(y, _qdq(x, fmt, act[0] if act is not None else None), w.dequantize(0, torch.float32))
+    scale = torch.tensor([1.0]) if fmt is not WeightFormat.MXFP4 else None
+    y = cpu_w4a4_grouped_linear(x, torch.tensor([x.shape[0]], dtype=torch.int32), w, _path(isa), scale, act)
+    _check(y, _qdq(x, act, scale[0] if scale is not None else None), w.dequantize(0, torch.float32))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -214,8 +229,10 @@ def test_choice_takes_the_w4a4_kernels_only_for_fp4_experts_with_matching_inputs
     backend = build.select_backend("scalar")
     c = choose_impl("cpu", WeightFormat.MXFP4, torch.bfloat16, backend, grouped=True, act_scheme=A.MXFP4)
     assert (c.impl, c.isa, c.label) == (LinearImpl.CPU_W4A4, int(W4A4Path.SCALAR), "cpu-w4a4-scalar")
-    c = choose_impl("cpu", WeightFormat.NVFP4_CT, torch.float32, backend, grouped=True, act_scheme=A.NVFP4)
-    assert c.impl is LinearImpl.CPU_W4A4
+    for fmt in (WeightFormat.NVFP4_CT, WeightFormat.NVFP4_MODELOPT):
+        for scheme in (A.NVFP4, A.NVFP4_CT):
+            c = choose_impl("cpu", fmt, torch.float32, backend, grouped=True, act_scheme=scheme)
+            assert c.impl is LinearImpl.CPU_W4A4
     mx, nv = WeightFormat.MXFP4, WeightFormat.NVFP4_MODELOPT
     for fmt, scheme, grouped in ((mx, None, True), (mx, A.NVFP4, True), (nv, A.MXFP4, True),
                                  (mx, A.MXFP4, False), (WeightFormat.FP8_BLOCK, A.MXFP4, True)):
@@ -227,12 +244,11 @@ def test_choice_takes_the_w4a4_kernels_only_for_fp4_experts_with_matching_inputs
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", FP4)
-def test_experts_module_runs_the_kernel_with_each_experts_scales(isa, fmt):
+@pytest.mark.parametrize(("fmt", "act"), CASES, ids=CASE_IDS)
+def test_experts_module_runs_the_kernel_with_each_experts_scales(isa, fmt, act):
     # model/experts.py with the CPU_W4A4 choice: rows sorted by expert, each quantised with ITS expert's
     # input scales (NVFP4: w13's and w2's), equal to the module's reference loop (qdq + dequantised
     # weights, rows_loop) within a loose bound (two products and a bf16-free SwiGLU in fp32)
-    from m2serve.formats.act_quant import ActivationScheme
     from m2serve.formats.fp4 import FP4Scheme, PackedFP4
     from m2serve.model.experts import MiniMaxM2Experts
 
@@ -248,8 +264,9 @@ def test_experts_module_runs_the_kernel_with_each_experts_scales(isa, fmt):
             s2 = None if w.scale_2 is None else w.scale_2[e]
             ex.load_expert(e, which, PackedFP4(scheme, w.q[e], w.scale[e], s2, f"experts.{e}.{which}.weight"))
     ex.pack_for_kernels()
-    act = ActivationScheme.MXFP4 if fmt is WeightFormat.MXFP4 else ActivationScheme.NVFP4
     s13, s2 = [0.02, 0.5, 0.004], [0.01, 0.003, 0.2]
+    if act is ActivationScheme.NVFP4_CT:  # global scales
+        s13, s2 = [1 / v for v in s13], [1 / v for v in s2]
     ex.set_activation_quant(act, {f"experts.{e}.{w}.weight": (s2 if w == "w2" else s13)[e]
                                   for e in range(E) for w in ("w1", "w3", "w2")})
     ex.set_choice(choose_impl("cpu", fmt, torch.float32, build.select_backend(isa), grouped=True,

@@ -114,7 +114,7 @@ def test_grouped_experts_quantise_each_row_with_its_experts_scale(scheme):
     # docs/checkpoints.md §9: the grouped expert path (rows sorted by expert, offsets) quantises every row's
     # w13 input and w2 input with ITS expert's input scale (NVFP4; found on the device), as a plain
     # per-expert computation does: qdq(x) -> w13 -> SwiGLU -> qdq -> w2 (rows past offsets[-1] skipped)
-    from m2serve.formats.act_quant import qdq_mxfp4, qdq_nvfp4
+    from m2serve.formats.act_quant import qdq_mxfp4, qdq_nvfp4, qdq_nvfp4_ct
     from m2serve.model.experts import MiniMaxM2Experts
 
     E, H, I = 4, 64, 32
@@ -133,6 +133,8 @@ def test_grouped_experts_quantise_each_row_with_its_experts_scale(scheme):
     def q(t, e, which):
         if scheme is ActivationScheme.MXFP4:
             return qdq_mxfp4(t)
+        if scheme is ActivationScheme.NVFP4_CT:  # the table holds global scales then
+            return qdq_nvfp4_ct(t, (s13 if which == 0 else s2)[e])
         return qdq_nvfp4(t, (s13 if which == 0 else s2)[e])
 
     start = 0

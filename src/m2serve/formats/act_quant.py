@@ -138,7 +138,8 @@ def qdq_nvfp4(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
 NVFP4_CT_ZERO_BLOCK_SCALE = 0.125
 
 
-def qdq_nvfp4_ct(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+def qdq_nvfp4_ct(x: torch.Tensor, global_scale: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [R, K] (K a multiple of 16), global_scale fp32 (compressed-tensors ``input_global_scale`` = 1 /
     ModelOpt's input scale): a scalar, or [R, 1] one per row -> x's shape and dtype: every 16-element
     group quantised to NVFP4 and back, bit-equal to compressed-tensors' dynamic ``tensor_group`` input
@@ -146,7 +147,8 @@ def qdq_nvfp4_ct(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     group's min and max, each taken with 0, in x's dtype) divided by 6 in x's dtype, times the global
     scale in fp32, clamped to ±448 and rounded to e4m3 (0 -> 0.125), then divided by the global
     scale: ``s``. Element: ``x / s`` clamped to [-6, 6], the nearest E2M1 magnitude (ties to the even
-    code) times ``sign(x / s)``, times ``s`` (fp32), one rounding to x's dtype. NaN stays NaN (and a
+    code) times ``sign(x / s)``, times ``s`` (fp32), one rounding to x's dtype (``dtype`` instead when
+    given: float32 keeps the fp32 values the FP4 x FP4 kernel multiplies). NaN stays NaN (and a
     NaN in a group makes its scale NaN); inf becomes ±6·s. Raises ValueError naming the width when
     K is not a multiple of 16."""
     k = x.shape[-1]
@@ -164,7 +166,7 @@ def qdq_nvfp4_ct(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     v = (g / s).clamp(-6.0, 6.0)
     mag = v.abs()
     q = torch.where(mag.isnan(), mag, round_e2m1(mag)) * torch.sign(v)
-    return (q * s).reshape(x.shape).to(x.dtype)
+    return (q * s).reshape(x.shape).to(dtype or x.dtype)
 
 
 def quantize_activations(x: torch.Tensor, scheme: ActivationScheme | None,

@@ -94,11 +94,11 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], q.shape[1])
 
     @torch.library.register_fake(f"{LIBRARY}::w4a4_linear")
-    def _(x, offsets, q, scale, scale2, fmt, act_scale, path, tile_n):
+    def _(x, offsets, q, scale, scale2, fmt, act, act_scale, path, tile_n):
         return x.new_empty(x.shape[0], q.shape[1])
 
     @torch.library.register_fake(f"{LIBRARY}::w4a4_quantize")
-    def _(x, offsets, fmt, act_scale, path):
+    def _(x, offsets, fmt, act, act_scale, path):
         return x.new_empty(x.shape, dtype=torch.float32)
 
 

@@ -120,7 +120,7 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
         return TORCH_CHOICE
     if device.type == "cpu":
         if backend.available and act_dtype in CPU_KERNEL_DTYPES and grouped and act_scheme is not None and \
-                W4A4_SCHEMES.get(fmt) is act_scheme:
+                act_scheme in W4A4_SCHEMES.get(fmt, ()):
             path = w4a4_path(backend.isa)
             return KernelChoice(LinearImpl.CPU_W4A4, int(path), f"cpu-w4a4-{path.name.lower()}")
         if backend.available and act_dtype in CPU_KERNEL_DTYPES:

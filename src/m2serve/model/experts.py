@@ -204,7 +204,7 @@ class MiniMaxM2Experts(nn.Module):
         self.choice = choice
         self._fused = None
         self._w4a4_scales = (None, None)
-        if choice.impl is LinearImpl.CPU_W4A4 and self.act_scheme is ActivationScheme.NVFP4:
+        if choice.impl is LinearImpl.CPU_W4A4 and self.act_scheme is not ActivationScheme.MXFP4:
             # each expert's input scales (w13's, w2's) as the kernel takes them, once
             self._w4a4_scales = (self.input_scale[:, 0].contiguous(), self.input_scale[:, 1].contiguous())
         if choice.impl is LinearImpl.TRITON:  # the launcher and the stacks it reads, once
@@ -292,7 +292,8 @@ class MiniMaxM2Experts(nn.Module):
         expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
         if self.choice.impl is LinearImpl.CPU_W4A4:  # FP4 x FP4: the kernels quantise the inputs
-            return cpu_w4a4_expert_ffn(x, offsets, *self.kernel_weights, self.choice.isa, self._w4a4_scales)
+            return cpu_w4a4_expert_ffn(x, offsets, *self.kernel_weights, self.choice.isa, self._w4a4_scales,
+                                       self.act_scheme)
         quant = self.input_quant(offsets)
         if self.choice.impl is LinearImpl.CPU_PACKED:
             isa, invariant = self.choice.isa, self.batch_invariant

@@ -8,17 +8,18 @@
 // product of E2M1 codes is an int8 dot product D (exact in int32), and the group contributes
 //   D · (s_x / 4) · s_w
 // with s_x the activation group's scale (MXFP4: E8M0 2^e from the group's amax, Quark's rule;
-// NVFP4: e4m3 block · the expert's input scale, ModelOpt's rule) and s_w the weight group's
+// NVFP4: e4m3 block · the expert's input scale, ModelOpt's rule, or e4m3 block / the expert's input
+// global scale, compressed-tensors' rule) and s_w the weight group's
 // (MXFP4 2^(e8m0 - 127); NVFP4 ModelOpt e4m3 · scale_2, compressed-tensors e4m3 / scale_2).
 // Activations are quantised once per call per row (the pre-pass, bit-equal to formats/act_quant.py
-// qdq_mxfp4 / qdq_nvfp4) into unsigned codes a + 12 in [0, 24] (the unsigned side of u8 x s8 dot
+// qdq_mxfp4 / qdq_nvfp4 / qdq_nvfp4_ct) into unsigned codes a + 12 in [0, 24] (the unsigned side of u8 x s8 dot
 // products; Σ 12·w per lane is subtracted once per weight chunk, shared by every row) laid out per
 // 128-column chunk as [64 even columns][64 odd columns], the order of the weight's low and high
 // nibbles. A 4-byte int32 lane of a chunk then covers 8 consecutive columns, so one group is 4
 // (MXFP4) or 2 (NVFP4) lanes: each lane is converted to fp32 and multiplied by its group's scale
 // product, the lanes are summed in fp32. Columns past the last whole chunk (K mod 128, whole
 // groups) are done per group in scalar code. A row whose quantisation holds inf or NaN (MXFP4: a
-// group with inf or NaN; NVFP4: a non-finite block scale) is computed instead as the fp32 sum of
+// group with inf or NaN; NVFP4: a non-finite (or zero) block scale) is computed instead as the fp32 sum of
 // the dequantised values (the reference's own values, so NaN and inf come out as there).
 //
 // Paths (chosen by the caller once, never per call): 0 scalar, 1 AVX2 (vpmaddubsw + vpmaddwd),
@@ -48,6 +49,8 @@ namespace {
 
 enum Fmt : int64_t { NVFP4_MODELOPT = 2, NVFP4_CT = 3, MXFP4 = 4 };  // packed_linear.cpp's codes
 enum Path : int64_t { SCALAR = 0, AVX2 = 1, AVX512_VNNI = 2 };
+// Activation rules (docs/checkpoints.md §9): Quark MXFP4, ModelOpt NVFP4, compressed-tensors NVFP4.
+enum Act : int64_t { ACT_MX = 0, ACT_NV = 1, ACT_NV_CT = 2 };
 
 constexpr int64_t CH = 128;     // columns per chunk (64 weight bytes)
 constexpr int64_t LANES = 16;   // int32 lanes per chunk, 8 columns each
@@ -72,6 +75,7 @@ alignas(64) constexpr int32_t BLOCK_IDX_NV[2][16] = {
 constexpr float E2M1_MAG[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 constexpr float NV_MIN_BLOCK_SCALE = 1e-5f;  // formats/act_quant.py NVFP4_MIN_BLOCK_SCALE
 constexpr float NV_MIN_INPUT_SCALE = 1e-12f;  // formats/act_quant.py NVFP4_MIN_INPUT_SCALE
+constexpr float NV_CT_ZERO_BLOCK_SCALE = 0.125f;  // formats/act_quant.py NVFP4_CT_ZERO_BLOCK_SCALE
 constexpr float E4M3_MAX = 448.0f;
 
 inline float bits_f(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
@@ -102,6 +106,13 @@ inline float round_e4m3(float v) {
   std::frexp(v, &e);  // v = m · 2^e, m in [0.5, 1): step 2^(e - 1 - 3)
   const float step = std::ldexp(1.0f, e - 4);
   return std::nearbyint(v / step) * step;
+}
+
+// fp32 -> bf16 -> fp32, round to nearest even (c10::BFloat16's rounding; NaN stays NaN).
+inline float round_bf16(float f) {
+  const uint32_t u = f_bits(f);
+  if (std::isnan(f)) return f;
+  return bits_f((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
 }
 
 inline float load_x(const void* x, bool bf16, int64_t i) {
@@ -145,9 +156,17 @@ struct Acts {
   }
 };
 
+inline float clamp6(float v) { return v < -6.0f ? -6.0f : (v > 6.0f ? 6.0f : v); }  // NaN stays NaN
+
 // The reference's dequantised value of x in a group of scale s (formats/act_quant.py, fp32).
-inline float qdq_value(float x, float s, bool mx) {
-  if (mx) {
+inline float qdq_value(float x, float s, int64_t act) {
+  if (act == ACT_NV_CT) {
+    const float v = clamp6(x / s), m = std::fabs(v);
+    const float q = std::isnan(m) ? m : E2M1_MAG[e2m1_code(m)];
+    const float sign = v > 0 ? 1.0f : (v < 0 ? -1.0f : (v == 0 ? 0.0f : v));
+    return q * sign * s;
+  }
+  if (act == ACT_MX) {
     const float v = x / s;
     float q = E2M1_MAG[e2m1_code(std::fabs(v))];
     q = q == 0.0f ? 0.0f : (v < 0 ? -q : q);
@@ -160,8 +179,27 @@ inline float qdq_value(float x, float s, bool mx) {
 
 // Group scale of row values xs[0, g): returns s (MXFP4: 2^e; NVFP4: the block scale under gs) and
 // sets `special` when the row must take the fp32 path.
-inline float group_scale(const float* xs, int64_t g, bool mx, float gs, bool& special) {
-  if (mx) {
+// bf16: the row is bf16 (compressed-tensors divides its amax by 6 in the input's dtype).
+inline float group_scale(const float* xs, int64_t g, int64_t act, float gs, bool bf16, bool& special) {
+  if (act == ACT_NV_CT) {
+    float lo = 0.0f, hi = 0.0f;  // min(group, 0), max(group, 0), NaN propagating
+    bool nan = false;
+    for (int64_t i = 0; i < g; ++i) {
+      nan |= std::isnan(xs[i]);
+      lo = xs[i] < lo ? xs[i] : lo;
+      hi = xs[i] > hi ? xs[i] : hi;
+    }
+    const float amax = nan ? NAN : std::max(std::fabs(lo), std::fabs(hi));
+    const float a6 = bf16 ? round_bf16(amax / 6.0f) : amax / 6.0f;
+    float block = gs * a6;
+    if (block > E4M3_MAX) block = E4M3_MAX;
+    if (block < -E4M3_MAX) block = -E4M3_MAX;
+    block = std::copysign(round_e4m3(std::fabs(block)), block);
+    const float s = (block == 0.0f ? NV_CT_ZERO_BLOCK_SCALE : block) / gs;
+    if (!std::isfinite(s) || s == 0.0f) special = true;
+    return s;
+  }
+  if (act == ACT_MX) {
     float amax = 0.0f;
     bool nan = false, inf = false;
     for (int64_t i = 0; i < g; ++i) {
@@ -187,15 +225,15 @@ inline float group_scale(const float* xs, int64_t g, bool mx, float gs, bool& sp
 }
 
 // Quantise row r (values from x) into acts; gs: the NVFP4 input scale of the row's expert.
-void quantize_row(const void* x, bool bf16, int64_t r, bool mx, float gs, Acts& a, std::vector<float>& tmp) {
+void quantize_row(const void* x, bool bf16, int64_t r, int64_t act, float gs, Acts& a, std::vector<float>& tmp) {
   const int64_t K = a.K, g = a.g, G = K / g;
   tmp.resize(K + G);
   float* xs = tmp.data();
   float* sg = tmp.data() + K;
   for (int64_t k = 0; k < K; ++k) xs[k] = load_x(x, bf16, r * K + k);
-  if (!mx) gs = gs > 0 ? gs : NV_MIN_INPUT_SCALE;  // NaN too
+  if (act == ACT_NV) gs = gs > 0 ? gs : NV_MIN_INPUT_SCALE;  // NaN too
   bool special = false;
-  for (int64_t j = 0; j < G; ++j) sg[j] = group_scale(xs + j * g, g, mx, gs, special);
+  for (int64_t j = 0; j < G; ++j) sg[j] = group_scale(xs + j * g, g, act, gs, bf16, special);
   a.special[r] = special;
   uint8_t* codes = a.codes.data() + r * K;
   float* sa = a.sa.data() + r * a.sa_row;
@@ -203,8 +241,12 @@ void quantize_row(const void* x, bool bf16, int64_t r, bool mx, float gs, Acts& 
     const float s = sg[j], inv = 1.0f / s;
     for (int64_t k = j * g; k < (j + 1) * g; ++k) {
       int c;
-      if (mx) {
+      if (act == ACT_MX) {
         const float v = xs[k] * inv;  // = xs[k] / s: 1/s is exact (a power of two), both round once
+        c = E2M1_X2[e2m1_code(std::fabs(v))];
+        c = v < 0 ? -c : c;
+      } else if (act == ACT_NV_CT) {
+        const float v = clamp6(xs[k] / s);
         c = E2M1_X2[e2m1_code(std::fabs(v))];
         c = v < 0 ? -c : c;
       } else {
@@ -489,8 +531,10 @@ using ScalesFn = void (*)(const Weight&, int64_t, int64_t, float*);
 
 // Checks shared by both ops; returns the row -> expert map and fills the acts (pre-pass).
 // `blocked`: the layout has the block region (the AVX-512 VNNI path).
+// `act`: the activation rule (Act), which must fit the weight format `fmt` (same group).
 std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets, int64_t E, int64_t fmt,
-                                  const std::optional<at::Tensor>& act_scale, bool blocked, Acts& a) {
+                                  int64_t act, const std::optional<at::Tensor>& act_scale, bool blocked,
+                                  Acts& a) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a4: x must be a contiguous [R, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "w4a4: activations must be bfloat16 or float32, found ", x.scalar_type());
@@ -498,6 +542,8 @@ std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets
               offsets.is_contiguous(), "w4a4: offsets must be a contiguous int32 [E] with E = ", E);
   TORCH_CHECK(fmt == MXFP4 || fmt == NVFP4_MODELOPT || fmt == NVFP4_CT, "w4a4: unknown FP4 format code ", fmt);
   const bool mx = fmt == MXFP4;
+  TORCH_CHECK(act >= ACT_MX && act <= ACT_NV_CT && (act == ACT_MX) == mx,
+              "w4a4: activation rule ", act, " does not fit weight format ", fmt);
   const int64_t R = x.size(0), K = x.size(1), g = mx ? 32 : 16;
   TORCH_CHECK(K % g == 0, "w4a4: K = ", K, " is not a multiple of the FP4 group ", g);
   const float* gs = nullptr;
@@ -532,22 +578,22 @@ std::vector<int64_t> quantize_all(const at::Tensor& x, const at::Tensor& offsets
   at::parallel_for(0, R, 4, [&](int64_t b, int64_t c) {
     std::vector<float> tmp;
     for (int64_t r = b; r < c; ++r)
-      if (expert[r] >= 0) quantize_row(xp, bf16, r, mx, mx ? 0.0f : gs[expert[r]], a, tmp);
+      if (expert[r] >= 0) quantize_row(xp, bf16, r, act, mx ? 0.0f : gs[expert[r]], a, tmp);
   });
   return expert;
 }
 
 // The fp32 dequantised activations of row r (the reference's values, formats/act_quant.py).
-void row_values(const at::Tensor& x, const Acts& a, int64_t r, bool mx, float gs, float* out) {
+void row_values(const at::Tensor& x, const Acts& a, int64_t r, int64_t act, float gs, float* out) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t K = a.K, g = a.g;
   std::vector<float> xs(K);
   for (int64_t k = 0; k < K; ++k) xs[k] = load_x(x.data_ptr(), bf16, r * K + k);
-  if (!mx) gs = gs > 0 ? gs : NV_MIN_INPUT_SCALE;
+  if (act == ACT_NV) gs = gs > 0 ? gs : NV_MIN_INPUT_SCALE;
   for (int64_t j = 0; j < K / g; ++j) {
     bool special = false;
-    const float s = group_scale(xs.data() + j * g, g, mx, gs, special);
-    for (int64_t k = j * g; k < (j + 1) * g; ++k) out[k] = qdq_value(xs[k], s, mx);
+    const float s = group_scale(xs.data() + j * g, g, act, gs, bf16, special);
+    for (int64_t k = j * g; k < (j + 1) * g; ++k) out[k] = qdq_value(xs[k], s, act);
   }
 }
 
@@ -556,7 +602,7 @@ void row_values(const at::Tensor& x, const Acts& a, int64_t r, bool mx, float gs
 // in x's dtype. Rows at or past offsets[E-1] get 0. Threads split over (expert, tile of tile_n rows).
 at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& scale2, int64_t fmt,
-                       const std::optional<at::Tensor>& act_scale, int64_t path, int64_t tile_n) {
+                       int64_t act, const std::optional<at::Tensor>& act_scale, int64_t path, int64_t tile_n) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte,
               "w4a4_linear: q must be a contiguous uint8 [E, N, K/2] tensor");
   TORCH_CHECK(path_supported(path), "w4a4_linear: path ", path, " is not supported by this CPU");
@@ -564,7 +610,7 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
   const int64_t E = q.size(0), N = q.size(1), K = x.dim() == 2 ? x.size(1) : 0, R = x.dim() == 2 ? x.size(0) : 0;
   TORCH_CHECK(2 * q.size(2) == K, "w4a4_linear: q holds K = ", 2 * q.size(2), " columns, x has ", K);
   Acts a;
-  const std::vector<int64_t> expert = quantize_all(x, offsets, E, fmt, act_scale, path == AVX512_VNNI, a);
+  const std::vector<int64_t> expert = quantize_all(x, offsets, E, fmt, act, act_scale, path == AVX512_VNNI, a);
   const bool mx = fmt == MXFP4;
   TORCH_CHECK(scale.is_contiguous() && scale.element_size() == 1 && scale.dim() == 3 && scale.size(0) == E &&
               scale.size(1) == N && scale.size(2) == K / a.g, "w4a4_linear: scale must be one byte per group [E, N, K/g]");
@@ -618,7 +664,7 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
     if (!a.special[r]) continue;
     const int64_t e = expert[r];
     std::vector<float> v(K);
-    row_values(x, a, r, mx, mx ? 0.0f : gs[e], v.data());
+    row_values(x, a, r, act, mx ? 0.0f : gs[e], v.data());
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
@@ -638,10 +684,11 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
 // The kernel's quantised activations, dequantised: x [R, K] -> f32 [R, K] (code / 2 · scale for the
 // integer rows, read back through `path`'s layout; the fp32 values for the others; rows past
 // offsets[E-1] give 0). For tests: it must equal formats/act_quant.py's qdq of x in fp32 bit for bit.
-at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t fmt,
+at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t fmt, int64_t act,
                          const std::optional<at::Tensor>& act_scale, int64_t path) {
   Acts a;
-  const std::vector<int64_t> expert = quantize_all(x, offsets, offsets.size(0), fmt, act_scale, path == AVX512_VNNI, a);
+  const std::vector<int64_t> expert =
+      quantize_all(x, offsets, offsets.size(0), fmt, act, act_scale, path == AVX512_VNNI, a);
   const bool mx = fmt == MXFP4;
   const int64_t R = x.size(0), K = x.size(1);
   at::Tensor out = at::zeros({R, K}, x.options().dtype(at::kFloat));
@@ -650,7 +697,7 @@ at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t
   for (int64_t r = 0; r < R; ++r) {
     if (expert[r] < 0) continue;
     if (a.special[r]) {
-      row_values(x, a, r, mx, mx ? 0.0f : gs[expert[r]], o + r * K);
+      row_values(x, a, r, act, mx ? 0.0f : gs[expert[r]], o + r * K);
       continue;
     }
     const float* sa = a.sa.data() + r * a.sa_row;
@@ -665,9 +712,10 @@ at::Tensor w4a4_quantize(const at::Tensor& x, const at::Tensor& offsets, int64_t
 
 TORCH_LIBRARY_FRAGMENT(m2serve_kernels, m) {
   m.def("w4a4_path_supported(int path) -> bool");
-  m.def("w4a4_linear(Tensor x, Tensor offsets, Tensor q, Tensor scale, Tensor? scale2, int fmt, Tensor? act_scale, "
+  m.def("w4a4_linear(Tensor x, Tensor offsets, Tensor q, Tensor scale, Tensor? scale2, int fmt, int act, "
+        "Tensor? act_scale, "
         "int path, int tile_n) -> Tensor");
-  m.def("w4a4_quantize(Tensor x, Tensor offsets, int fmt, Tensor? act_scale, int path) -> Tensor");
+  m.def("w4a4_quantize(Tensor x, Tensor offsets, int fmt, int act, Tensor? act_scale, int path) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(m2serve_kernels, CPU, m) {
