@@ -6,6 +6,9 @@ docs/checkpoints.md §9. References, run on CPU:
   module Quark puts on a linear's input for the MXFP4 release's ``input_tensors``). fp32 inputs take
   its ``forward``; bf16 inputs take its ``fake_quantize`` (observer + ``scaled_fake_quantize``, CPU
   kernel), because the fused bf16 route (``kernel_ext.qdq_mxfp4``) is implemented on CUDA only.
+- NVFP4 (compressed-tensors checkpoints): compressed-tensors' own ``forward_quantize`` of a linear's
+  input under the ``NVFP4`` preset scheme's ``input_activations`` (dynamic ``tensor_group``, group 16,
+  e4m3 scales) with the module's ``input_global_scale``, on CPU.
 - NVFP4: nvidia-modelopt's ``fp4_fake_quant_block`` (the dynamic-block NVFP4 input quantiser of
   ``mtq.NVFP4_DEFAULT_CFG`` on Hopper and later), a Triton kernel, run here by the Triton
   interpreter in a separate process (modelopt_nvfp4_ref.py). Two interpreter casts are not the
@@ -33,6 +36,7 @@ from m2serve.formats.act_quant import (
     mxfp4_scale,
     qdq_mxfp4,
     qdq_nvfp4,
+    qdq_nvfp4_ct,
     quantize_activations,
 )
 
@@ -162,3 +166,45 @@ def test_nvfp4_special_groups():  # docs/checkpoints.md §9: say what happens
     assert bool((y[2] == y[2, 0]).all())                  # all-equal groups stay all-equal
     assert bool(y[4, 7].isfinite()) and y[4, 7] < 0       # NaN -> a negative full-scale value
     assert not bool(y[4].isnan().any()) and bool((y[4, 16:] == y[4, 16]).all())
+
+
+# ---- NVFP4, compressed-tensors rules: compressed-tensors' own function ---------------------------
+
+def _ct_reference(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """compressed-tensors' input fake quantisation of x for a linear with ``input_global_scale``."""
+    from compressed_tensors.quantization import QuantizationStatus, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    module = torch.nn.Linear(x.shape[-1], 1)
+    module.quantization_status = QuantizationStatus.FROZEN
+    module.input_global_scale = torch.nn.Parameter(torch.tensor([global_scale]), requires_grad=False)
+    return forward_quantize(module, x, "input", preset_name_to_scheme("NVFP4", ["Linear"]).input_activations)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amax", [40.0, 3.0, 1e4])  # the calibrated input amax: global = 448·6 / amax
+def test_nvfp4_ct_matches_compressed_tensors(amax, dtype):  # docs/checkpoints.md §9 NVFP4 (c-t)
+    x = inputs().to(dtype)
+    gs = 448.0 * 6.0 / amax
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = _ct_reference(x, gs)
+    assert_bit_equal(qdq_nvfp4_ct(x, torch.tensor(gs)), ref)
+    assert_bit_equal(quantize_activations(x, ActivationScheme.NVFP4_CT, torch.tensor(gs)), ref)
+    # per row (each row its expert's global scale), as the grouped experts call it
+    rows = x[:4]
+    per_row = torch.tensor([[gs], [gs / 3], [gs * 5], [gs]])
+    want = torch.cat([_ct_reference(r[None], float(v)) for r, v in zip(rows, per_row[:, 0])])
+    assert_bit_equal(qdq_nvfp4_ct(rows, per_row), want)
+
+
+def test_nvfp4_ct_and_modelopt_rules_differ():  # docs/checkpoints.md §9: why the two NVFP4 functions
+    # the same calibration under both rules: compressed-tensors divides by the global scale where
+    # ModelOpt multiplies by its reciprocal (and floors zero scales differently), so some elements
+    # differ in their last bits; a checkpoint is quantised with its own library's rules
+    x = inputs()[:64]
+    gs = torch.tensor(448.0 * 6.0 / 40.0)
+    ct, mo = qdq_nvfp4_ct(x, gs), qdq_nvfp4(x, 1.0 / gs)
+    differ = ct != mo
+    assert bool(differ.any())
+    assert float(((ct - mo).abs() / mo.abs().clamp_min(1e-30))[differ].max()) < 2.0**-20

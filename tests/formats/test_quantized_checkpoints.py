@@ -739,7 +739,8 @@ class QuarkExpertInputs(torch.overrides.TorchFunctionMode):
     expert product: each ``F.linear`` whose weight is a view of an experts module's ``gate_up_proj``
     or ``down_proj`` (transformers keeps the experts fused, so there is no per-expert module to hook)
     gets ``fq(input)``; the experts run transformers' eager loop (``_experts_implementation``), whose
-    products are those ``F.linear`` calls. Also records the MoE blocks' inputs (``moe_inputs``)."""
+    products are those ``F.linear`` calls. Also records the MoE blocks' inputs (``moe_inputs``) and, per
+    expert product pair, ``pairs``: (MoE block call, expert, w13 input rows, w2 input rows), unquantised."""
 
     def __init__(self, model):
         super().__init__()
@@ -750,6 +751,8 @@ class QuarkExpertInputs(torch.overrides.TorchFunctionMode):
         self.bases = {id(p) for m in experts for p in (m.gate_up_proj, m.down_proj)}
         self.calls = 0
         self.moe_inputs: list[torch.Tensor] = []
+        self.pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._w13: tuple[int, int, torch.Tensor] | None = None
         self.hooks = [m.register_forward_pre_hook(lambda _m, a: self.moe_inputs.append(a[0].detach().clone()))
                       for m in model.modules() if type(m).__name__ == "MiniMaxM2SparseMoeBlock"]
 
@@ -757,6 +760,12 @@ class QuarkExpertInputs(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear and id(getattr(args[1], "_base", None)) in self.bases:
             self.calls += 1
+            w = args[1]
+            expert = w.storage_offset() // w.numel()
+            if w.shape[0] > w.shape[1]:  # gate_up_proj [2I, H] (I < H in tiny-chat) then down_proj [H, I]
+                self._w13 = (len(self.moe_inputs) - 1, expert, args[0].detach().clone())
+            elif w.shape[0] < w.shape[1] and self._w13 is not None:
+                self.pairs.append((*self._w13, args[0].detach().clone()))
             args = (self.fq(args[0]), *args[1:])
         return func(*args, **kwargs)
 
@@ -786,6 +795,16 @@ def test_tiny_chat_mxfp4_w4a4_matches_quark_oracle(tiny_chat_requantised, tmp_pa
         return modes[-1]
 
     ours_inputs: list[torch.Tensor] = []
+    ours_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # the FP4 x FP4 kernel's (input, offsets)
+    from m2serve.kernels import ops
+
+    real = ops.cpu_w4a4_grouped_linear
+
+    def recording(x, offsets, *rest):
+        ours_calls.append((x.detach().clone(), offsets.clone()))
+        return real(x, offsets, *rest)
+
+    ops.cpu_w4a4_grouped_linear = recording
     hook = torch.nn.modules.module.register_module_forward_pre_hook(
         lambda m, a: ours_inputs.append(a[0].detach().clone())
         if type(m).__name__ == "MiniMaxM2SparseMoeBlock" and m.__module__.startswith("m2serve") else None)
@@ -793,7 +812,11 @@ def test_tiny_chat_mxfp4_w4a4_matches_quark_oracle(tiny_chat_requantised, tmp_pa
         assert_logits_match_oracle(q, oracle, quark_inputs, activation_quant="auto")
     finally:
         hook.remove()
+        ops.cpu_w4a4_grouped_linear = real
     assert modes[0].calls > 0 and MiniMaxM2ForCausalLM  # the oracle's expert inputs were quantised
+    # ... and on CPU the experts ran the FP4 x FP4 kernels (docs/checkpoints.md §9.1), not qdq + W4A16
+    summary = load_model(q, dtype=torch.float32, activation_quant="auto").kernel_summary.banner()
+    assert ("cpu-w4a4" in summary) == kernel_backend().available, summary
     # the prefill: ours is one ragged batch, the oracle one forward per prompt -> compare per token
     L = len(ours_inputs) // (1 + DECODE_STEPS)
     ours_prefill = ours_inputs[:L]
@@ -802,7 +825,37 @@ def test_tiny_chat_mxfp4_w4a4_matches_quark_oracle(tiny_chat_requantised, tmp_pa
     fq = _quark_input_quantizer()
     flips = sum(int((fq(a.float()) != fq(b.float())).sum()) for a, b in zip(ours_prefill, ref_prefill))
     total = sum(a.numel() for a in ours_prefill)
-    print(f"W4A4 MXFP4 tiny-chat: {flips} rounding-boundary flips in {total} MoE-input elements (prefill)")
+    print(f"W4A4 MXFP4 tiny-chat: {flips} rounding-boundary flips in {total} MoE-input (w13 input) elements "
+          "(prefill)")
+    # the w2 inputs (silu(gate) * up per token and expert), every expert product of the prefill: ours
+    # from the kernel's calls (w13's then w2's per layer, rows sorted by expert), the oracle's from its
+    # down_proj calls; rows matched by (layer, expert, token), tokens found by their MoE-input row
+    assert len(ours_calls) >= 2 * L  # the experts ran the FP4 x FP4 kernel
+
+    def token_of(rows: torch.Tensor, moe_in: torch.Tensor) -> list[int]:
+        return [int((moe_in == r).all(-1).nonzero()[0, 0]) for r in rows]
+
+    ours_w2: dict[tuple[int, int, int], torch.Tensor] = {}
+    for layer in range(L):
+        (x13, offs), (x2, _) = ours_calls[2 * layer], ours_calls[2 * layer + 1]
+        experts = torch.searchsorted(offs, torch.arange(x13.shape[0], dtype=offs.dtype), right=True)
+        for r, tok in enumerate(token_of(x13[:int(offs[-1])], ours_prefill[layer])):
+            ours_w2[layer, int(experts[r]), tok] = x2[r]
+    starts = [sum(PROMPT_LENS[:p]) for p in range(len(PROMPT_LENS))]
+    ref_w2: dict[tuple[int, int, int], torch.Tensor] = {}
+    for call, expert, x13, x2 in modes[0].pairs:
+        p, layer = divmod(call, L)
+        if p >= len(PROMPT_LENS):
+            break  # the teacher-forced decode steps
+        for r, tok in enumerate(token_of(x13, modes[0].moe_inputs[call][0])):
+            ref_w2[layer, expert, starts[p] + tok] = x2[r]
+    common = sorted(ours_w2.keys() & ref_w2.keys())
+    assert len(common) >= 0.9 * len(ref_w2)  # the same routing, but for near-tied router scores
+    a = torch.stack([ours_w2[k] for k in common]).float()
+    b = torch.stack([ref_w2[k] for k in common]).float()
+    flips2 = int((fq(a) != fq(b)).sum())
+    print(f"W4A4 MXFP4 tiny-chat: {flips2} rounding-boundary flips in {a.numel()} w2-input elements "
+          f"(prefill, {len(common)} of {len(ref_w2)} (token, expert) pairs routed alike)")
 
 
 def test_tiny_chat_mxfp4_w4a4_greedy_tokens(tiny_chat_dense, tiny_chat_requantised):
@@ -842,6 +895,37 @@ def test_modelopt_nvfp4_w4a4_takes_each_experts_input_scale(modelopt_dir, tmp_pa
                        r"input_scale / input_global_scale tensor; pass activation_quant none"):
         load_model(d, dtype=torch.float32)
     load_model(d, dtype=torch.float32, activation_quant="none")
+
+
+def test_compressed_tensors_nvfp4_w4a4_takes_its_own_rules(ct_dir):
+    # issue 33 item 3 (docs/checkpoints.md §9): a compressed-tensors NVFP4 export (here: compressed-tensors'
+    # own converter of the ModelOpt one) declaring its inputs quantises each expert's inputs with
+    # compressed-tensors' rules (qdq_nvfp4_ct, bit-equal to its forward_quantize in
+    # tests/formats/test_act_quant.py) under that expert's input_global_scale, held exactly as stored
+    from m2serve.formats.act_quant import ActivationScheme, qdq_nvfp4_ct
+    from m2serve.kernels.choice import LinearImpl
+
+    plan = open_checkpoint(ct_dir, MiniMaxM2Config.from_pretrained(ct_dir))
+    assert plan.quant.activations is ActivationScheme.NVFP4_CT
+    plan.reader.close()
+    t = _weights(ct_dir)
+    model = load_model(ct_dir, dtype=torch.float32, activation_quant="auto")
+    ex = model.model.layers[0].block_sparse_moe.experts
+    assert ex.act_scheme is ActivationScheme.NVFP4_CT
+    for e in range(ex.num_local):
+        p = f"model.layers.0.block_sparse_moe.experts.{e}."
+        want = [float(t[p + w + ".input_global_scale"].float().reshape(-1)[0]) for w in ("w1", "w2")]
+        assert ex.input_scale[e].tolist() == want  # bit-exact: not the reciprocal of a reciprocal
+    # on CPU with the kernels: the FP4 x FP4 kernel, with compressed-tensors' rule (docs/checkpoints.md §9.1)
+    assert (ex.choice.impl is LinearImpl.CPU_W4A4) == kernel_backend().available
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, ex.hidden_size, generator=g)
+    got = ex.grouped_rows(x, torch.tensor([5] + [5] * (ex.num_local - 1), dtype=torch.int32))
+    w13, w2 = ex.expert_weights(0, torch.float32)
+    F = torch.nn.functional
+    gate, up = F.linear(qdq_nvfp4_ct(x, ex.input_scale[0, 0]), w13).chunk(2, dim=-1)
+    ref = F.linear(qdq_nvfp4_ct(F.silu(gate) * up, ex.input_scale[0, 1]), w2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 # ---- --quantize-unquantized fp8: the bf16 attention / lm_head of an MXFP4 release in FP8 blocks --

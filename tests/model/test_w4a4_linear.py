@@ -8,9 +8,11 @@ input and its own dequantisation to the weight, up to the fp32 summation-order b
 - NVFP4: weights by nvidia-modelopt (``NVFP4QTensor.quantize``; reference weight its ``dequantize``),
   input by modelopt's ``fp4_fake_quant_block`` (tests/formats/modelopt_nvfp4_ref.py, Triton interpreter).
 
-m2serve's paths: ``Linear`` with ``input_quant`` (a quantised linear outside the experts), and the
-packed-weight product the experts run (``quantize_activations`` then kernels ``grouped_linear``, the
-C++ kernels when built). The bound: |Σ fp32 − Σ exact| <= 2·K·2^-24·Σ|x'·w| (docs/model.md §6 style).
+m2serve's paths: ``Linear`` with ``input_quant`` (a quantised linear outside the experts), the
+packed-weight product (``quantize_activations`` then kernels ``grouped_linear``, the C++ kernels when
+built), and the FP4 x FP4 kernels the experts take on CPU (``cpu_w4a4_grouped_linear``, which
+quantise the input themselves; docs/checkpoints.md §9.1), on every path this CPU has. The bound:
+|Σ fp32 − Σ exact| <= 2·K·2^-24·Σ|x'·w| (docs/model.md §6 style).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 
 from m2serve.formats.act_quant import ActivationScheme, quantize_activations
 from m2serve.formats.fp4 import FP4Scheme, PackedFP4
-from m2serve.kernels.ops import PackedWeights, grouped_linear
+from m2serve.kernels import build
+from m2serve.kernels.ops import PackedWeights, cpu_w4a4_grouped_linear, grouped_linear, w4a4_path
 from m2serve.model.linear import Linear
 
 with warnings.catch_warnings():
@@ -92,8 +95,13 @@ def test_w4a4_linear_matches_library_reference(fmt, tmp_path):
     lin.input_quant = (scheme, input_scale)
     offsets = torch.tensor([R], dtype=torch.int32)
     xq = quantize_activations(x, scheme, input_scale)
-    grouped = grouped_linear(xq, offsets, PackedWeights.stack([packed]))
-    for got in (lin(x), grouped):
+    stacked = PackedWeights.stack([packed])
+    grouped = grouped_linear(xq, offsets, stacked)
+    act = None if input_scale is None else input_scale.reshape(1).float()
+    w4a4 = [cpu_w4a4_grouped_linear(x, offsets, stacked, w4a4_path(build.select_backend(isa).isa), act)
+            for isa in build.supported_isas()]
+    assert w4a4  # the kernels are built on this machine (scalar at least)
+    for got in (lin(x), grouped, *w4a4):
         err = (got.double() - want).abs()
         assert bool((err <= bound).all()), f"{fmt}: max excess {(err - bound).max():.3g}"
     # and the input quantisation matters: the unquantised product is outside the bound
@@ -106,7 +114,7 @@ def test_grouped_experts_quantise_each_row_with_its_experts_scale(scheme):
     # docs/checkpoints.md §9: the grouped expert path (rows sorted by expert, offsets) quantises every row's
     # w13 input and w2 input with ITS expert's input scale (NVFP4; found on the device), as a plain
     # per-expert computation does: qdq(x) -> w13 -> SwiGLU -> qdq -> w2 (rows past offsets[-1] skipped)
-    from m2serve.formats.act_quant import qdq_mxfp4, qdq_nvfp4
+    from m2serve.formats.act_quant import qdq_mxfp4, qdq_nvfp4, qdq_nvfp4_ct
     from m2serve.model.experts import MiniMaxM2Experts
 
     E, H, I = 4, 64, 32
@@ -125,6 +133,8 @@ def test_grouped_experts_quantise_each_row_with_its_experts_scale(scheme):
     def q(t, e, which):
         if scheme is ActivationScheme.MXFP4:
             return qdq_mxfp4(t)
+        if scheme is ActivationScheme.NVFP4_CT:  # the table holds global scales then
+            return qdq_nvfp4_ct(t, (s13 if which == 0 else s2)[e])
         return qdq_nvfp4(t, (s13 if which == 0 else s2)[e])
 
     start = 0

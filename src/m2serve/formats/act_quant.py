@@ -7,8 +7,10 @@ with the rules of the library that produced each release, bit for bit:
 
 - MXFP4 (Quark ``input_tensors``: fp4, per_group 32, e8m0, dynamic, scale mode "even"):
   :func:`qdq_mxfp4`. No state: the shared E8M0 scale comes from each group's own amax.
-- NVFP4 (ModelOpt ``input_scale`` / compressed-tensors ``input_global_scale``): :func:`qdq_nvfp4`,
-  per-16 E4M3 block scales under the linear's calibrated per-tensor input scale.
+- NVFP4 (ModelOpt ``input_scale``): :func:`qdq_nvfp4`, per-16 E4M3 block scales under the linear's
+  calibrated per-tensor input scale.
+- NVFP4 (compressed-tensors ``input_global_scale``): :func:`qdq_nvfp4_ct`, the same format with
+  compressed-tensors' own arithmetic (it differs from ModelOpt's in the last bit of some elements).
 
 :func:`quantize_activations` is THE seam: every quantised linear (model/linear.py, the experts in
 model/experts.py) calls it on its input before the product, and a fused GPU path must give the same
@@ -41,6 +43,7 @@ class ActivationScheme(enum.Enum):
 
     MXFP4 = "mxfp4"  # per 32: E8M0 scale from the group's amax (Quark "even"), E2M1 elements
     NVFP4 = "nvfp4"  # per 16: E4M3 scale under a per-linear fp32 input scale (ModelOpt), E2M1 elements
+    NVFP4_CT = "nvfp4_ct"  # per 16: E4M3 scale under the input global scale (compressed-tensors' rules)
 
     @property
     def group(self) -> int:
@@ -49,8 +52,11 @@ class ActivationScheme(enum.Enum):
     @property
     def numerics(self) -> str:
         """The banner's words for it."""
-        return ("W4A4 MXFP4 (dynamic E8M0 per 32, Quark rounding)" if self is ActivationScheme.MXFP4
-                else "W4A4 NVFP4 (E4M3 per 16 under the input scale, ModelOpt rounding)")
+        if self is ActivationScheme.MXFP4:
+            return "W4A4 MXFP4 (dynamic E8M0 per 32, Quark rounding)"
+        if self is ActivationScheme.NVFP4:
+            return "W4A4 NVFP4 (E4M3 per 16 under the input scale, ModelOpt rounding)"
+        return "W4A4 NVFP4 (E4M3 per 16 under the input global scale, compressed-tensors rounding)"
 
 
 def round_e2m1(mag: torch.Tensor) -> torch.Tensor:
@@ -128,15 +134,53 @@ def qdq_nvfp4(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     return torch.where(g >= 0, y, 0.0 - y).reshape(x.shape).to(x.dtype)  # 0 - y: a zero is +0
 
 
+#: compressed-tensors' stand-in for a zero NVFP4 block scale (its e4m3 "eps").
+NVFP4_CT_ZERO_BLOCK_SCALE = 0.125
+
+
+def qdq_nvfp4_ct(x: torch.Tensor, global_scale: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [R, K] (K a multiple of 16), global_scale fp32 (compressed-tensors ``input_global_scale`` = 1 /
+    ModelOpt's input scale): a scalar, or [R, 1] one per row -> x's shape and dtype: every 16-element
+    group quantised to NVFP4 and back, bit-equal to compressed-tensors' dynamic ``tensor_group`` input
+    fake quantisation (docs/checkpoints.md §9, compressed-tensors rules). Per group: ``amax`` (of the
+    group's min and max, each taken with 0, in x's dtype) divided by 6 in x's dtype, times the global
+    scale in fp32, clamped to ±448 and rounded to e4m3 (0 -> 0.125), then divided by the global
+    scale: ``s``. Element: ``x / s`` clamped to [-6, 6], the nearest E2M1 magnitude (ties to the even
+    code) times ``sign(x / s)``, times ``s`` (fp32), one rounding to x's dtype (``dtype`` instead when
+    given: float32 keeps the fp32 values the FP4 x FP4 kernel multiplies). NaN stays NaN (and a
+    NaN in a group makes its scale NaN); inf becomes ±6·s. Raises ValueError naming the width when
+    K is not a multiple of 16."""
+    k = x.shape[-1]
+    if k % NVFP4_GROUP:
+        raise ValueError(f"activation width {k} is not a multiple of the FP4 group size {NVFP4_GROUP}")
+    g = x.reshape(-1, k // NVFP4_GROUP, NVFP4_GROUP)  # [R, G, 16] in x's dtype
+    gsc = global_scale.float().reshape(-1, 1, 1)  # never 0-dim: a 0-dim fp32 would compute in bf16
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    lo = torch.minimum(g.amin(-1, keepdim=True), zero)
+    hi = torch.maximum(g.amax(-1, keepdim=True), zero)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    block = (gsc * (amax / torch.tensor(6.0, dtype=x.dtype, device=x.device))).clamp(-E4M3_MAX, E4M3_MAX)
+    block = block.to(torch.float8_e4m3fn).float()
+    s = torch.where(block == 0, NVFP4_CT_ZERO_BLOCK_SCALE, block) / gsc
+    v = (g / s).clamp(-6.0, 6.0)
+    mag = v.abs()
+    q = torch.where(mag.isnan(), mag, round_e2m1(mag)) * torch.sign(v)
+    return (q * s).reshape(x.shape).to(dtype or x.dtype)
+
+
 def quantize_activations(x: torch.Tensor, scheme: ActivationScheme | None,
                          input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """THE activation seam of W4A4 (docs/checkpoints.md §9): a quantised linear's input x [R, K] act
     -> quantised-then-dequantised x, same shape and dtype. ``scheme`` None returns x itself (W4A16);
-    MXFP4 ignores ``input_scale``; NVFP4 needs it (fp32 scalar or [R, 1], ValueError otherwise)."""
+    MXFP4 ignores ``input_scale``; NVFP4 needs it (fp32 scalar or [R, 1], ValueError otherwise);
+    NVFP4_CT takes the linear's input *global* scale there (compressed-tensors ``input_global_scale``)."""
     if scheme is None:
         return x
     if scheme is ActivationScheme.MXFP4:
         return qdq_mxfp4(x)
     if input_scale is None:
         raise ValueError("NVFP4 activation quantisation needs the linear's input_scale")
+    if scheme is ActivationScheme.NVFP4_CT:
+        return qdq_nvfp4_ct(x, input_scale)
     return qdq_nvfp4(x, input_scale)

@@ -202,14 +202,16 @@ def _modelopt(quant: dict[str, Any], source: str) -> QuantSpec:
                      source=source, activations=act, activations_unsupported=why)
 
 
-def _nvfp4_inputs(inputs: dict[str, Any], field: str,
-                  source: str) -> tuple[ActivationScheme | None, str | None]:
-    """Declared NVFP4 input activations -> (NVFP4, None), or (None, why) when not 4-bit float per 16."""
+def _nvfp4_inputs(inputs: dict[str, Any], field: str, source: str,
+                  scheme: ActivationScheme = ActivationScheme.NVFP4
+                  ) -> tuple[ActivationScheme | None, str | None]:
+    """Declared NVFP4 input activations -> (``scheme``, None): ModelOpt's rules (NVFP4) or
+    compressed-tensors' (NVFP4_CT), docs/checkpoints.md §9; (None, why) when not 4-bit float per 16."""
     got = (inputs.get("num_bits", 4), inputs.get("type", "float"), inputs.get("group_size", NVFP4_GROUP))
     if got != (4, "float", NVFP4_GROUP):
         return None, (f"{source}: {field} num_bits={got[0]!r} type={got[1]!r} group_size={got[2]!r} "
                       f"is not NVFP4 input quantisation (4-bit float, group {NVFP4_GROUP})")
-    return ActivationScheme.NVFP4, None
+    return scheme, None
 
 
 def _quark(quant: dict[str, Any], source: str) -> QuantSpec:
@@ -275,7 +277,7 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> QuantSpec:
         inputs = group.get("input_activations")
         if inputs and enc is Encoding.NVFP4:
             act, why = _nvfp4_inputs(inputs, f"quantization_config.config_groups.{gname}.input_activations",
-                                     source)
+                                     source, ActivationScheme.NVFP4_CT)
         elif inputs:
             why = (f"{source}: config_groups.{gname}.input_activations: compressed-tensors MXFP4 input "
                    "quantisation is not supported (W4A4 MXFP4 follows Quark's rules)")

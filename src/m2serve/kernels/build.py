@@ -1,4 +1,5 @@
-"""Build, cache and load the CPU kernels (csrc/: packed_linear.cpp, copy_check.cpp), and pick the ISA.
+"""Build, cache and load the CPU kernels (csrc/: packed_linear.cpp, copy_check.cpp, w4a4_linear.cpp), and
+pick the ISA.
 
 The C++ is compiled once with ``torch.utils.cpp_extension`` (ninja) into a cache directory keyed
 by the sources' hash and the torch / Python versions, under a file lock so that ``cpu:N`` ranks
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "copy_check.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "copy_check.cpp",
+                                                                  "w4a4_linear.cpp"))
 LIBRARY = "m2serve_kernels"
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "M2SERVE_CPU_ISA"
@@ -90,6 +92,14 @@ def _register_fake() -> None:
     @torch.library.register_fake(f"{LIBRARY}::grouped_linear")
     def _(x, offsets, q, scale, scale2, fmt, block_n, block_k, isa, tile_n, gemv_rows, mm_tile_n):
         return x.new_empty(x.shape[0], q.shape[1])
+
+    @torch.library.register_fake(f"{LIBRARY}::w4a4_linear")
+    def _(x, offsets, q, scale, scale2, fmt, act, act_scale, path, tile_n):
+        return x.new_empty(x.shape[0], q.shape[1])
+
+    @torch.library.register_fake(f"{LIBRARY}::w4a4_quantize")
+    def _(x, offsets, fmt, act, act_scale, path):
+        return x.new_empty(x.shape, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from m2serve.config.engine_args import FP8_LINEAR_MODES
+from m2serve.formats.act_quant import ActivationScheme
 from m2serve.kernels.build import KernelBackend
-from m2serve.kernels.ops import WeightFormat
+from m2serve.kernels.ops import W4A4_SCHEMES, WeightFormat, w4a4_path
 
 #: The module of the Triton FP8 linear, imported only when a module is given that choice
 #: (docs/kernels.md §1: nothing imports the Triton package eagerly).
@@ -39,6 +40,8 @@ class LinearImpl(enum.Enum):
     """How a module computes ``x · dequant(W)ᵀ``.
 
     CPU_PACKED: the C++ kernels (``m2serve_kernels::grouped_linear``) straight from the stored codes.
+    CPU_W4A4: FP4 experts with FP4 activations (W4A4): the C++ FP4 x FP4 kernels
+    (``m2serve_kernels::w4a4_linear``, docs/checkpoints.md §9.1) quantise each input row themselves.
     TRITON: the Triton GPU kernels on the stored codes (:func:`triton_formats`: FP8 block linears,
     experts in every stored format through the fused MoE).
     TORCH: the reference, dequantise on the weights' device with
@@ -46,6 +49,7 @@ class LinearImpl(enum.Enum):
     """
 
     CPU_PACKED = "cpu-packed"
+    CPU_W4A4 = "cpu-w4a4"
     TRITON = "triton"
     TORCH = "torch"
 
@@ -53,7 +57,8 @@ class LinearImpl(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
     """One module's implementation. ``isa``: the CPU kernels' ISA code (build.py ``ISA_CODES``) for
-    CPU_PACKED, else None. ``mode``: the Triton FP8 linear's ``w8a16`` / ``w8a8`` for TRITON, else
+    CPU_PACKED, the kernels/ops.py ``W4A4Path`` for CPU_W4A4, else None. ``mode``: the Triton FP8
+    linear's ``w8a16`` / ``w8a8`` for TRITON, else
     None. ``label``: what the start banner prints (e.g. ``cpu-avx512``, ``triton-w8a16``, ``torch``)."""
 
     impl: LinearImpl
@@ -93,11 +98,15 @@ def triton_fused_moe() -> Callable[..., torch.Tensor]:
 
 
 def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype: torch.dtype,
-                backend: KernelBackend, fp8_linear: str = "w8a16", grouped: bool = False) -> KernelChoice:
+                backend: KernelBackend, fp8_linear: str = "w8a16", grouped: bool = False,
+                act_scheme: ActivationScheme | None = None) -> KernelChoice:
     """The implementation for weights of ``fmt`` held on ``device`` with ``act_dtype`` activations.
 
     CPU: the C++ kernels when ``backend`` is available, the activations are bf16 or fp32 and the
     weight is one of ``WeightFormat`` (every packed format, and bf16), else the torch reference.
+    Experts (``grouped``) whose inputs are quantised (``act_scheme``, W4A4, docs/checkpoints.md §9)
+    with the scheme of their FP4 format (ops.py ``W4A4_SCHEMES``): the FP4 x FP4 kernels
+    (CPU_W4A4, the widest ``W4A4Path`` of ``backend``'s ISA, label e.g. ``cpu-w4a4-avx512_vnni``).
     CUDA: the Triton kernels for a format :func:`triton_formats` lists with bf16 activations
     (``fp8_linear``, EngineArgs.fp8_linear: ``w8a16`` or ``w8a8``), else the torch reference;
     ``grouped`` (a layer's experts, held as stored): the Triton fused MoE (label ``triton-moe``). Any
@@ -110,6 +119,10 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
     if fmt is None:
         return TORCH_CHOICE
     if device.type == "cpu":
+        if backend.available and act_dtype in CPU_KERNEL_DTYPES and grouped and act_scheme is not None and \
+                act_scheme in W4A4_SCHEMES.get(fmt, ()):
+            path = w4a4_path(backend.isa)
+            return KernelChoice(LinearImpl.CPU_W4A4, int(path), f"cpu-w4a4-{path.name.lower()}")
         if backend.available and act_dtype in CPU_KERNEL_DTYPES:
             return KernelChoice(LinearImpl.CPU_PACKED, backend.isa, backend.name)
         return TORCH_CHOICE

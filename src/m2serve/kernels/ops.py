@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from m2serve.config.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
+from m2serve.formats.act_quant import ActivationScheme
 from m2serve.formats.finite import CopyCheck, copy_check_torch
 from m2serve.formats.fp4 import (
     FP4Scheme,
@@ -304,6 +305,74 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13
     """
     gate, up = grouped_linear(x_sorted, offsets, packed_w13, backend, batch_invariant).chunk(2, dim=-1)
     return grouped_linear(F.silu(gate) * up, offsets, packed_w2, backend, batch_invariant)
+
+
+class W4A4Path(enum.IntEnum):
+    """The FP4 x FP4 kernels' instruction paths (csrc/w4a4_linear.cpp; docs/checkpoints.md §9.1)."""
+
+    SCALAR = 0
+    AVX2 = 1  # vpmaddubsw + vpmaddwd
+    AVX512_VNNI = 2  # vpdpbusd (AVX512_VNNI with F/BW/VL)
+
+
+#: The activation schemes the W4A4 kernel quantises an FP4 weight format's input with (same group).
+W4A4_SCHEMES = {WeightFormat.MXFP4: (ActivationScheme.MXFP4,),
+                WeightFormat.NVFP4_MODELOPT: (ActivationScheme.NVFP4, ActivationScheme.NVFP4_CT),
+                WeightFormat.NVFP4_CT: (ActivationScheme.NVFP4, ActivationScheme.NVFP4_CT)}
+#: The kernel's code of each activation rule (csrc/w4a4_linear.cpp ``Act``).
+W4A4_ACT_CODES = {ActivationScheme.MXFP4: 0, ActivationScheme.NVFP4: 1, ActivationScheme.NVFP4_CT: 2}
+
+
+def w4a4_path(isa: int) -> W4A4Path:
+    """The widest W4A4 path for the CPU kernels' ISA code ``isa`` (build.py ``ISA_CODES``) on this
+    CPU: AVX-512 with VNNI, else AVX2, else scalar. Needs the library loaded (build.py)."""
+    supported = torch.ops.m2serve_kernels.w4a4_path_supported
+    if isa >= 2 and supported(int(W4A4Path.AVX512_VNNI)):
+        return W4A4Path.AVX512_VNNI
+    if isa >= 1 and supported(int(W4A4Path.AVX2)):
+        return W4A4Path.AVX2
+    return W4A4Path.SCALAR
+
+
+def cpu_w4a4_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights, path: int,
+                            act_scale: torch.Tensor | None = None,
+                            scheme: ActivationScheme | None = None) -> torch.Tensor:
+    """W4A4: x [R, K] bf16/fp32 (CPU) quantised in the kernel per row to FP4 by ``scheme`` (default:
+    the first of :data:`W4A4_SCHEMES` for ``w``'s format; docs/checkpoints.md §9), times the FP4
+    weights ``w`` (MXFP4 or NVFP4, [E, N, K/2]) as int8 dot products per group
+    (csrc/w4a4_linear.cpp, §9.1) -> [R, N] in x's dtype; offsets int32 [E] as :func:`grouped_linear`
+    (rows past offsets[-1] give 0). ``act_scale`` f32 [E]: each expert's NVFP4 input scale (NVFP4_CT:
+    its input global scale; None for MXFP4). ``path``: a :class:`W4A4Path` (chosen once). Equals
+    ``quantize_activations(x)`` in fp32 times the fp32 dequantised weight up to the fp32 summation
+    order. Raises RuntimeError (the op's check) for a non-FP4 format, a scheme that does not fit it,
+    a missing NVFP4 scale or K not a multiple of the group."""
+    scheme = scheme if scheme is not None else W4A4_SCHEMES.get(w.fmt, (ActivationScheme.MXFP4,))[0]
+    return torch.ops.m2serve_kernels.w4a4_linear(
+        x.contiguous(), offsets.to(torch.int32).contiguous(), w.q, w.scale, w.scale_2, int(w.fmt),
+        W4A4_ACT_CODES[scheme], act_scale, int(path), TILE_N)
+
+
+def cpu_w4a4_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
+                        packed_w2: PackedWeights, path: int,
+                        act_scales: tuple[torch.Tensor | None, ...] = (None, None),
+                        scheme: ActivationScheme | None = None) -> torch.Tensor:
+    """:func:`grouped_expert_ffn` with both products W4A4 (:func:`cpu_w4a4_grouped_linear`): the
+    input of w13 and the SwiGLU output feeding w2 are each quantised in the kernel by ``scheme``.
+    ``act_scales``: NVFP4 (w13's, w2's) per-expert input (global) scales f32 [E_loc], else Nones."""
+    gate, up = cpu_w4a4_grouped_linear(x_sorted, offsets, packed_w13, path, act_scales[0],
+                                       scheme).chunk(2, dim=-1)
+    return cpu_w4a4_grouped_linear(F.silu(gate) * up, offsets, packed_w2, path, act_scales[1], scheme)
+
+
+def w4a4_quantized_inputs(x: torch.Tensor, offsets: torch.Tensor, fmt: WeightFormat,
+                          act_scale: torch.Tensor | None = None, path: int = W4A4Path.SCALAR,
+                          scheme: ActivationScheme | None = None) -> torch.Tensor:
+    """The activations as the W4A4 kernel of ``path`` quantises and lays them out, read back and
+    dequantised: x [R, K] -> fp32 [R, K] (code / 2 · group scale; rows past offsets[-1] give 0).
+    For tests: it equals formats/act_quant.py's quantise-dequantise of x in fp32 bit for bit."""
+    scheme = scheme if scheme is not None else W4A4_SCHEMES[fmt][0]
+    return torch.ops.m2serve_kernels.w4a4_quantize(x.contiguous(), offsets.to(torch.int32).contiguous(),
+                                                   int(fmt), W4A4_ACT_CODES[scheme], act_scale, int(path))
 
 
 def _copy_check_kernel(dst: torch.Tensor, src: torch.Tensor, mask: int) -> bool:

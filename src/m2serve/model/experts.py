@@ -19,7 +19,9 @@ left uninitialised) and the combine zeroes them with a ``where`` (their weight b
 offsets int32 [E_loc]) and uses the layer's weights in whatever form they are held. Packed
 (runtime dequantisation) experts whose kernel choice (made once after loading,
 model/kernel_choice.py) is the CPU kernels run ``cpu_grouped_expert_ffn`` straight from the stored
-codes: two grouped calls, no host read. Otherwise (the torch reference: CUDA, fp16, no kernels) it
+codes: two grouped calls, no host read; FP4 experts with W4A4 inputs run ``cpu_w4a4_expert_ffn``
+(the FP4 x FP4 kernels, which quantise the inputs themselves, docs/checkpoints.md §9.1). Otherwise
+(the torch reference: CUDA, fp16, no kernels) it
 dequantises the active experts on their device (one host read of the offsets), then grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
@@ -50,6 +52,7 @@ from m2serve.kernels.ops import (
     WeightFormat,
     cpu_grouped_expert_ffn,
     cpu_grouped_linear,
+    cpu_w4a4_expert_ffn,
     rowwise_linear,
 )
 
@@ -176,6 +179,7 @@ class MiniMaxM2Experts(nn.Module):
         self.act_scheme: ActivationScheme | None = None  # W4A4 inputs (set_activation_quant)
         self.band0 = 0  # FP8: offset of the intermediate slice inside its first 128-wide band (at load)
         self._fused = None  # (fused_moe, (w1, w3, w2) stacks) when the choice is the Triton fused MoE
+        self._w4a4_scales = (None, None)  # NVFP4 W4A4 kernels: per-expert input scales (w13's, w2's)
 
     def weight_format(self) -> WeightFormat | None:
         """The experts' format for the kernel choice (kernels/choice.py): the packed format when
@@ -190,12 +194,19 @@ class MiniMaxM2Experts(nn.Module):
         ``fused_moe`` on the stored w1 / w3 / w2 (:meth:`forward`, :meth:`rows`). Raises ValueError
         naming the choice when it is the CPU kernels or Triton without ``kernel_weights``
         (:meth:`pack_for_kernels`: experts held as stored), or the CPU kernels without an ISA."""
-        if choice.impl is LinearImpl.CPU_PACKED and (self.kernel_weights is None or choice.isa is None):
+        if choice.impl in (LinearImpl.CPU_PACKED, LinearImpl.CPU_W4A4) and (
+                self.kernel_weights is None or choice.isa is None):
             raise ValueError(f"kernel choice {choice.label}: experts have no kernel weights or ISA")
+        if choice.impl is LinearImpl.CPU_W4A4 and self.act_scheme is None:
+            raise ValueError(f"kernel choice {choice.label}: the experts' inputs are not quantised (W4A4)")
         if choice.impl is LinearImpl.TRITON and self.kernel_weights is None:
             raise ValueError(f"kernel choice {choice.label}: experts are not held as stored")
         self.choice = choice
         self._fused = None
+        self._w4a4_scales = (None, None)
+        if choice.impl is LinearImpl.CPU_W4A4 and self.act_scheme is not ActivationScheme.MXFP4:
+            # each expert's input scales (w13's, w2's) as the kernel takes them, once
+            self._w4a4_scales = (self.input_scale[:, 0].contiguous(), self.input_scale[:, 1].contiguous())
         if choice.impl is LinearImpl.TRITON:  # the launcher and the stacks it reads, once
             self._fused = (triton_fused_moe(), tuple(self._stacked(w) for w in ("w1", "w3", "w2")))
 
@@ -280,6 +291,9 @@ class MiniMaxM2Experts(nn.Module):
         stacked and run by grouped_mm with their offsets (dequantising all E_loc would hold every
         expert dense at once). :func:`loop_swiglu` where grouped_mm does not run (:func:`has_grouped_mm`).
         """
+        if self.choice.impl is LinearImpl.CPU_W4A4:  # FP4 x FP4: the kernels quantise the inputs
+            return cpu_w4a4_expert_ffn(x, offsets, *self.kernel_weights, self.choice.isa, self._w4a4_scales,
+                                       self.act_scheme)
         quant = self.input_quant(offsets)
         if self.choice.impl is LinearImpl.CPU_PACKED:
             isa, invariant = self.choice.isa, self.batch_invariant
@@ -307,11 +321,12 @@ class MiniMaxM2Experts(nn.Module):
     def set_activation_quant(self, scheme: ActivationScheme, input_scales: dict[str, float | None]) -> None:
         """Quantise the input of every expert product (W4A4, docs/checkpoints.md §9) with ``scheme``.
         NVFP4: ``input_scales`` maps hub names (``...experts.E.w1.weight``) to each linear's input
-        scale; this rank keeps its experts' as ``input_scale`` f32 [E_loc, 2] (w13's input, w2's).
+        scale (NVFP4_CT: its input global scale); this rank keeps its experts' as ``input_scale`` f32
+        [E_loc, 2] (w13's input, w2's).
         Raises ValueError naming both tensors when an expert's w1 and w3 scales differ (they share
         one input), or naming the tensor when one is missing."""
         self.act_scheme = scheme
-        if scheme is not ActivationScheme.NVFP4:
+        if scheme not in (ActivationScheme.NVFP4, ActivationScheme.NVFP4_CT):
             return
         by_expert: dict[tuple[int, str], float] = {}
         for name, value in input_scales.items():

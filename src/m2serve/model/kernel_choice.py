@@ -44,8 +44,9 @@ def choose_kernels(model: nn.Module, backend: KernelBackend | None = None,
     """Give every Linear and MiniMaxM2Experts under ``model`` (``model`` itself included) its
     implementation, once, from (device, weight format, activation dtype, ``backend``; default
     :func:`kernel_backend`; ``fp8_linear``, EngineArgs.fp8_linear). Call after the weights are
-    loaded (a module learns its format then); returns the summary for the banner, also kept as
-    ``model.kernel_summary``. Raises ValueError as kernels/choice.py ``choose_impl``."""
+    loaded (a module learns its format then) and after the W4A4 activation quantisation is set
+    (experts with FP4 inputs get the FP4 x FP4 kernels on CPU); returns the summary for the
+    banner, also kept as ``model.kernel_summary``. Raises ValueError as kernels/choice.py ``choose_impl``."""
     backend = backend if backend is not None else kernel_backend()
     summary = KernelSummary()
     for module in model.modules():
@@ -56,7 +57,8 @@ def choose_kernels(model: nn.Module, backend: KernelBackend | None = None,
         else:
             continue
         fmt = module.weight_format()
-        choice = choose_impl(_device(module), fmt, act, backend, fp8_linear, grouped=kind == "experts")
+        choice = choose_impl(_device(module), fmt, act, backend, fp8_linear, grouped=kind == "experts",
+                             act_scheme=getattr(module, "act_scheme", None))
         if choice.impl is LinearImpl.TRITON and getattr(module, "act_scheme", None) is not None:
             # W4A4 experts: the fused MoE does not quantise its inputs yet (docs/checkpoints.md §9,
             # the seam formats/act_quant.py quantize_activations), so they keep the torch reference

@@ -214,13 +214,17 @@ def set_activation_quant(model: MiniMaxM2ForCausalLM, plan: LoadPlan,
     """Give every quantised (packed FP4) linear of ``plan`` its input quantisation (docs/checkpoints.md
     §9): the experts of each layer (MiniMaxM2Experts.set_activation_quant) and any other FP4 Linear
     (``Linear.input_quant``); linears the exclude list keeps dense stay unquantised. NVFP4 takes each
-    linear's input scale (formats/loader.py ``read_input_scales``). Raises ValueError when an NVFP4
-    checkpoint holds no input scale at all, or when a layer mixes FP4 and other experts."""
+    linear's input scale (formats/loader.py ``read_input_scales``), NVFP4_CT its input global scale.
+    Raises ValueError when an NVFP4 checkpoint holds no input scale at all, or when a layer mixes FP4
+    and other experts."""
     if scheme is None:
         return
     quantised = [name for name, kind in plan.kinds.items() if kind in _FP4_KINDS]
-    scales = read_input_scales(plan) if scheme is ActivationScheme.NVFP4 else {}
-    if scheme is ActivationScheme.NVFP4 and not scales:
+    nvfp4 = scheme in (ActivationScheme.NVFP4, ActivationScheme.NVFP4_CT)
+    scales = read_input_scales(plan) if nvfp4 else {}
+    if scheme is ActivationScheme.NVFP4_CT:  # compressed-tensors' rules take the global scale itself:
+        scales = {n: 1.0 / v for n, v in scales.items()}  # 1 / (1 / g) in float64 rounds back to fp32 g
+    if nvfp4 and not scales:
         raise ValueError(f"{plan.reader.path}: {plan.quant.source} declares NVFP4 input activations but the "
                          "checkpoint holds no input_scale / input_global_scale tensor; pass activation_quant "
                          "none to run W4A16")
