@@ -289,3 +289,32 @@ def test_constraint_rows_and_rollback(toy_model, toy_config):
     assert out["spec"][0] == out["plain"][0] and out["spec"][1] == out["plain"][1]
     assert out["plain"][0][-1] == 0 and all(t % 2 == 0 for t in out["plain"][0])
     assert out["spec"][2] > 0 and out["spec"][3] > 0
+
+
+def test_drafts_never_cost_a_later_request_its_decode_page():
+    # Hand-derived (page size 4, 3 pages): after the prefills a = [1, 2, 1] + [2] (1 page, 3 computed)
+    # and b = [7, 8, 9, 10] + [2] (1 page, 4 computed) leave one free page. a's decode fits its page;
+    # its n-gram draft is [1, 2] (the bigram [1, 2] at 0 is followed by 1, 2) and would take the free
+    # page for positions 4-5; b's decode (position 4) needs that page. Plain decoding preempts
+    # nobody, so the drafts must be dropped rather than b preempted (docs/serving.md §13).
+    from m2serve.config.model_config import GenerationDefaults
+    from m2serve.engine.request import Request
+    from m2serve.engine.sampling import SamplerOutput, SamplingState
+    from m2serve.engine.scheduler import Scheduler
+
+    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0).resolved(GenerationDefaults())
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    sched = Scheduler(KVCacheManager(num_pages=3, page_size=4), max_batch_input_tokens=16, max_batch_size=4,
+                      speculative=spec)
+    a = Request("a", [1, 2, 1], SamplingState.new(params), arrival=0, max_length=64)
+    b = Request("b", [7, 8, 9, 10], SamplingState.new(params), arrival=1, max_length=64)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 3), ("b", 4)]
+    sched.update_from_output(out.scheduled, SamplerOutput([2, 2], [None, None]))
+    out = sched.schedule()
+    assert out.preempted == []
+    assert [(s.request.request_id, s.num_new_tokens, s.draft_token_ids) for s in out.scheduled] == \
+        [("a", 1, []), ("b", 1, [])]

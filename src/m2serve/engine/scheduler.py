@@ -18,8 +18,9 @@ requests. Stop strings are matched above the engine (serve/output.py), which abo
 
 With speculative decoding (docs/serving.md §13) a running request one token behind (a decode)
 also gets up to K drafted tokens (engine/speculative.py ``propose_ngram``), computed in the same
-chunk: its KV pages are allocated for them (never at the price of a preemption: a draft that does
-not fit is dropped), the update appends the accepted drafts and the target's next token, and pages
+chunk: its KV pages are allocated for them once every running request has its own chunk's pages
+(never at the price of a preemption or of another request's page: a draft that does not fit is
+dropped), the update appends the accepted drafts and the target's next token, and pages
 past the kept tokens are released (``KVCacheManager.trim``).
 """
 
@@ -187,14 +188,20 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                drafts = self._draft(req, budget - n) if n == 1 else []
-                if drafts and not self.kv.allocate(req.request_id, req.num_tokens + len(drafts)):
-                    drafts = []   # no page for the drafts: decode without (never preempt for one)
-                scheduled.append(ScheduledRequest(req, n + len(drafts), drafts))
-                budget -= n + len(drafts)
+                scheduled.append(ScheduledRequest(req, n))
+                budget -= n
                 i += 1
                 continue
             break
+
+        # Drafts only once every running request has its own chunk's pages, so that a draft never
+        # takes the page a later request's token needs (no preemption for a draft, docs/serving.md §13)
+        for j, s in enumerate(scheduled):
+            req = s.request
+            drafts = self._draft(req, budget) if s.num_new_tokens == 1 and s.completes else []
+            if drafts and self.kv.allocate(req.request_id, req.num_tokens + len(drafts)):
+                scheduled[j] = ScheduledRequest(req, 1 + len(drafts), drafts)
+                budget -= len(drafts)
 
         # Admit waiting requests only when nothing had to be preempted (memory is tight).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
