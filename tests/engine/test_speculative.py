@@ -15,6 +15,7 @@ import torch
 
 from m2serve.config.engine_args import (
     DEFAULT_PROMPT_LOOKUP,
+    MAX_SPECULATIVE_TOKENS,
     EngineArgs,
     SpeculativeConfig,
     parse_speculative_config,
@@ -36,7 +37,7 @@ def test_config_shapes_and_defaults():
                                      "prompt_lookup_max": 5}) == SpeculativeConfig("ngram", 2, 5, 5)
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
                                      "prompt_lookup_min": 3}) == SpeculativeConfig("ngram", 2, 3, 3)
-    assert parse_speculative_config(c) is c
+    assert parse_speculative_config(c) == c   # a SpeculativeConfig passes its own check
     assert c.describe() == "ngram k=3 lookup 2..4"
 
 
@@ -53,6 +54,11 @@ def test_config_shapes_and_defaults():
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "speculative_config.model"),
     ('{"method": ', "speculative_config"),
     ("[1]", "speculative_config"),
+    # a SpeculativeConfig built directly is checked too (K = 33 would outgrow the constraint's
+    # rollback history, text/constraint.py)
+    (SpeculativeConfig("ngram", MAX_SPECULATIVE_TOKENS + 1, 2, 4),
+     "speculative_config.num_speculative_tokens"),
+    (SpeculativeConfig("ngram", 4, 3, 2), "speculative_config.prompt_lookup_min"),
 ])
 def test_config_errors_name_the_field(value, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

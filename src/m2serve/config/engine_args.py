@@ -80,7 +80,8 @@ class SpeculativeConfig:
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     """``EngineArgs.speculative_config`` (``--speculative-config JSON``, the recipe's
     ``runtime.speculative_config``, ``LLM(speculative_config=...)``) as a `SpeculativeConfig`; None
-    (off) for None or an empty string. Accepts a JSON object string, a mapping or a `SpeculativeConfig`.
+    (off) for None or an empty string. Accepts a JSON object string, a mapping or a `SpeculativeConfig`
+(whose fields are checked the same way).
 
     Keys: method (required, one of SPECULATIVE_METHODS), num_speculative_tokens (required, an
     integer in [1, MAX_SPECULATIVE_TOKENS]), prompt_lookup_min / prompt_lookup_max (integers >= 1,
@@ -89,8 +90,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    if isinstance(value, SpeculativeConfig):
-        return value
+    if isinstance(value, SpeculativeConfig):   # built directly: checked like any other value
+        value = {f: getattr(value, f) for f in value.__slots__}
     if isinstance(value, str):
         try:
             value = json.loads(value)
