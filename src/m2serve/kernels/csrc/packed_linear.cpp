@@ -652,7 +652,7 @@ M2_AVX512VBMI void gemv_fp8_table(const Weight& w, int64_t e, int64_t n, const u
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m512i c = _mm512_loadu_si512(p[j] + k);
-        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T0);  // next rows
+        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T1);  // next rows
         const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index bits 6-0: the magnitude
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);  // ^ (c & 0x80)
         const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
