@@ -21,7 +21,9 @@
 // the vector functions carry GCC target attributes, so the file builds without -march flags. With
 // bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
 // (the fused GEMV), for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables, and for
-// MXFP4 a 16-bit table lookup plus an exponent add (gemv_mxfp4_avx512). Per-call scratch lives in
+// MXFP4 a 16-bit table lookup plus an exponent add (gemv_mxfp4_avx512). ISA 3 (AVX512F) runs the
+// AVX-512 kernels without the BF16 and VBMI paths, 4 (AVX512BF16) without the VBMI tables: the paths
+// a CPU lacking those extensions takes, testable on one that has them. Per-call scratch lives in
 // thread_local buffers that only grow (no allocation per decode step besides the output tensors).
 
 #include <ATen/ATen.h>
@@ -48,7 +50,9 @@
 namespace {
 
 enum Fmt : int64_t { BF16 = 0, FP8_BLOCK = 1, NVFP4_MODELOPT = 2, NVFP4_CT = 3, MXFP4 = 4 };
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+// AVX512F / AVX512BF16: the AVX-512 kernels without the CPU's extra paths (no BF16 dot products and no
+// VBMI tables / no VBMI tables), as a CPU without those extensions runs them (tests, benchmarks).
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512F = 3, AVX512BF16 = 4 };
 
 constexpr uint32_t QNAN = 0x7FC00000u;
 // E2M1 code -> value (checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
@@ -742,19 +746,6 @@ bool cpu_has_avx512vbmi() {
 #endif
 }
 
-bool isa_supported(int64_t isa) {
-  if (isa == SCALAR) return true;
-#if M2_X86
-  __builtin_cpu_init();
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == AVX2) return avx2;
-  if (isa == AVX512)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-#endif
-  return false;
-}
-
 bool cpu_has_avx512bf16() {
 #if M2_X86
   __builtin_cpu_init();
@@ -763,6 +754,21 @@ bool cpu_has_avx512bf16() {
   return false;
 #endif
 }
+
+bool isa_supported(int64_t isa) {
+  if (isa == SCALAR) return true;
+#if M2_X86
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == AVX2) return avx2;
+  if (isa == AVX512BF16) return isa_supported(AVX512) && cpu_has_avx512bf16();
+  if (isa == AVX512 || isa == AVX512F)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
 
 using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*, float*);  // scratch: K/16 floats
 using DotFn = float (*)(const float*, const float*, int64_t);
@@ -826,7 +832,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   DotFn dot = dot_scalar;
 #if M2_X86
   if (isa == AVX2) { decode = decode_row_avx2; dot = dot_avx2; }
-  if (isa == AVX512) { decode = decode_row_avx512; dot = dot_avx512; }
+  const bool avx512 = isa == AVX512 || isa == AVX512F || isa == AVX512BF16;
+  if (avx512) { decode = decode_row_avx512; dot = dot_avx512; }
 #endif
 
   std::vector<int64_t> ends(E);
@@ -836,11 +843,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= R, "grouped_linear: offsets must be non-decreasing and <= R");
   }
   // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
-  const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
+  const bool fused = (isa == AVX512 || isa == AVX512BF16) && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
                      (fmt != FP8_BLOCK || block_k % 32 == 0);
   // FP8 block on that path: per-block bf16 tables (needs VBMI), 64-column steps; a task is one scale
   // band of block_n weight rows, so that each table serves a whole block
-  const bool fp8_table = fused && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
+  const bool fp8_table = fused && isa == AVX512 && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
   // GEMV task height: tile_n rows; on the table path a whole scale band (each table then serves
   // block_n rows), halved while there are fewer than kTasksPerThread tasks per thread and the half
   // still divides the band (a task never straddles two bands) and is >= tile_n: with a few bands
