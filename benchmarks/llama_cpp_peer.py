@@ -1,37 +1,60 @@
-"""llama.cpp side by side with m2serve on the bench config: bytes read per token, effective GB/s, tok/s.
+"""llama.cpp side by side with m2serve on the bench config: decode tok/s at batch 1 and batched, through
+the engine and the bare forward, effective GB/s, prefill; medians of alternating rounds.
 
 The same random weights as ``benchmarks/formats.py`` (its bench config and checkpoints) run in both
-engines, three pairs, each engine's row in its own subprocess, once per ``--threads`` count:
+engines, three pairs (``--formats`` picks), once per ``--threads`` count:
 
     m2serve bf16, kernels       (bf16 checkpoint, --weight-dequant load)      vs llama.cpp BF16
     m2serve FP8 packed          (fp8 checkpoint, --weight-dequant runtime)    vs llama.cpp Q8_0
     m2serve MXFP4 packed        (mxfp4 checkpoint, --weight-dequant runtime)  vs llama.cpp MXFP4_MOE
 
+``--quantize-unquantized fp8`` loads the FP8 and MXFP4 rows with that flag (their bf16 attention
+and lm_head quantised to FP8 blocks at load, docs/checkpoints.md §6).
+
 The GGUFs are made from the bf16 checkpoint the way a user makes them: the converter shipped in the
 llama-cpp-python sdist of the installed version (``vendor/llama.cpp/convert_hf_to_gguf.py``, its
 ``conversion/`` package and ``gguf-py``; the sdist is fetched with ``pip download`` unless
-``--llama-src`` names an unpacked ``vendor/llama.cpp``) writes the BF16 GGUF, and
-``llama_cpp.llama_model_quantize`` makes Q8_0 and MXFP4_MOE from it. The converter refuses a
-tokenizer whose pre-tokenizer hash it does not know; the bench tokenizer (trained by
-``checkpoints/tokenizer_train.py``) is a byte-level BPE with the GPT-2 split regex, so the
-conversion subprocess replaces ``TextModel.get_vocab_base_pre`` in memory with one that answers
-``"gpt-2"`` (the vendored file is not edited). Token ids go in directly, so tokenisation is not timed.
+``--llama-src`` names an unpacked ``vendor/llama.cpp``, or the sdist is already in
+``<cache>/llama-src/``) writes the BF16 GGUF, and ``llama_cpp.llama_model_quantize`` makes Q8_0 and
+MXFP4_MOE from it. The converter refuses a tokenizer whose pre-tokenizer hash it does not know; the
+bench tokenizer (trained by ``checkpoints/tokenizer_train.py``) is a byte-level BPE with the GPT-2
+split regex, so the conversion subprocess replaces ``TextModel.get_vocab_base_pre`` in memory with
+one that answers ``"gpt-2"`` (the vendored file is not edited). Token ids go in directly, so
+tokenisation is not timed.
 
-llama.cpp rows: ``Llama(n_threads = n_threads_batch = threads, n_batch = n_ubatch = prefill)``, the
-prompts of formats.py (``formats.prompts``): 32 prompt tokens, one warm-up step, ``--decode``
-greedy batch-1 steps timed; then a warm-up ``--prefill``-token prompt and a timed one (KV cleared).
+Measurement: per (threads, pair) one m2serve worker and one llama.cpp worker, each a subprocess that
+loads once and stays up; the driver then alternates them, so that load drift on a shared machine
+hits both alike. Per batch size B of ``--batch`` (default 1 and 16): one warm-up round, then
+``--pairs`` rounds of [m2serve through ``LLMEngine.step`` | llama.cpp | m2serve bare forward], each
+decoding B sequences of distinct 32-token prompts for ``--decode`` timed greedy steps (B tokens a
+step). Printed: the median tok/s of each, and the median over rounds of the per-round ratios
+m2serve / llama.cpp (engine and forward). Then the same for one ``--prefill``-token prompt.
+
+- m2serve engine: ``LLMEngine`` as a server runs it (scheduler, paged KV cache of 16-token pages,
+  prefix caching off so every round computes, sampler; greedy), the B requests added at once and
+  prefilled in one step, the next ``--decode`` steps timed (each must return B tokens). Prefill: one
+  request with max_tokens 1, add_request to its finished output.
+- m2serve forward: the same loaded model called directly on a ``SimpleKVCache`` batch, argmax on the
+  host each step (what the engine adds is the difference).
+- llama.cpp: the C API through llama-cpp-python: one context with ``n_seq_max`` = the largest B,
+  ``kv_unified`` off (each sequence its own KV range), ``n_batch = n_ubatch`` = max(prefill,
+  B x 32), ``n_threads = n_threads_batch`` = threads; B sequences per ``llama_decode`` through one
+  ``llama_batch`` (one token per sequence a step, logits of every row), argmax on the host.
+
 llama.cpp quantises attention and lm_head too (Q8_0 in both quantised files), so it reads fewer
-bytes per token than m2serve, whose releases keep them bf16. Both engines' bytes per decode token
-follow one rule (``formats.decode_bytes``): every weight except the embedding table, the experts
-at top-k / E of their bytes, as stored (GGUF tensor sizes; m2serve's resident tensors). Effective
-GB/s = decode tok/s x bytes per token; ``x stream`` = that / the streaming read bandwidth measured
-in the same run (``formats.stream_gbs``). The ratio lines divide m2serve's figure by llama.cpp's.
+bytes per token than m2serve, whose releases keep them bf16 (unless ``--quantize-unquantized fp8``).
+Both engines' bytes per batch-1 decode token follow one rule (``formats.decode_bytes``): every
+weight except the embedding table, the experts at top-k / E of their bytes, as stored (GGUF tensor
+sizes; m2serve's resident tensors). Effective GB/s (batch 1 only) = decode tok/s x bytes per token;
+``x stream`` = that / the streaming read bandwidth measured in the same run (``formats.stream_gbs``).
+Every table is stated with the CPU model, its ISA flags and the load average (``formats.machine_line``).
 
 llama-cpp-python is an optional benchmark dependency (not in the test extras); it builds from
 source in ~15 minutes on 2 cores:
 
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install llama-cpp-python==0.3.36
-    python benchmarks/llama_cpp_peer.py [--threads 1 2] [--decode 8] [--prefill 512] [--cache DIR]
+    python benchmarks/llama_cpp_peer.py [--threads 1 2] [--batch 1 16] [--decode 16] [--pairs 5]
+        [--prefill 512] [--formats BF16 Q8_0 MXFP4_MOE] [--quantize-unquantized fp8] [--cache DIR]
         [--llama-src DIR]
 
 On a CPU with AMX in a VM that does not enable AMX tiles, such a ``-DGGML_NATIVE=ON`` build dies
