@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 
@@ -78,3 +80,21 @@ def test_machine_line_names_cpu_isa_and_load():
     assert isa.removeprefix("ISA: ").split() == [f for f in bench.ISA_FLAGS if f in fields["flags"].split()]
     assert cpus == f"{os.cpu_count()} CPUs" and load.startswith("load average ")
     assert all(float(x) >= 0 for x in load.removeprefix("load average ").split())
+
+
+def test_llama_cpp_peer_reports_the_median_of_per_round_ratios():
+    # the alternating rounds are summarised per pair: the median of m2serve / llama.cpp per round
+    # (so that a slow round of both cancels), not the ratio of the medians
+    spec = importlib.util.spec_from_file_location("bench_llama_peer", BENCH / "llama_cpp_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    # per-round ratios 2, 0.5, 3 -> 2; the ratio of the medians would be 20 / 10 = 2 too, so a
+    # second case where they differ: ratios 1, 1, 4 -> 1, medians 20 / 10 = 2
+    assert peer.median_pair_ratio([10, 20, 30], [5, 40, 10]) == 2
+    assert peer.median_pair_ratio([10, 20, 40], [10, 20, 10]) == 1
+    with pytest.raises(ValueError):
+        peer.median_pair_ratio([1, 2], [1])
+    prompts = peer.decode_prompts(32000, 16, 0)
+    assert len(prompts) == 16 and len({tuple(p) for p in prompts}) == 16  # B distinct prompts
+    assert all(len(p) == peer.formats.PROMPT for p in prompts)
+    assert peer.decode_prompts(32000, 16, 1) != prompts  # each round its own

@@ -302,16 +302,22 @@ def test_fp8_every_row_count_band_remainder_and_negative_scales(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_bf16_weights_one_two_three_rows_and_an_odd_last_row(isa):
-    # the AVX-512 path takes two weight rows at a time for one or two activation rows; N = 131 leaves one
+def test_bf16_weights_one_to_nine_rows_and_an_odd_last_row(isa):
+    # the AVX-512 BF16 path runs passes of up to 4 activation rows, one weight row at a time for 1-2
+    # rows and two at a time for 3-4 (N = 131 leaves an odd last row); 1..9 rows cover every pass
+    # shape. Each row's result must not depend on how many rows share the call (bit for bit: the
+    # batch-invariant mode relies on it, docs/model.md §7)
     g = torch.Generator().manual_seed(9)
     w = make_weight(WeightFormat.BF16, 131, 256, seed=9)
     backend = build.select_backend(isa)
     eye = torch.eye(256, dtype=torch.bfloat16)
-    for m in (1, 2, 3):
+    x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
+    alone = [linear(x[i:i + 1], w, backend) for i in range(9)]
+    for m in range(1, 10):
         torch.testing.assert_close(linear(eye[:m], w, backend), w.q[0][:, :m].T, rtol=0, atol=0)
-        x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
-        _check_products(linear(x, w, backend), x, w.q[0])
+        got = linear(x[:m], w, backend)
+        _check_products(got, x[:m], w.q[0])
+        assert all(torch.equal(got[i:i + 1], alone[i]) for i in range(m)), m
 
 
 @pytest.mark.parametrize("isa", ISAS)

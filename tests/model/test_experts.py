@@ -118,3 +118,37 @@ def test_expert_offsets_are_run_ends_with_not_held_last():
     key = torch.tensor([2, 0, 4, 2, 2, 1, 4])
     offs = experts_mod.expert_offsets(key, 4)
     assert offs.dtype == torch.int32 and offs.tolist() == [1, 2, 5, 5]
+
+
+def test_dense_bf16_experts_run_the_cpu_kernels_on_their_parameters(monkeypatch):
+    # issue 32: dense bf16 experts on the CPU take the kernels' GEMV (each active expert's weights
+    # read once per step) over their own parameters (no copy) instead of one grouped_mm GEMM per
+    # expert; values within bf16 rounding of the fp32 per-token formula on the same (bf16) weights
+    from m2serve.kernels.build import kernel_backend
+    from m2serve.kernels.ops import WeightFormat
+    from m2serve.model.kernel_choice import choose_kernels
+
+    backend = kernel_backend()
+    assert backend.available, backend.banner()  # this machine and CI build the kernels
+    m, _ = _experts()
+    mb = m.to(torch.bfloat16)
+    mb.pack_for_kernels()
+    w13, w2 = mb.kernel_weights
+    assert (w13.fmt, w2.fmt) == (WeightFormat.BF16, WeightFormat.BF16)
+    assert w13.q.data_ptr() == mb.w13.data_ptr() and w2.q.data_ptr() == mb.w2.data_ptr()
+    assert choose_kernels(mb).counts == {("experts", "BF16", backend.name): 1}
+    calls = []
+    real = experts_mod.cpu_grouped_expert_ffn
+    monkeypatch.setattr(experts_mod, "cpu_grouped_expert_ffn", lambda *a: calls.append(1) or real(*a))
+    h, ids, w = _dense_ids(21, 10)
+    hb = h.bfloat16()
+    out = mb(hb, ids, w)
+    assert calls == [1]
+    ws = (mb.w13[:, :I].float(), mb.w13[:, I:].float(), mb.w2.float())
+    ref = _reference(hb.float(), ids, w, ws)
+    # gate/up, SwiGLU and w2 outputs each rounded once to bf16 (2^-8 relative): a few bf16 ulps of
+    # the largest |ref| covers them; the fp32 model's outputs are O(1) here
+    assert (out - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
+    m32, _ = _experts()
+    m32.pack_for_kernels()
+    assert m32.kernel_weights is None  # fp32 dense experts stay on grouped_mm

@@ -9,9 +9,11 @@ a CPU without the requested ISA) leaves :func:`kernel_backend` reporting the pur
 backend with the reason, for the start banner.
 
 Environment: ``M2SERVE_CPU_ISA`` = ``avx512`` | ``avx2`` | ``scalar`` forces an ISA (the default
-is the widest the CPU has); ``none`` disables the kernels (the previous dequantise + aten path,
-kept as a benchmark switch). ``M2SERVE_KERNEL_CACHE`` moves the cache (default
-``~/.cache/m2serve/kernels``).
+is the widest the CPU has); ``avx512f`` (AVX-512 F/BW/VL/DQ kernels without the AVX512_BF16 dot
+products and VBMI tables) and ``avx512bf16`` (without the VBMI tables) run the AVX-512 paths of a CPU
+that lacks those extensions on one that has them (docs/kernels.md §6); ``none`` disables the
+kernels (the previous dequantise + aten path, kept as a benchmark switch). ``M2SERVE_KERNEL_CACHE``
+moves the cache (default ``~/.cache/m2serve/kernels``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "copy_check.cpp",
                                                                   "w4a4_linear.cpp"))
 LIBRARY = "m2serve_kernels"
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+#: ISA name -> the kernels' code (packed_linear.cpp ``Isa``), narrowest first: ``avx512f`` and
+#: ``avx512bf16`` are the AVX-512 kernels without the CPU's extra paths (module docstring)
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512f": 3, "avx512bf16": 4, "avx512": 2}
 ISA_ENV = "M2SERVE_CPU_ISA"
 CACHE_ENV = "M2SERVE_KERNEL_CACHE"
 
@@ -144,7 +148,8 @@ def kernel_backend() -> KernelBackend:
 def select_backend(requested: str) -> KernelBackend:
     """Backend for an ``M2SERVE_CPU_ISA`` value ('' = the widest ISA the CPU has)."""
     if requested not in ("", "none", *ISA_CODES):
-        raise ValueError(f"{ISA_ENV}={requested!r}: use avx512, avx2, scalar or none (unset = widest)")
+        raise ValueError(f"{ISA_ENV}={requested!r}: use avx512, avx512bf16, avx512f, avx2, scalar or none "
+                         f"(unset = widest)")
     if requested == "none":
         return KernelBackend("pytorch", None, f"{ISA_ENV}=none")
     reason = load_library()

@@ -34,7 +34,7 @@ from m2serve.formats.fp4 import (
     dequantize_nvfp4_modelopt,
 )
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
-from m2serve.kernels.build import KernelBackend, kernel_backend
+from m2serve.kernels.build import ISA_CODES, KernelBackend, kernel_backend
 
 TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
 GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
@@ -325,9 +325,11 @@ W4A4_ACT_CODES = {ActivationScheme.MXFP4: 0, ActivationScheme.NVFP4: 1, Activati
 
 def w4a4_path(isa: int) -> W4A4Path:
     """The widest W4A4 path for the CPU kernels' ISA code ``isa`` (build.py ``ISA_CODES``) on this
-    CPU: AVX-512 with VNNI, else AVX2, else scalar. Needs the library loaded (build.py)."""
+    CPU: AVX-512 with VNNI, else AVX2, else scalar (``avx512f``, the AVX-512 kernels without the
+    CPU's extensions, takes the AVX2 path). Needs the library loaded (build.py)."""
     supported = torch.ops.m2serve_kernels.w4a4_path_supported
-    if isa >= 2 and supported(int(W4A4Path.AVX512_VNNI)):
+    vnni_isas = (ISA_CODES["avx512"], ISA_CODES["avx512bf16"])
+    if isa in vnni_isas and supported(int(W4A4Path.AVX512_VNNI)):
         return W4A4Path.AVX512_VNNI
     if isa >= 1 and supported(int(W4A4Path.AVX2)):
         return W4A4Path.AVX2

@@ -20,8 +20,9 @@ offsets int32 [E_loc]) and uses the layer's weights in whatever form they are he
 (runtime dequantisation) experts whose kernel choice (made once after loading,
 model/kernel_choice.py) is the CPU kernels run ``cpu_grouped_expert_ffn`` straight from the stored
 codes: two grouped calls, no host read; FP4 experts with W4A4 inputs run ``cpu_w4a4_expert_ffn``
-(the FP4 x FP4 kernels, which quantise the inputs themselves, docs/checkpoints.md §9.1). Otherwise
-(the torch reference: CUDA, fp16, no kernels) it
+(the FP4 x FP4 kernels, which quantise the inputs themselves, docs/checkpoints.md §9.1); dense bf16
+experts on the CPU take the bf16 kernels over their parameters (BF16 ``PackedWeights``, no copy).
+Otherwise (the torch reference: CUDA, fp16, no kernels) it
 dequantises the active experts on their device (one host read of the offsets), then grouped_mm.
 
 :meth:`MiniMaxM2Experts.rows_loop` is the previous per-active-expert Python loop (one
@@ -183,8 +184,9 @@ class MiniMaxM2Experts(nn.Module):
 
     def weight_format(self) -> WeightFormat | None:
         """The experts' format for the kernel choice (kernels/choice.py): the packed format when
-        ``kernel_weights`` are set (:meth:`pack_for_kernels`), else None: dense experts run
-        grouped_mm, and packed ones without kernel weights the dequantising reference."""
+        ``kernel_weights`` are set (:meth:`pack_for_kernels`; BF16 for dense bf16 experts on the CPU),
+        else None: other dense experts run grouped_mm, and packed ones without kernel weights the
+        dequantising reference."""
         if self.kernel_weights is not None:
             return self.kernel_weights[0].fmt
         return None
@@ -282,10 +284,10 @@ class MiniMaxM2Experts(nn.Module):
         """THE grouped-expert seam: x [R, H] act sorted by local expert, offsets int32 [E_loc]
         (end of each expert's rows; rows past offsets[-1] are not computed) -> [R, H] act.
 
-        Dense experts: :func:`grouped_swiglu` on the parameters, no host read. Packed experts
-        (runtime dequantisation) whose ``choice`` is the CPU kernels (made once after loading:
-        ``kernel_weights`` set, CPU, bf16/fp32 activations, kernels built): ``cpu_grouped_expert_ffn``
-        on the stored codes, no host read either (rows past offsets[-1] come back 0). Other packed
+        Experts whose ``choice`` is the CPU kernels (made once after loading: ``kernel_weights`` set —
+        packed experts, or dense bf16 ones on the CPU — bf16/fp32 activations, kernels built):
+        ``cpu_grouped_expert_ffn`` on the stored codes, no host read (rows past offsets[-1] come back
+        0). Other dense experts: :func:`grouped_swiglu` on the parameters, no host read. Other packed
         experts (the torch reference): the offsets are read on the host once (the layer's one sync
         in that case) and only the ACTIVE experts are dequantised (on their device),
         stacked and run by grouped_mm with their offsets (dequantising all E_loc would hold every
@@ -382,12 +384,19 @@ class MiniMaxM2Experts(nn.Module):
         """Once all experts are loaded: ``kernel_weights`` = (w13 [E_loc, 2·I_loc, H] with w1 rows then
         w3 rows, w2 [E_loc, H, I_loc]) as :class:`PackedWeights` over the stored codes. w13 is one
         concatenated copy and the ``w1_*`` / ``w3_*`` buffers become views of it, so nothing is held
-        twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense experts keep
-        ``kernel_weights`` None. FP8 experts whose I slice splits a 128-row band or is not whole bands
+        twice (NVFP4 adds a per-row f32 ``scale_2`` [E_loc, 2·I_loc]). Dense bf16 experts on the CPU
+        get BF16 ``PackedWeights`` over the parameters themselves (no copy): the kernels' GEMV reads
+        each active expert's weights once per step where ``grouped_mm`` ran one GEMM per expert
+        (docs/kernels.md §6); other dense experts (fp32, or on a GPU) keep ``kernel_weights`` None.
+        FP8 experts whose I slice splits a 128-row band or is not whole bands
         (a w1 block would straddle w3) get ``kernel_weights`` on a finer scale grid (:meth:`_stacked`;
         the stored ``_s`` buffers stay as they are), or None where that grid is not one the kernels
         decode (the dequantising path)."""
         I = self.intermediate_size
+        if self.scheme is None and self.w13.dtype == torch.bfloat16 and self.w13.device.type == "cpu":
+            self.kernel_weights = (PackedWeights(WeightFormat.BF16, self.w13.data),
+                                   PackedWeights(WeightFormat.BF16, self.w2.data))
+            return
         if self.scheme is None:
             return
         stacks = [self._stacked(which) for which in ("w1", "w3", "w2")]

@@ -27,6 +27,7 @@ from m2serve.formats.loader import (
     read_kv_scales,
 )
 from m2serve.kernels.build import kernel_backend
+from m2serve.kernels.memory import advise_huge_pages
 from m2serve.kernels.ops import checkpoint_copy_check, kernels_apply
 from m2serve.model.decoder import MiniMaxM2ForCausalLM
 from m2serve.model.kernel_choice import choose_kernels
@@ -186,6 +187,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     parallel = parallel or ParallelState()
     with torch.device(device):
         model = MiniMaxM2ForCausalLM(cfg, parallel, dtype, attention_backend)
+    advise_huge_pages([*model.parameters(), *model.buffers()])  # before filling (docs/kernels.md §6)
     for layer in model.model.layers:  # bias = 0 unless the file has one (docs/model.md §1 use_routing_bias)
         layer.block_sparse_moe.e_score_correction_bias.data.zero_()
     try:

@@ -21,7 +21,9 @@
 // the vector functions carry GCC target attributes, so the file builds without -march flags. With
 // bf16 activations, AVX-512 also uses what the CPU has (detected here): AVX512_BF16 dot products
 // (the fused GEMV), for FP8 blocks AVX512_VBMI byte lookups in per-block bf16 tables, and for
-// MXFP4 a 16-bit table lookup plus an exponent add (gemv_mxfp4_avx512). Per-call scratch lives in
+// MXFP4 a 16-bit table lookup plus an exponent add (gemv_mxfp4_avx512). ISA 3 (AVX512F) runs the
+// AVX-512 kernels without the BF16 and VBMI paths, 4 (AVX512BF16) without the VBMI tables: the paths
+// a CPU lacking those extensions takes, testable on one that has them. Per-call scratch lives in
 // thread_local buffers that only grow (no allocation per decode step besides the output tensors).
 
 #include <ATen/ATen.h>
@@ -48,7 +50,9 @@
 namespace {
 
 enum Fmt : int64_t { BF16 = 0, FP8_BLOCK = 1, NVFP4_MODELOPT = 2, NVFP4_CT = 3, MXFP4 = 4 };
-enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+// AVX512F / AVX512BF16: the AVX-512 kernels without the CPU's extra paths (no BF16 dot products and no
+// VBMI tables / no VBMI tables), as a CPU without those extensions runs them (tests, benchmarks).
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVX512F = 3, AVX512BF16 = 4 };
 
 constexpr uint32_t QNAN = 0x7FC00000u;
 // E2M1 code -> value (checkpoints.md §5): bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa.
@@ -375,24 +379,7 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
     _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] =                              \
         _mm512_dpbf16_ps(acc[r], w32, (__m512bh)_mm512_loadu_si512(xb + r * K + (k)));       \
   } while (0)
-    if (w.fmt == BF16 && K % 64 == 0) {
-      // the summation order of gemv_bf16w_pair (even 32-column steps in acc, odd ones in acc2, added
-      // at the end), so that a row's result does not depend on how many rows share the call
-      __m512 acc2[R];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc2[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p + 2 * k + 64);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_dpbf16_ps(acc[r], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
-          acc2[r] = _mm512_dpbf16_ps(acc2[r], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
-    } else if (w.fmt == BF16) {
+    if (w.fmt == BF16) {  // K not a multiple of 64 (gemv_bf16w_rows takes the others)
       for (int64_t k = 0; k < K; k += 32) {
         _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T0);  // the next row
         M2_DOT32((__m512bh)_mm512_loadu_si512(p + 2 * k), k);
@@ -435,30 +422,46 @@ M2_AVX512BF16 void gemv_bf16_avx512(const Weight& w, int64_t e, int64_t n0, int6
 constexpr int MXFP4_FAST_LO = 2, MXFP4_FAST_HI = 252;
 alignas(64) constexpr uint16_t E2M1_BF16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
                                                 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-// Interleave of the low (index j) and high (32 + j) nibbles of bytes 0-15 (first) and 16-31 (second).
-alignas(64) constexpr uint16_t NIBBLE_ORDER[2][32] = {
-    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+// MXFP4 split order: the low nibbles of a 64-column block's 32 bytes are its even columns, the high
+// nibbles its odd ones; the kernel keeps them in two registers (no interleaving permute) and the
+// activations are laid out to match once per call: within each 64 columns, position j < 32 holds
+// column 2 j and position 32 + j column 2 j + 1. Positions 0-15 / 32-47 are group a (columns 0-31),
+// 16-31 / 48-63 group b.
+inline int64_t mx_order_column(int64_t i) { return (i & ~int64_t(63)) + 2 * (i & 31) + ((i & 63) >> 5); }
+inline bool mxfp4_split_order(const Weight& w) { return w.fmt == MXFP4 && w.block_k == 32 && w.K % 64 == 0; }
 
-// 32 packed bytes (64 columns) with group exponents ea (columns 0-31) and eb (32-63), both in the fast
-// range -> 64 bf16 weights in column order, as two registers.
-M2_AVX512 inline void mxfp4x64_bf16(const uint8_t* p, int ea, int eb, __m512i& wa, __m512i& wb) {
-  const __m512i table = _mm512_load_si512(E2M1_BF16), nib = _mm512_set1_epi16(0xF), mag = _mm512_set1_epi16(7);
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi16(b, 4);
-  const __m512i c0 = _mm512_permutex2var_epi16(lo, _mm512_load_si512(NIBBLE_ORDER[0]), hi);
-  const __m512i c1 = _mm512_permutex2var_epi16(lo, _mm512_load_si512(NIBBLE_ORDER[1]), hi);
-  const __m512i v0 = _mm512_permutexvar_epi16(c0, table), v1 = _mm512_permutexvar_epi16(c1, table);
-  wa = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(c0, mag), v0, _mm512_set1_epi16(int16_t((ea - 127) * 128)));
-  wb = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(c1, mag), v1, _mm512_set1_epi16(int16_t((eb - 127) * 128)));
+// 32 packed bytes (64 columns) with group exponents ea (columns 0-31) and eb (32-63) -> 64 bf16 weights
+// in split order: even columns in wa, odd ones in wb. Both exponents in the fast range: the table
+// lookup plus exponent add; otherwise the fp32 decode (e2m1 * 2^(e-127), rounded once, RNE).
+M2_AVX512BF16 inline void mxfp4x64_split(const uint8_t* p, int ea, int eb, __m512i& wa, __m512i& wb) {
+  if (ea >= MXFP4_FAST_LO && ea <= MXFP4_FAST_HI && eb >= MXFP4_FAST_LO && eb <= MXFP4_FAST_HI) {
+    const __m512i table = _mm512_load_si512(E2M1_BF16), nib = _mm512_set1_epi16(0xF), mag = _mm512_set1_epi16(7);
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_srli_epi16(b, 4);
+    const __m512i v0 = _mm512_permutexvar_epi16(lo, table), v1 = _mm512_permutexvar_epi16(hi, table);
+    const __m512i add = _mm512_inserti64x4(_mm512_set1_epi16(int16_t((ea - 127) * 128)),
+                                           _mm256_set1_epi16(int16_t((eb - 127) * 128)), 1);
+    wa = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(lo, mag), v0, add);
+    wb = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(hi, mag), v1, add);
+    return;
+  }
+  const __m512 table = _mm512_load_ps(E2M1), nib = _mm512_castsi512_ps(_mm512_set1_epi32(0xF));
+  const __m512 sa = _mm512_set1_ps(e8m0_to_f(uint8_t(ea))), sb = _mm512_set1_ps(e8m0_to_f(uint8_t(eb)));
+  const __m512i ba = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  const __m512 lo_a = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_castps_si512(_mm512_and_ps(_mm512_castsi512_ps(ba), nib)), table), sa);
+  const __m512 lo_b = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_castps_si512(_mm512_and_ps(_mm512_castsi512_ps(bb), nib)), table), sb);
+  const __m512 hi_a = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(ba, 4), table), sa);
+  const __m512 hi_b = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bb, 4), table), sb);
+  wa = (__m512i)_mm512_cvtne2ps_pbh(lo_b, lo_a);  // words 0-15: lo_a (group a), 16-31: lo_b
+  wb = (__m512i)_mm512_cvtne2ps_pbh(hi_b, hi_a);
 }
 
-// MXFP4 rows [n0, n1) of expert e against R activation rows xb [R, K] bf16 (K a multiple of 64, group
-// 32) -> y [R, N] f32: the exponent-add decode above (out-of-range groups: the fp32 path), two
-// independent vdpbf16ps chains per activation row, the next weight row prefetched.
+// MXFP4 rows [n0, n1) of expert e against R activation rows xm [R, K] bf16 in split order (K a multiple
+// of 64, group 32) -> y [R, N] f32: mxfp4x64_split, two independent vdpbf16ps chains per activation
+// row (even columns, odd columns), the next weight row prefetched.
 template <int R>
-M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xm,
                                      float* y, int64_t N) {
   const int64_t K = w.K;
   for (int64_t n = n0; n < n1; ++n) {
@@ -469,22 +472,12 @@ M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + k / 2), _MM_HINT_T0);  // the next row
-      const int ea = sp[k / 32], eb = sp[k / 32 + 1];
       __m512i wa, wb;
-      if (ea >= MXFP4_FAST_LO && ea <= MXFP4_FAST_HI && eb >= MXFP4_FAST_LO && eb <= MXFP4_FAST_HI) {
-        mxfp4x64_bf16(p + k / 2, ea, eb, wa, wb);
-      } else {
-        __m512 v0, v1, v2, v3;
-        e2m1x32_avx512(p + k / 2, v0, v1);
-        e2m1x32_avx512(p + k / 2 + 16, v2, v3);
-        const __m512 sa = _mm512_set1_ps(e8m0_to_f(uint8_t(ea))), sb = _mm512_set1_ps(e8m0_to_f(uint8_t(eb)));
-        wa = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v1, sa), _mm512_mul_ps(v0, sa));
-        wb = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(v3, sb), _mm512_mul_ps(v2, sb));
-      }
+      mxfp4x64_split(p + k / 2, sp[k / 32], sp[k / 32 + 1], wa, wb);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)wa, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)wb, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)wa, (__m512bh)_mm512_loadu_si512(xm + r * K + k));
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)wb, (__m512bh)_mm512_loadu_si512(xm + r * K + k + 32));
       }
     }
 #pragma GCC unroll 8
@@ -492,49 +485,95 @@ M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int
   }
 }
 
-// bf16 weights, R (1 or 2) activation rows, weight rows n and n + 1, K a multiple of 64: four or
-// more independent vdpbf16ps chains (one row alone would wait on the instruction's latency).
+// bf16 weights, K a multiple of 64, R activation rows: one row's fp32 sum is always the even 32-column
+// steps in one accumulator, the odd ones in another, added at the end (so a row's result does not depend
+// on how many rows share the call). Prefetches go to L2 (_MM_HINT_T1), one line per 128 bytes of the
+// next weight row(s): measured on an AVX-512 BF16 EPYC, one row streamed 1.9x faster than two rows
+// prefetched into L1, whose 32 KB the prefetched rows, the current rows and the activations overfill.
+// One weight row (R <= 4; 1-2 rows, and the odd last row of a pair loop).
 template <int R>
-M2_AVX512BF16 void gemv_bf16w_pair(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
+M2_AVX512BF16 void gemv_bf16w_row(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
   const int64_t K = w.K;
-  const uint8_t* p[2] = {w.q + e * w.q_e + n * w.q_n, w.q + e * w.q_e + (n + 1) * w.q_n};
-  __m512 acc[2][R][2];
-#pragma GCC unroll 2
-  for (int j = 0; j < 2; ++j)
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) acc[j][r][0] = acc[j][r][1] = _mm512_setzero_ps();
+  const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+  __m512 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 64) {
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p[j] + 2 * w.q_n + 2 * k + 64), _MM_HINT_T0);
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p[j] + 2 * k + 64);
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
-        acc[j][r][1] = _mm512_dpbf16_ps(acc[j][r][1], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+    _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T1);  // the next row
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p + 2 * k + 64);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// Weight rows n and n + 1 against R (3 or 4) activation rows: each activation vector loaded once for
+// both weight rows (measured 1.2x one row at a time at 4 rows, 1.6x for 8 rows in two passes).
+template <int R>
+M2_AVX512BF16 void gemv_bf16w_two(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
+  const int64_t K = w.K;
+  const uint8_t* p0 = w.q + e * w.q_e + n * w.q_n;
+  const uint8_t* p1 = p0 + w.q_n;
+  __m512 a[2][R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) a[0][r][0] = a[0][r][1] = a[1][r][0] = a[1][r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * w.q_n + 2 * k), _MM_HINT_T1);  // the next pair
+    _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * w.q_n + 2 * k), _MM_HINT_T1);
+    const __m512bh w00 = (__m512bh)_mm512_loadu_si512(p0 + 2 * k), w01 = (__m512bh)_mm512_loadu_si512(p0 + 2 * k + 64);
+    const __m512bh w10 = (__m512bh)_mm512_loadu_si512(p1 + 2 * k), w11 = (__m512bh)_mm512_loadu_si512(p1 + 2 * k + 64);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
+      const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32);
+      a[0][r][0] = _mm512_dpbf16_ps(a[0][r][0], w00, x0);
+      a[0][r][1] = _mm512_dpbf16_ps(a[0][r][1], w01, x1);
+      a[1][r][0] = _mm512_dpbf16_ps(a[1][r][0], w10, x0);
+      a[1][r][1] = _mm512_dpbf16_ps(a[1][r][1], w11, x1);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][r][0], a[0][r][1]));
+    y[r * N + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[1][r][0], a[1][r][1]));
+  }
+}
+
+// bf16 weights with K a multiple of 64: passes of up to 4 activation rows over the task's weight rows
+// (a task's rows stay in L2 between passes); 1-2 rows one weight row at a time, 3-4 two at a time.
+M2_AVX512BF16 void gemv_bf16w_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
+                                   int64_t rows, float* y, int64_t N) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const uint16_t* xr = xb + r0 * w.K;
+    float* yr = y + r0 * N;
+    const int64_t m = std::min<int64_t>(4, rows - r0);
+    int64_t n = n0;
+    if (m >= 3) {
+      for (; n + 2 <= n1; n += 2) {
+        if (m == 3) gemv_bf16w_two<3>(w, e, n, xr, yr, N);
+        else gemv_bf16w_two<4>(w, e, n, xr, yr, N);
+      }
+    }
+    for (; n < n1; ++n) {
+      switch (m) {
+        case 1: gemv_bf16w_row<1>(w, e, n, xr, yr, N); break;
+        case 2: gemv_bf16w_row<2>(w, e, n, xr, yr, N); break;
+        case 3: gemv_bf16w_row<3>(w, e, n, xr, yr, N); break;
+        default: gemv_bf16w_row<4>(w, e, n, xr, yr, N); break;
       }
     }
   }
-#pragma GCC unroll 2
-  for (int j = 0; j < 2; ++j)
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) y[r * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r][0], acc[j][r][1]));
 }
 
 // Up to 8 rows per pass over the weights (more rows: more passes, each decoding again).
 M2_AVX512BF16 void gemv_bf16_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const uint16_t* xb,
                                   int64_t rows, float* y, int64_t N, float* gs16) {
-  if (w.fmt == BF16 && rows <= 2 && w.K % 64 == 0) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) {
-      if (rows == 1) gemv_bf16w_pair<1>(w, e, n, xb, y, N);
-      else gemv_bf16w_pair<2>(w, e, n, xb, y, N);
-    }
-    if (n == n1) return;
-    n0 = n;  // an odd last row: below
-  }
-  const bool mx = w.fmt == MXFP4 && w.block_k == 32 && w.K % 64 == 0;
+  if (w.fmt == BF16 && w.K % 64 == 0) return gemv_bf16w_rows(w, e, n0, n1, xb, rows, y, N);
+  const bool mx = mxfp4_split_order(w);  // then xb is in split order (grouped_linear)
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const uint16_t* xr = xb + r0 * w.K;
     float* yr = y + r0 * N;
@@ -623,7 +662,7 @@ M2_AVX512VBMI void gemv_fp8_table(const Weight& w, int64_t e, int64_t n, const u
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m512i c = _mm512_loadu_si512(p[j] + k);
-        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T0);  // next rows
+        _mm_prefetch(reinterpret_cast<const char*>(p[j] + NR * w.q_n + k), _MM_HINT_T1);  // next rows
         const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index bits 6-0: the magnitude
         const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0x78);  // ^ (c & 0x80)
         const __m512bh wa = (__m512bh)_mm512_unpacklo_epi8(lo, hi), wb = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
@@ -713,19 +752,6 @@ bool cpu_has_avx512vbmi() {
 #endif
 }
 
-bool isa_supported(int64_t isa) {
-  if (isa == SCALAR) return true;
-#if M2_X86
-  __builtin_cpu_init();
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == AVX2) return avx2;
-  if (isa == AVX512)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-#endif
-  return false;
-}
-
 bool cpu_has_avx512bf16() {
 #if M2_X86
   __builtin_cpu_init();
@@ -734,6 +760,21 @@ bool cpu_has_avx512bf16() {
   return false;
 #endif
 }
+
+bool isa_supported(int64_t isa) {
+  if (isa == SCALAR) return true;
+#if M2_X86
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == AVX2) return avx2;
+  if (isa == AVX512BF16) return isa_supported(AVX512) && cpu_has_avx512bf16();
+  if (isa == AVX512 || isa == AVX512F)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  return false;
+}
+
 
 using DecodeFn = void (*)(const Weight&, int64_t, int64_t, float*, float*);  // scratch: K/16 floats
 using DotFn = float (*)(const float*, const float*, int64_t);
@@ -797,7 +838,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   DotFn dot = dot_scalar;
 #if M2_X86
   if (isa == AVX2) { decode = decode_row_avx2; dot = dot_avx2; }
-  if (isa == AVX512) { decode = decode_row_avx512; dot = dot_avx512; }
+  const bool avx512 = isa == AVX512 || isa == AVX512F || isa == AVX512BF16;
+  if (avx512) { decode = decode_row_avx512; dot = dot_avx512; }
 #endif
 
   std::vector<int64_t> ends(E);
@@ -807,11 +849,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0) && ends[e] <= R, "grouped_linear: offsets must be non-decreasing and <= R");
   }
   // AVX-512 with BF16 dot products, bf16 activations, whole 32-column steps: the fused GEMV
-  const bool fused = isa == AVX512 && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
+  const bool fused = (isa == AVX512 || isa == AVX512BF16) && w.round_bf16 && cpu_has_avx512bf16() && K % 32 == 0 &&
                      (fmt != FP8_BLOCK || block_k % 32 == 0);
   // FP8 block on that path: per-block bf16 tables (needs VBMI), 64-column steps; a task is one scale
   // band of block_n weight rows, so that each table serves a whole block
-  const bool fp8_table = fused && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
+  const bool fp8_table = fused && isa == AVX512 && fmt == FP8_BLOCK && block_k % 64 == 0 && cpu_has_avx512vbmi();
   // GEMV task height: tile_n rows; on the table path a whole scale band (each table then serves
   // block_n rows), halved while there are fewer than kTasksPerThread tasks per thread and the half
   // still divides the band (a task never straddles two bands) and is >= tile_n: with a few bands
@@ -843,20 +885,25 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   at::Tensor y32 = at::empty({R, N}, x.options().dtype(at::kFloat));
   if (ends.empty() || ends.back() < R) y32.narrow(0, E ? ends.back() : 0, R - (E ? ends.back() : 0)).zero_();
   at::Tensor xf = (fused || tasks.empty() || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
-  // activations of the GEMV rows in FP8 order (fp8_order_column), once per call, into a buffer
-  // this thread keeps (it only grows: no allocation per decode step)
+  // activations of the GEMV rows in FP8 order (fp8_order_column) or MXFP4 split order
+  // (mx_order_column), once per call, into a buffer this thread keeps (it only grows: no
+  // allocation per decode step)
   thread_local std::vector<uint16_t> x_fp8;
 #if M2_X86
-  if (fp8_table && !tasks.empty()) {
+  const bool mx_split = fused && mxfp4_split_order(w);
+  if ((fp8_table || mx_split) && !tasks.empty()) {
     if (x_fp8.size() < size_t(R * K)) x_fp8.resize(R * K);
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = e ? ends[e - 1] : 0, r1 = ends[e];
       if (r1 - r0 > gemv_rows) continue;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t i = 0; i < K; ++i) x_fp8[r * K + i] = xs[r * K + fp8_order_column(i)];
+        for (int64_t i = 0; i < K; ++i)
+          x_fp8[r * K + i] = xs[r * K + (fp8_table ? fp8_order_column(i) : mx_order_column(i))];
     }
   }
+#else
+  const bool mx_split = false;
 #endif
   float* yp = y32.data_ptr<float>();
   const uint16_t* xfp = x_fp8.data();  // the caller's buffer (a thread_local name in the lambda would
@@ -879,7 +926,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
       }
       if (fused) {
 #if M2_X86
-        const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr()) + tk.r0 * K;
+        const uint16_t* xb = (mx_split ? xfp : reinterpret_cast<const uint16_t*>(x.data_ptr())) + tk.r0 * K;
         gemv_bf16_rows(w, tk.e, tk.n0, tk.n1, xb, rows, yp + tk.r0 * N, N, scratch.data());
 #endif
         continue;
