@@ -210,7 +210,8 @@ class LLMEngine:
                              sampling_buffers=StepBuffers(torch.device(device)), graphs_off=graphs_off)
         if graphs_off is None:   # decode under CUDA graphs, captured now (docs/serving.md §6.3)
             runner.pad_page = num_pages
-            runner.enable_graphs(args.max_batch_size, max_length, capture=True)
+            # the scheduler's max_batch_size (clamped to the token budget): no bucket no step reaches
+            runner.enable_graphs(schedulers[0].max_batch_size, max_length, capture=True)
         return cls(config=config, schedulers=schedulers, runner=runner,
                    replica_held=[set() for _ in schedulers], speculative=speculative,
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
