@@ -140,6 +140,12 @@ def test_precedence_cli_env_recipe_defaults(tmp_path):
     assert o["ep_size"] == 4 and o["api_key"] == "k"
     with pytest.raises(ValueError, match="M2SERVE_PORT"):
         _opts(["serve"], {"M2SERVE_PORT": "eighty"})
+    # a flag with choices: the environment value is checked against them, the error names the variable
+    assert _opts(["serve"], {"M2SERVE_ATTENTION_BACKEND": "torch"})["attention_backend"] == "torch"
+    for var, bad in (("M2SERVE_ATTENTION_BACKEND", "bogus"), ("M2SERVE_ACTIVATION_QUANT", "w4"),
+                     ("M2SERVE_KV_CACHE_FORMAT", "int4")):
+        with pytest.raises(ValueError, match=f"{var}='{bad}': invalid choice"):
+            _opts(["serve"], {var: bad})
 
 
 def test_thinking_temperature_flag_reaches_options():

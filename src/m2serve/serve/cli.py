@@ -277,8 +277,19 @@ def _flag_types(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]
         if isinstance(act, argparse.BooleanOptionalAction) or isinstance(act, argparse._StoreTrueAction):
             out[act.dest] = _bool
         elif act.dest != "help":
-            out[act.dest] = act.type or str
+            out[act.dest] = _one_of(act.type or str, act.choices) if act.choices else act.type or str
     return out
+
+
+def _one_of(conv: Any, choices: Any) -> Any:
+    """``conv`` that also refuses a value outside the flag's ``choices`` (as argparse does for the
+    flag itself), so that a bad environment value is an error naming the variable."""
+    def check(text: str) -> Any:
+        v = conv(text)
+        if v not in choices:
+            raise ValueError(f"invalid choice {v!r} (choose from {', '.join(map(str, choices))})")
+        return v
+    return check
 
 
 def engine_args_from(opts: dict[str, Any]) -> dict[str, Any]:
