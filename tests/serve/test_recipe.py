@@ -142,6 +142,9 @@ def test_precedence_cli_env_recipe_defaults(tmp_path):
         _opts(["serve"], {"M2SERVE_PORT": "eighty"})
     # a flag with choices: the environment value is checked against them, the error names the variable
     assert _opts(["serve"], {"M2SERVE_ATTENTION_BACKEND": "torch"})["attention_backend"] == "torch"
+    # the log level is case-blind, as Python's logging names are upper case
+    assert _opts(["serve"], {"M2SERVE_LOG_LEVEL": "INFO"})["log_level"] == "info"
+    assert _opts(["serve", "--log-level", "DEBUG"], {})["log_level"] == "debug"
     for var, bad in (("M2SERVE_ATTENTION_BACKEND", "bogus"), ("M2SERVE_ACTIVATION_QUANT", "w4"),
                      ("M2SERVE_KV_CACHE_FORMAT", "int4")):
         with pytest.raises(ValueError, match=f"{var}='{bad}': invalid choice"):

@@ -141,7 +141,7 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--quantize-unquantized", choices=list(QUANTIZE_UNQUANTIZED_MODES),
       help="fp8: quantise the linears the checkpoint leaves in bf16 (attention, lm_head) to FP8 "
            "blocks at load")
-    a("--log-level", choices=["debug", "info", "warning", "error"], help="logging level")
+    a("--log-level", type=str.lower, choices=["debug", "info", "warning", "error"], help="logging level")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
