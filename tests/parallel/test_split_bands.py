@@ -13,18 +13,15 @@ does; and on 2 gloo ranks in TP_TP the model generates the single-process model'
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
+from rank_helpers import greedy_tokens
 
 from m2serve.config.engine_args import EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import validate_deployment
-from m2serve.engine.core import LLMEngine
 from m2serve.engine.planner import plan_memory
-from m2serve.engine.sampling import SamplingParams
 from m2serve.formats.fp8 import dequantize_fp8_block
 from m2serve.formats.loader import open_checkpoint, packed_fp8
 from m2serve.kernels.build import kernel_backend
@@ -122,22 +119,6 @@ def test_split_band_linears_and_experts_compute_with_those_weights(split_dir):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-PROMPTS = [[5, 17, 33, 2, 8, 90, 1], [99, 3, 7, 7]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _greedy(model, args: EngineArgs) -> list[list[int]]:
-    small = replace(args, num_kv_pages=16, kv_cache_page_size=16, kv_cache_format="float32")
-    engine = LLMEngine.from_model(model, MiniMaxM2Config.from_pretrained(args.model), small)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, GREEDY)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(PROMPTS))]
-
-
 def _tp_tp(rank: int, world: int, ckpt: str) -> dict:
     out = {}
     for wd in ("runtime", "load"):
@@ -146,10 +127,10 @@ def _tp_tp(rank: int, world: int, ckpt: str) -> dict:
         state = dep.state(rank)
         model = load_rank(args, state, "cpu")
         if rank == 0:
-            ref = _greedy(load_model(ckpt, weight_dequant=wd), args)
+            ref = greedy_tokens(load_model(ckpt, weight_dequant=wd), args)
             dm = DistributedModel(model, state)
             try:
-                out[wd] = (dep.mode.value, _greedy(dm, args), ref)
+                out[wd] = (dep.mode.value, greedy_tokens(dm, args), ref)
             finally:
                 dm.stop()
         else:

@@ -10,15 +10,12 @@ list); the ranks' bytes are what the loaded modules hold.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
+from rank_helpers import greedy_tokens
 
 from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs
 from m2serve.config.model_config import MiniMaxM2Config
-from m2serve.engine.core import LLMEngine
 from m2serve.engine.planner import plan_memory
-from m2serve.engine.sampling import SamplingParams
 from m2serve.kernels.build import kernel_backend
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import load_rank, plan_deployment
@@ -37,22 +34,6 @@ def _args(ckpt: str, mode: str, weight_dequant: str) -> EngineArgs:
                       weight_dequant=weight_dequant)
 
 
-PROMPTS = [[5, 17, 33, 2, 8, 90, 1], [99, 3, 7, 7]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _greedy(model, args: EngineArgs) -> list[list[int]]:
-    small = replace(args, num_kv_pages=16, kv_cache_page_size=16, kv_cache_format="float32")
-    engine = LLMEngine.from_model(model, MiniMaxM2Config.from_pretrained(args.model), small)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, GREEDY)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(PROMPTS))]
-
-
 def _resident(rank: int, world: int, ckpts: dict[str, str]) -> dict:
     out = {}
     for variant, ckpt in ckpts.items():
@@ -68,10 +49,10 @@ def _resident(rank: int, world: int, ckpts: dict[str, str]) -> dict:
                                                      for layer in model.model.layers]
                 if variant == "fp8" and mode != "DP_EP":  # the packed shards also serve right
                     if rank == 0:
-                        ref = _greedy(load_model(ckpt, weight_dequant=wd), args)
+                        ref = greedy_tokens(load_model(ckpt, weight_dequant=wd), args)
                         dm = DistributedModel(model, state)
                         try:
-                            out["greedy", mode, wd] = (_greedy(dm, args), ref)
+                            out["greedy", mode, wd] = (greedy_tokens(dm, args), ref)
                         finally:
                             dm.stop()
                     else:

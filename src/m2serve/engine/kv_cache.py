@@ -208,20 +208,19 @@ class KVCacheManager:
         keep = self.pages_needed(num_tokens)
         if table is None or len(table) <= keep:
             return
-        for p in reversed(table[keep:]):
-            page = self.pages[p]
-            page.ref_cnt -= 1
-            if page.ref_cnt == 0:
-                self.free_queue[p] = None
-                if page.hash is None:
-                    self.free_queue.move_to_end(p, last=False)
+        self._release(table[keep:])
         del table[keep:]
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; pages reaching 0 join the free queue (tail first)."""
         table = self.block_tables.pop(request_id, [])
         self.page_hashes.pop(request_id, None)
-        for p in reversed(table):
+        self._release(table)
+
+    def _release(self, pages: list[int]) -> None:
+        """Drop one reference to each of ``pages``, tail first; a page reaching 0 joins the free
+        queue, at its head when it carries no prefix hash (nothing to reuse), else at its tail."""
+        for p in reversed(pages):
             page = self.pages[p]
             page.ref_cnt -= 1
             if page.ref_cnt == 0:
