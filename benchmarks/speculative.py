@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weight-dequant", default="auto")
     ap.add_argument("--kinds", default="tool_result,plain")
+    ap.add_argument("--batches", default="1,8", help="batch sizes to run (comma-separated)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
@@ -97,7 +98,7 @@ def main() -> None:
         prompts = prompt_ids(llm, kind, args.per_kind, args.max_tokens)
         params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
                   for i in range(len(prompts))]
-        for batch in (1, 8):
+        for batch in (int(b) for b in args.batches.split(",")):
             engines = {}
             for name, cfg in (("plain", None), ("spec", spec)):
                 engines[name] = LLMEngine.from_args(EngineArgs(

@@ -15,6 +15,7 @@ import torch
 
 from m2serve.config.engine_args import (
     DEFAULT_PROMPT_LOOKUP,
+    MAX_PROMPT_LOOKUP,
     MAX_SPECULATIVE_TOKENS,
     EngineArgs,
     SpeculativeConfig,
@@ -23,7 +24,7 @@ from m2serve.config.engine_args import (
 from m2serve.engine.core import LLMEngine
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.sampling import SamplingParams
-from m2serve.engine.speculative import accepted_length, propose_ngram, rejection_sample
+from m2serve.engine.speculative import NgramIndex, accepted_length, propose_ngram, rejection_sample
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -59,6 +60,9 @@ def test_config_shapes_and_defaults():
     (SpeculativeConfig("ngram", MAX_SPECULATIVE_TOKENS + 1, 2, 4),
      "speculative_config.num_speculative_tokens"),
     (SpeculativeConfig("ngram", 4, 3, 2), "speculative_config.prompt_lookup_min"),
+    (SpeculativeConfig("ngram", 4, 2, MAX_PROMPT_LOOKUP + 1), "speculative_config.prompt_lookup_max"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 33}',
+     "speculative_config.prompt_lookup_min"),
 ])
 def test_config_errors_name_the_field(value, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -87,6 +91,38 @@ def test_propose_ngram_hand_derived():
     assert propose_ngram([4, 4, 4], 5, 1, 2) == [4]
     assert propose_ngram([1, 2, 3], 4, 1, 3) == [] and propose_ngram([1], 4, 1, 3) == []
     assert propose_ngram(seq, 0, 1, 3) == []
+
+
+@pytest.mark.parametrize("vocab,min_n,max_n,k", [(2, 1, 3, 4), (3, 2, 4, 4), (5, 1, 1, 2), (4, 3, 6, 3),
+                                                 (50, 2, 4, 5)])
+def test_ngram_index_equals_the_scan_step_by_step(vocab, min_n, max_n, k):
+    """The engine's incremental index against the scanning oracle, after every appended token (and
+    after several at once, as an accepted draft appends them) on random sequences with repeats: a
+    small vocabulary repeats n-grams constantly, copied spans repeat long ones."""
+    g = torch.Generator().manual_seed(vocab * 100 + min_n * 10 + max_n)
+    for trial in range(6):
+        seq = torch.randint(vocab, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        idx = NgramIndex(min_n, max_n)
+        matched = 0
+        while len(seq) < 260:
+            kk = int(torch.randint(0, k + 1, (1,), generator=g))
+            want = propose_ngram(seq, kk, min_n, max_n)
+            assert idx.propose(seq, kk) == want, (trial, len(seq))
+            matched += bool(want)
+            r = float(torch.rand(1, generator=g))
+            if r < 0.3 and len(seq) > 8:   # copy an earlier span (what prompt lookup finds)
+                a = int(torch.randint(len(seq) - 8, (1,), generator=g))
+                seq += seq[a:a + int(torch.randint(1, 8, (1,), generator=g))]
+            else:
+                m = int(torch.randint(1, 4, (1,), generator=g))
+                seq += torch.randint(vocab, (m,), generator=g).tolist()
+        assert matched > 10   # the comparison covered drafts, not only empty ones
+    # a list that does not continue the indexed one is re-indexed
+    idx = NgramIndex(1, 2)
+    assert idx.propose([1, 2, 3, 1, 2, 3], 2) == [1, 2]   # [2, 3] at 1..2, then 1 2
+    assert idx.propose([7, 8, 7], 2) == propose_ngram([7, 8, 7], 2, 1, 2) == [8, 7]
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex(3, 2)
 
 
 def test_accepted_length():

@@ -55,6 +55,9 @@ SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 #: ``prompt_lookup_min`` / ``prompt_lookup_max`` when the config leaves both unset (docs/serving.md §13).
 DEFAULT_PROMPT_LOOKUP = (2, 4)
+#: Largest ``prompt_lookup_max`` accepted (tokens; m2serve's bound, vLLM documents none): the
+#: proposer's index holds max - min + 1 entries per token (docs/serving.md §13).
+MAX_PROMPT_LOOKUP = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,8 @@ class SpeculativeConfig:
 
     method: one of SPECULATIVE_METHODS; num_speculative_tokens: K, tokens drafted per request and step
     (1..MAX_SPECULATIVE_TOKENS); prompt_lookup_min / prompt_lookup_max: the n-gram lengths (tokens)
-    the proposer matches, 1 <= min <= max. Build it with :func:`parse_speculative_config`.
+    the proposer matches, 1 <= min <= max <= MAX_PROMPT_LOOKUP. Build it with
+    :func:`parse_speculative_config`.
     """
 
     method: str
@@ -84,9 +88,10 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
 (whose fields are checked the same way).
 
     Keys: method (required, one of SPECULATIVE_METHODS), num_speculative_tokens (required, an
-    integer in [1, MAX_SPECULATIVE_TOKENS]), prompt_lookup_min / prompt_lookup_max (integers >= 1,
-    min <= max; one unset takes the other's value, both unset DEFAULT_PROMPT_LOOKUP). Raises
-    ValueError naming the field (``speculative_config.<key>``) for a bad value or an unknown key.
+    integer in [1, MAX_SPECULATIVE_TOKENS]), prompt_lookup_min / prompt_lookup_max (integers in
+    [1, MAX_PROMPT_LOOKUP], min <= max; one unset takes the other's value, both unset
+    DEFAULT_PROMPT_LOOKUP). Raises ValueError naming the field (``speculative_config.<key>``) for a
+    bad value or an unknown key.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -121,7 +126,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if k is None:
         raise ValueError("speculative_config.num_speculative_tokens: required (tokens drafted per step, "
                          f"1..{MAX_SPECULATIVE_TOKENS})")
-    lo, hi = integer("prompt_lookup_min", 1, None), integer("prompt_lookup_max", 1, None)
+    lo = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP)
+    hi = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP)
     if lo is None and hi is None:
         lo, hi = DEFAULT_PROMPT_LOOKUP
     lo = hi if lo is None else lo

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams, SamplingState, TokenLogprobs
+from m2serve.engine.speculative import NgramIndex
 
 
 def prompt_length_error(num_prompt_tokens: int, max_length: int) -> str | None:
@@ -48,7 +49,9 @@ class Request:
     first); max_length: the max context in tokens; logprobs / prompt_logprobs: accumulated
     entries; num_sent_tokens: output tokens already returned in a RequestOutput; replica: the
     data-parallel replica that owns it (chosen once at admission, kept through preemption;
-    engine/scheduler.py ``choose_replica``; always 0 with one replica).
+    engine/scheduler.py ``choose_replica``; always 0 with one replica); ngram_index: the
+    speculative proposer's index over ``all_token_ids`` (engine/speculative.py `NgramIndex`, made
+    at the request's first draft; None without speculative decoding, docs/serving.md §13).
     """
 
     request_id: str
@@ -66,6 +69,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_sent_tokens: int = 0
     replica: int = 0
+    ngram_index: NgramIndex | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -17,7 +17,8 @@ stop_token_ids, a terminated constraint, max_tokens, the max context) and frees 
 requests. Stop strings are matched above the engine (serve/output.py), which aborts the request.
 
 With speculative decoding (docs/serving.md §13) a running request one token behind (a decode)
-also gets up to K drafted tokens (engine/speculative.py ``propose_ngram``), computed in the same
+also gets up to K drafted tokens (engine/speculative.py ``NgramIndex``, the request's index that
+gives ``propose_ngram``'s drafts), computed in the same
 chunk: its KV pages are allocated for them once every running request has its own chunk's pages
 (never at the price of a preemption or of another request's page: a draft that does not fit is
 dropped), the update appends the accepted drafts and the target's next token, and pages
@@ -35,7 +36,7 @@ from m2serve.config.engine_args import SpeculativeConfig
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.request import Request, RequestStatus
 from m2serve.engine.sampling import PenaltyState, SamplerOutput
-from m2serve.engine.speculative import propose_ngram
+from m2serve.engine.speculative import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,11 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, room, req.max_length - req.num_tokens - 1)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - req.num_output_tokens - 1)
-        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if k <= 0:
+            return []
+        if req.ngram_index is None:
+            req.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return req.ngram_index.propose(req.all_token_ids, k)
 
     def update_from_output(self, scheduled: list[ScheduledRequest], sampled: SamplerOutput,
                            num_accepted: Sequence[int] | None = None) -> list[Request]:

@@ -2,7 +2,11 @@
 (docs/serving.md §13).
 
 * :func:`propose_ngram` drafts up to K tokens by finding the sequence's last n tokens earlier in the
-  sequence (prompt + output) and copying what followed them; a pure function of the token list.
+  sequence (prompt + output) and copying what followed them; a pure function of the token list that
+  scans the sequence (the oracle).
+* :class:`NgramIndex` gives the same drafts from a per-request index (n-gram -> its latest end),
+  updated with the tokens appended since the last call: the engine's proposer, O(b - a + 1) dict
+  operations per new token and per step instead of a scan.
 * :func:`accepted_length` is the engine's rule for a deterministic draft: the target samples every
   verified position itself (the same uniform, keyed by seed and output position, as plain decoding
   would use there), and a drafted token is accepted iff it equals the target's own sample, so the
@@ -42,6 +46,55 @@ def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
             if toks[e - 1] == last and toks[e - n:e] == pattern:
                 return toks[e:e + k]
     return []
+
+
+class NgramIndex:
+    """Incremental prompt lookup for one request: ``propose(token_ids, k)`` returns exactly
+    ``propose_ngram(token_ids, k, min_n, max_n)`` (docs/serving.md §13, "Proposer").
+
+    For every n in [min_n, max_n] a dict maps each n-gram (a tuple of n token ids) to the largest end
+    e (exclusive) of its occurrences ``token_ids[e - n:e]`` with e < len(token_ids): the n-grams that
+    end before the sequence's last token are indexed, so the lookup of the last n tokens finds their
+    most recent *earlier* occurrence, as the scan does. The token list must only grow between calls
+    (``Request.all_token_ids`` does; a shorter one rebuilds the index). Cost per call: the tokens
+    appended since the last call times (max_n - min_n + 1) dict writes, plus max_n - min_n + 1
+    lookups; the first call indexes the prompt. Memory: max_n - min_n + 1 dict entries per token.
+    """
+
+    __slots__ = ("min_n", "max_n", "_tables", "_indexed")
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"NgramIndex: need 1 <= min_n ({min_n}) <= max_n ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        self._indexed = 0   # every n-gram ending at e < _indexed is in the tables
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` drafted tokens for ``token_ids`` (prompt + output so far); see the class."""
+        L = len(token_ids)
+        if k <= 0 or L < 2:
+            return []
+        if L < self._indexed:   # not the list it indexed: start again
+            self._tables = [{} for _ in self._tables]
+            self._indexed = 0
+        lo = self.min_n
+        if L - self._indexed <= 8:   # a step's few new tokens: plain writes, in end order
+            for e in range(max(self._indexed, lo), L):   # ends e <= L - 1: the n-grams before the last
+                for n in range(lo, min(self.max_n, e) + 1):
+                    self._tables[n - lo][tuple(token_ids[e - n:e])] = e
+        else:   # the prompt: one update per n; tuples in end order, so a later end overwrites
+            for n, table in enumerate(self._tables, lo):
+                e0 = max(self._indexed, n)
+                if e0 < L:
+                    span = token_ids[e0 - n:L - 1]
+                    table.update(zip(zip(*(span[i:] for i in range(n))), range(e0, L)))
+        self._indexed = L
+        for n in range(min(self.max_n, L - 1), lo - 1, -1):
+            e = self._tables[n - lo].get(tuple(token_ids[L - n:]))
+            if e is not None:
+                return list(token_ids[e:e + k])
+        return []
 
 
 def accepted_length(draft_token_ids: Sequence[int], sampled_token_ids: Sequence[int]) -> int:
