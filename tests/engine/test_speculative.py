@@ -277,6 +277,33 @@ def test_budget_and_preemption_with_drafts(toy_model, toy_config):
     assert eng.stats.kv_pages_used == 0
 
 
+def test_engine_drafts_are_the_scans_and_the_index_goes_with_the_request(toy_model, toy_config, monkeypatch):
+    # every draft the scheduler takes from a request's NgramIndex (across preemptions, with the
+    # budget's caps) is what the scanning oracle drafts for the same tokens; finish drops the index
+    calls, requests = [], set()
+    propose = NgramIndex.propose
+
+    def checked(self, token_ids, k):
+        got = propose(self, token_ids, k)
+        want = propose_ngram(token_ids, k, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
+        calls.append(got == want)
+        return got
+
+    monkeypatch.setattr(NgramIndex, "propose", checked)
+    eng = _engine(toy_model, toy_config, NGRAM, num_kv_pages=24, max_batch_input_tokens=24)
+    finish = type(eng.schedulers[0]).finish
+
+    def finish_and_look(self, request, reason):
+        finish(self, request, reason)
+        requests.add(request.request_id)
+        assert request.ngram_index is None
+
+    monkeypatch.setattr(type(eng.schedulers[0]), "finish", finish_and_look)
+    _run(eng, _requests(PARAMS["t1"], n=8, seed=3))
+    assert len(calls) > 50 and all(calls) and len(requests) == 8
+    assert eng.stats.preemptions > 0 and eng.stats.spec_accepted_tokens > 0
+
+
 def test_prefix_cache_never_holds_a_draft(toy_model, toy_config):
     # the same prompt twice, one after the other: the second hits the first's pages, computed from
     # emitted tokens only, and decodes the same tokens

@@ -335,7 +335,8 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: str) -> None:
-        """Mark finished, drop it from its queue and free its pages and penalty row at once."""
+        """Mark finished, drop it from its queue and free its pages, penalty row and n-gram index at
+        once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -346,6 +347,7 @@ class Scheduler:
         if self.penalties is not None:
             self.penalties.release(request.state.penalty_row)
         request.state.penalty_row = 0
+        request.ngram_index = None
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
