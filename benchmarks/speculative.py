@@ -16,7 +16,7 @@ Every repeat checks that both engines produced the same tokens (greedy, and the 
 ``--temperature`` when non-zero). The first and last lines give the CPU model, ISA and load average
 (formats.py ``machine_line``).
 
-    python benchmarks/speculative.py [--per-kind 8] [--repeats 3] [--k 4] [--threads 1]
+    python benchmarks/speculative.py [--per-kind 8] [--repeats 3] [--k 4] [--threads 1] [--batches 1,8]
 """
 
 from __future__ import annotations
