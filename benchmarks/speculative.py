@@ -86,11 +86,14 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
     print(machine_line())
+    # threads= on every engine: LLM applies the thread rule (docs/serving.md §12), which would
+    # otherwise replace --threads by one thread per physical core
+    llm = LLM(str(args.model), dtype=args.dtype, kv_cache_format=args.dtype, num_kv_pages=8,
+              threads=args.threads)
     print(f"model {args.model} | {args.dtype} | weight_dequant {args.weight_dequant} | "
-          f"threads {args.threads} "
+          f"threads {torch.get_num_threads()} "
           f"| speculative {spec} | max_tokens {args.max_tokens} | temperature {args.temperature} | "
           f"{args.repeats} alternated repeats, medians")
-    llm = LLM(str(args.model), dtype=args.dtype, kv_cache_format=args.dtype, num_kv_pages=8)
     print(f"{'kind':<12} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
           f"{'plain tok/cpu-s':>16} {'spec tok/cpu-s':>15} {'ratio':>6} "
           f"{'accepted len':>13}  acceptance per position")
@@ -104,7 +107,7 @@ def main() -> None:
                 engines[name] = LLMEngine.from_args(EngineArgs(
                     model=str(args.model), dtype=args.dtype, kv_cache_format=args.dtype, num_kv_pages=64,
                     max_batch_size=batch, enable_prefix_caching=False, weight_dequant=args.weight_dequant,
-                    speculative_config=cfg))
+                    speculative_config=cfg, threads=args.threads))
                 run(engines[name], prompts, params)   # warm-up
             base = engines["spec"].stats
             rates: dict[str, list[float]] = {"plain": [], "spec": []}

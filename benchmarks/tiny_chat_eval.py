@@ -41,7 +41,8 @@ def main() -> None:
     examples = ev.held_out(args.per_kind, tuple(args.kinds.split(",")))
     t0 = time.time()
     if args.backend == "m2serve":
-        gens = ev.generate_m2serve(args.model, examples, dtype=args.dtype, kv_cache_format=args.dtype)
+        gens = ev.generate_m2serve(args.model, examples, dtype=args.dtype, kv_cache_format=args.dtype,
+                                   threads=args.threads)  # else LLM's rule replaces --threads
     else:
         gens = ev.generate_transformers(args.model, examples)
     dt = time.time() - t0
@@ -57,7 +58,7 @@ def main() -> None:
               "tool_names": "tool-fitting requests: right tool names (values ignored)"}
     backend = f"m2serve ({args.dtype})" if args.backend == "m2serve" else "transformers (float32)"
     print(f"tiny-chat held-out eval, backend {backend}, model {args.model}, greedy, "
-          f"{len(examples)} prompts in {dt:.0f} s")
+          f"{len(examples)} prompts in {dt:.0f} s, threads {torch.get_num_threads()}")
     for k, (a, b) in ev.rates(examples, gens).items():
         tgt = targets[k]
         print(f"  {labels[k]:<58} {a:>4}/{b:<4} {100 * a / max(b, 1):6.1f}%"

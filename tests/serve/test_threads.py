@@ -24,6 +24,7 @@ from m2serve.parallel.launch import run_ranks
 pytestmark = pytest.mark.slow  # starts server processes
 
 EXE = str(Path(sys.executable).with_name("m2serve"))
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SMALL = ["--dtype", "float32", "--kv-cache-page-size", "16", "--num-kv-pages", "32"]
 
 
@@ -125,3 +126,19 @@ def test_cpu_ranks_get_one_thread_each(monkeypatch):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stderr
     assert re.search(r"THREADS (\d+) (.+)", r.stdout).groups() == ("1", "one per rank, 2 CPU ranks")
+
+
+def test_benchmarks_keep_their_threads_flag():
+    """benchmarks/speculative.py and tiny_chat_eval.py build an LLM, whose thread rule would replace
+    their --threads by one per physical core; the count they print is read back after the model is
+    built. N = physical cores + 1, so the rule's own choice cannot pass for it."""
+    n = physical_cores() + 1
+    src = str(BENCH.parent / "src")
+    runs = {"speculative.py": ["--per-kind", "1", "--repeats", "1", "--batches", "1", "--kinds", "plain",
+                               "--max-tokens", "8"],
+            "tiny_chat_eval.py": ["--per-kind", "1", "--kinds", "plain", "--show-failures", "0"]}
+    for script, extra in runs.items():
+        r = subprocess.run([sys.executable, script, "--threads", str(n), *extra], capture_output=True,
+                           text=True, env=_env(PYTHONPATH=src), cwd=BENCH, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert re.findall(r"threads (\d+)", r.stdout) == [str(n)], (script, r.stdout)
