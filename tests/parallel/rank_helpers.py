@@ -2,6 +2,7 @@
 tokens compared with one process's (the reference the rank tests hold every mode to)."""
 from __future__ import annotations
 
+import multiprocessing as mp
 from dataclasses import replace
 
 from m2serve.config.engine_args import EngineArgs
@@ -25,3 +26,21 @@ def greedy_tokens(model, args: EngineArgs) -> list[list[int]]:
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
     return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+def spawn_scenario(target, args: tuple, timeout: float) -> dict:
+    """Run ``target(*args, results)`` in a spawned process (its ranks spawn their own children) and
+    return the dict it puts on ``results``; fails the test with the child's traceback when it put
+    ``{"crash": traceback}``. Raises queue.Empty after ``timeout`` seconds without a result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, results))
+    p.start()
+    try:
+        res = results.get(timeout=timeout)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert "crash" not in res, res.get("crash")
+    return res

@@ -6,12 +6,12 @@ which the pytest process should not do.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import signal
 import time
 import traceback
 
 import pytest
+from rank_helpers import spawn_scenario
 
 from m2serve.config.engine_args import EngineArgs
 from m2serve.engine.core import LLMEngine
@@ -57,17 +57,7 @@ def _scenario(ckpt: str, results) -> None:
 
 
 def test_cpu2_engine_matches_and_killed_worker_fails_fast(tiny_random_dir):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    p = ctx.Process(target=_scenario, args=(str(tiny_random_dir), results))
-    p.start()
-    try:
-        res = results.get(timeout=300)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    assert "crash" not in res, res.get("crash")
+    res = spawn_scenario(_scenario, (str(tiny_random_dir),), 300)
     assert res["two"] == res["one"] and len(res["one"]) == 8  # cpu:2 (TP_TP) greedy = one process
     sig = int(signal.SIGKILL)
     assert res["err"] == (f"worker rank 1 (pid {res['pid']}) has exited (killed by signal {sig}); "

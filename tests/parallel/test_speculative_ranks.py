@@ -9,12 +9,12 @@ pytest process should not do.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from rank_helpers import spawn_scenario
 
 from m2serve.config.engine_args import EngineArgs
 from m2serve.engine.core import LLMEngine
@@ -70,17 +70,7 @@ def _scenario(prompts: list[list[int]], results) -> None:
 
 def test_multi_rank_modes_give_the_same_tokens_with_speculation():
     prompts = _prompts()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    p = ctx.Process(target=_scenario, args=(prompts, results))
-    p.start()
-    try:
-        res = results.get(timeout=600)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    assert "crash" not in res, res.get("crash")
+    res = spawn_scenario(_scenario, (prompts,), 600)
     for mode in MODES:
         plain, _ = res[mode, "plain"]
         spec, accepted = res[mode, "spec"]

@@ -16,10 +16,10 @@ which the pytest process should not do.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
+from rank_helpers import spawn_scenario
 
 pytestmark = pytest.mark.slow  # starts rank processes (30-60 s on 2 busy cores)
 
@@ -95,17 +95,7 @@ def _scenario(ckpt: str, results) -> None:
 
 
 def test_tp_tp_static_decode_on_cpu2_gives_one_ranks_greedy_tokens(tiny_random_dir):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    p = ctx.Process(target=_scenario, args=(str(tiny_random_dir), results))
-    p.start()
-    try:
-        res = results.get(timeout=400)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    assert "crash" not in res, res.get("crash")
+    res = spawn_scenario(_scenario, (str(tiny_random_dir),), 400)
     assert [len(t) for t in res["ref"]] == [3, 4, 5, 6, 7]
     assert res["eager"] == res["ref"]
     assert res["static"] == res["ref"] and res["static_again"] == res["ref"]
