@@ -204,3 +204,65 @@ def test_unreadable_prompts_file_is_a_one_line_error(kind, tmp_path, capsys, mon
     assert main(["generate", "--prompts-file", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"--prompts-file {path}: cannot read it as a UTF-8 text file" in err and "Traceback" not in err
+
+
+BAD_ENGINE_VALUES = [  # (argv, environment, the error line after "m2serve serve: error: ")
+    (["--max-batch-size", "0"], {}, "--max-batch-size: max_batch_size=0 must be a positive integer"),
+    ([], {"M2SERVE_MAX_BATCH_SIZE": "-3"}, "--max-batch-size: max_batch_size=-3 must be a positive"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}'], {},
+     "--speculative-config: speculative_config.lookahead: unknown key"),
+    # tiny-chat has 8 attention heads: 3 tensor-parallel CPU ranks cannot split them (rule V3)
+    (["--devices", "cpu:3"], {}, "--devices: Number of attention heads (8) must be divisible by the tensor "
+     "parallel degree (3)"),
+    (["--devices", "cpu:2", "--data-parallel-degree", "3"], {},
+     "--data-parallel-degree: data_parallel_degree=3 must be 1 or the number of devices (2)"),
+    (["--kv-cache-page-size", "0"], {}, "--kv-cache-page-size: kv_cache_page_size=0 must be positive"),
+    (["--num-kv-pages", "2", "--kv-cache-page-size", "16", "--max-length", "40"], {},
+     "--max-length: max_length=40 does not fit in the KV cache: 2 pages x 16 tokens = 32 tokens"),
+    (["--threads", "0"], {}, "--threads: threads=0 must be >= 1"),
+    (["--kv-cache-memory-gib", "0"], {}, "--kv-cache-memory-gib: kv_cache_memory_gib=0.0 must be a positive"),
+    ([], {"M2SERVE_KV_CACHE_FORMAT": "fp9"}, "M2SERVE_KV_CACHE_FORMAT='fp9': invalid choice 'fp9'"),
+    (["--chat-template", "/nonexistent/template.jinja"], {},
+     "--chat-template /nonexistent/template.jinja: no such file"),
+]
+
+
+@pytest.mark.parametrize("argv, env, message", BAD_ENGINE_VALUES)
+def test_bad_engine_values_are_usage_errors_before_the_port_binds(argv, env, message, capsys, monkeypatch):
+    # docs/serving.md §12: an engine value no run can use (from a flag or the environment) is refused with
+    # the subcommand's usage and the flag at fault, exit 2, before the listening socket binds and before
+    # the model loads (these used to bind the port, log "loading model", then fail in the load thread)
+    from m2serve.serve.cli import main
+
+    for var in [k for k in os.environ if k.startswith("M2SERVE_")]:
+        monkeypatch.delenv(var)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("m2serve.serve.cli.bind_listen_socket", lambda *a: pytest.fail("port bound first"))
+    monkeypatch.setattr("m2serve.serve.cli._make_llm", lambda opts: pytest.fail("model loaded first"))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "0", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: m2serve serve"), err
+    assert f"m2serve serve: error: {message}" in err and "Traceback" not in err, err
+
+
+def test_bad_engine_value_leaves_the_port_free(tmp_path):
+    # the real process: `m2serve serve --max-batch-size 0` on a free port exits 2 with the usage error
+    # and never listens (no uvicorn line, no loading line); the port can be bound right after
+    from serve_helpers import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M2SERVE_")}
+    r = subprocess.run([sys.executable, "-m", "m2serve.serve.cli", "serve", "--host", "127.0.0.1", "--port",
+                        str(port), "--max-batch-size", "0", "--log-level", "info"],
+                       capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "usage: m2serve serve" in out and "m2serve serve: error: --max-batch-size:" in out, out
+    assert "Uvicorn running" not in out and "loading model" not in out and "Started server" not in out, out
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

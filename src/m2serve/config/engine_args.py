@@ -210,6 +210,16 @@ class EngineArgs:
     speculative_config: Any = None
 
 
+class EngineArgError(ValueError):
+    """A bad ``EngineArgs`` value, with the field it belongs to (``field``, an EngineArgs field name
+    such as ``"max_batch_size"``) so that the CLI can name its flag (``--max-batch-size``); the
+    message itself is ``str(error)`` (engine/planner.py ``check_engine_args``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 #: Environment variable that turns the batch-invariant mode on for every entry point.
 BATCH_INVARIANT_ENV = "M2SERVE_BATCH_INVARIANT"
 

@@ -29,7 +29,20 @@ from pathlib import Path
 
 import torch
 
-from m2serve.config.engine_args import WEIGHT_DEQUANT_MODES, EngineArgs, dtype_bytes, rank_devices
+from m2serve.config.engine_args import (
+    ACTIVATION_QUANT_MODES,
+    ATTENTION_BACKENDS,
+    FP8_LINEAR_MODES,
+    QUANTIZE_UNQUANTIZED_MODES,
+    WEIGHT_DEQUANT_MODES,
+    EngineArgError,
+    EngineArgs,
+    batch_invariant_enabled,
+    choose_num_threads,
+    dtype_bytes,
+    parse_speculative_config,
+    rank_devices,
+)
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.config.parallel import Deployment, ParallelismMode, shard_ranges, validate_deployment
 from m2serve.config.quant import MXFP4_GROUP, NVFP4_GROUP
@@ -123,6 +136,68 @@ def check_page_and_length(args: EngineArgs) -> int:
     return S
 
 
+def check_engine_args(config: MiniMaxM2Config, args: EngineArgs,
+                      world_size: int | None = None) -> Deployment:
+    """Every check of ``args`` that needs no weights and no memory measurement, in one call, so that
+    an entry point refuses a bad value before it binds a port or reads a weight (docs/serving.md §12):
+    the choice fields (dtype, kv_cache_format, weight_dequant, fp8_linear, activation_quant,
+    quantize_unquantized, attention_backend), devices' form, the deployment rules V1–V10 on
+    ``world_size`` ranks (default: ``args.devices``' count; torchrun passes its WORLD_SIZE;
+    docs/parallelism.md §5), kv_cache_page_size and max_length (and max_length against an explicit
+    num_kv_pages pool), num_kv_pages >= 1, kv_cache_memory_gib > 0, threads >= 1, speculative_config
+    and batch_invariant (CPU only, ``M2SERVE_BATCH_INVARIANT``).
+
+    Returns the validated :class:`Deployment`. Raises :class:`EngineArgError` (a ValueError) whose
+    ``field`` is the EngineArgs field at fault (``devices`` for a world size the model's heads or
+    experts cannot be split over) and whose message is the consumer's own (it names field and value).
+    """
+    def field(name: str, check, *a):
+        try:
+            return check(*a)
+        except EngineArgError:
+            raise
+        except ValueError as e:
+            raise EngineArgError(name, str(e)) from e
+
+    def choice(name: str, accepted: tuple[str, ...]) -> None:
+        value = getattr(args, name)
+        if value not in accepted:
+            raise EngineArgError(name, f"{name}={value!r} is not supported; use one of {list(accepted)}")
+
+    field("dtype", dtype_bytes, "dtype", args.dtype)
+    field("kv_cache_format", dtype_bytes, "kv_cache_format", args.kv_cache_format)
+    for name, accepted in (("weight_dequant", WEIGHT_DEQUANT_MODES), ("fp8_linear", FP8_LINEAR_MODES),
+                           ("activation_quant", ACTIVATION_QUANT_MODES),
+                           ("quantize_unquantized", QUANTIZE_UNQUANTIZED_MODES),
+                           ("attention_backend", ATTENTION_BACKENDS)):
+        choice(name, accepted)
+    field("devices", rank_devices, args.devices)
+    try:
+        dep = _deployment(config, args, world_size)
+    except ValueError as e:  # V1–V10: the field the message starts with, else the device count's
+        head = str(e).split("=", 1)[0]
+        raise EngineArgError(head if head in EngineArgs.__dataclass_fields__ else "devices", str(e)) from e
+    if args.kv_cache_page_size <= 0:
+        field("kv_cache_page_size", check_page_and_length, args)
+    field("max_length", check_page_and_length, args)
+    if args.num_kv_pages is not None:
+        if args.num_kv_pages < 1:
+            raise EngineArgError("num_kv_pages", f"num_kv_pages={args.num_kv_pages} must be a positive "
+                                 "integer (or unset: the memory planner's count)")
+        if args.max_length is not None:
+            field("max_length", fit_max_length, args.max_length, config.max_position_embeddings,
+                  args.num_kv_pages, args.kv_cache_page_size)
+    field("kv_cache_memory_gib", cpu_kv_pool_bytes, config, args, dep.max_batch_size,
+          args.kv_cache_page_size)
+    if args.threads is not None:
+        field("threads", choose_num_threads, args)
+    field("speculative_config", parse_speculative_config, args.speculative_config)
+    if field("batch_invariant", batch_invariant_enabled, args) and not args.devices.startswith("cpu"):
+        raise EngineArgError("batch_invariant", f"batch_invariant: implemented for CPU devices only, not "
+                             f"devices={args.devices!r} (docs/model.md §7)")
+    return dep
+
+
 def fit_max_length(requested: int | None, default: int, num_pages: int, page_size: int) -> int:
     """The longest context one sequence may have, in tokens (docs/serving.md §7).
 
@@ -152,22 +227,21 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
     MemAvailable) shared by the N ranks of ``cpu:N``; GPU = free memory (torch.cuda.mem_get_info)
     of the smallest listed device, its total if it reports 0.
 
-    Raises ValueError for a deployment refused by validate_deployment (V1–V8, e.g. V7: NVFP4 experts
-    under TP_TP with (I/tp) % 16 != 0), an unknown dtype / kv_cache_format / weight_dequant, or
-    an explicit max_length longer than the KV pool (stating the largest that fits) or not positive;
+    Raises ValueError (:class:`EngineArgError`, naming the field) for any value
+    :func:`check_engine_args` refuses — a deployment refused by validate_deployment (V1–V8, e.g. V7:
+    NVFP4 experts under TP_TP with (I/tp) % 16 != 0), an unknown dtype / kv_cache_format /
+    weight_dequant, a max_length not positive — and for an explicit max_length longer than the
+    planned KV pool (stating the largest that fits);
     RuntimeError "model does not fit: ..." when weights + activations + scratch exceed the free
     memory, and "no room for KV cache: ..." when less than one page is left after
     device_memory_utilization.
     """
+    dep = check_engine_args(config, args)
     P = num_devices(args.devices)
     encoding = checkpoint_encoding(config)
-    dep = _deployment(config, args)
     act = dtype_bytes("dtype", args.dtype)
     kv_elem = dtype_bytes("kv_cache_format", args.kv_cache_format)
-    if args.weight_dequant not in WEIGHT_DEQUANT_MODES:
-        raise ValueError(f"weight_dequant={args.weight_dequant!r} is not supported; "
-                         f"use one of {WEIGHT_DEQUANT_MODES}")
-    S = check_page_and_length(args)
+    S = args.kv_cache_page_size
     device_kind = "cpu" if args.devices.partition(":")[0] == "cpu" else "cuda"
     weight_dequant = resolve_weight_dequant(args.weight_dequant, device_kind, getattr(torch, args.dtype))
 

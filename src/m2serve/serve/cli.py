@@ -35,6 +35,7 @@ from m2serve.config.engine_args import (
     KV_CACHE_FORMATS,
     QUANTIZE_UNQUANTIZED_MODES,
     WEIGHT_DEQUANT_MODES,
+    EngineArgError,
     EngineArgs,
 )
 
@@ -619,6 +620,35 @@ def check_options(command: str, opts: dict[str, Any]) -> str | None:
     return None
 
 
+def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
+    """The usage error for an engine option no run can use, else None: every check of
+    engine/planner.py ``check_engine_args`` against the checkpoint's config.json (read, no weights),
+    and for serve/generate a ``--chat-template`` that is not a file; run before the port binds and
+    before the model loads (docs/serving.md §12). The message starts with the flag at fault
+    (``--max-batch-size: max_batch_size=0 must be ...``). A ``--model`` hub id whose config.json is
+    neither cached nor shipped is left to the load (it may be downloaded); a path that does not exist
+    is an error here. Raises what reading config.json raises (ValueError/OSError: a runtime error)."""
+    from m2serve.config.model_config import MiniMaxM2Config
+    from m2serve.engine.planner import check_engine_args
+    from m2serve.serve.resolve import ModelNotFoundError, looks_like_hub_id, resolve_config
+
+    template = opts.get("chat_template")
+    if command != "plan" and template is not None and not os.path.isfile(template):
+        return f"--chat-template {template}: no such file"
+    try:
+        cfg_path = resolve_config(opts.get("model"))
+    except ModelNotFoundError as e:
+        return None if looks_like_hub_id(str(opts.get("model"))) else str(e)
+    config = MiniMaxM2Config.from_pretrained(cfg_path)
+    args = EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts))
+    world = torchrun_world_size()
+    try:
+        check_engine_args(config, args, world if world > 1 else None)
+    except EngineArgError as e:
+        return f"--{e.field.replace('_', '-')}: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``m2serve`` console script; returns the exit status.
 
@@ -643,6 +673,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=opts["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        problem = check_engine_options(ns.command, opts)  # before the port binds, before any load
+    except (ValueError, OSError) as e:  # config.json unreadable or not MiniMax-M2's
+        print(f"m2serve {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    if problem:
+        command_parser.error(problem)
     try:
         if ns.command == "serve":
             return run_server(opts)
