@@ -34,6 +34,13 @@ GPU8 = "gpu:0,1,2,3,4,5,6,7"
 # --- release shapes (docs/model.md §1-§2) and hand-derived bytes (docs/serving.md §7) --------------
 H, L, Hq, Hkv, D, I, E, k, V = 3072, 62, 48, 8, 128, 1536, 256, 8, 200064
 Q, KV = Hq * D, Hkv * D                                                   # 6144, 1024
+# One step's activations without EP (docs/serving.md §7), bf16 (2 B), 8192 tokens, 256 sampled rows:
+# hidden 2·8192·3072·2 = 100,663,296; attention (tp 1) 8192·(96 + 16)·128·2 = 234,881,024; MoE
+# 8192·256·4 + 8192·8·(3·1536 + 3072)·2 = 8,388,608 + 1,006,632,960 = 1,015,021,568 (the larger);
+# logits 256·200,064·4 = 204,865,536. Under TP_TP tp 8: MoE 8,388,608 + 8192·8·(3·192 + 3072)·2 =
+# 486,539,264 > attention 29,360,128.
+DENSE_ONE = 100_663_296 + 1_015_021_568 + 204_865_536                     # 1,320,550,400 B, 1.23 GiB
+DENSE_TP8 = 100_663_296 + 486_539_264 + 204_865_536                       # 792,068,096 B, 0.74 GiB
 
 
 def blocks(n: int, m: int) -> int:
@@ -197,12 +204,28 @@ def test_tp_tp_8_accepted_for_fp8(m27):
     assert p.mode is ParallelismMode.TP_TP and p.kv_bytes_per_token == KV_TOKEN_BF16 // 4
 
 
+def test_activations_without_ep_are_one_steps_tensors(m27):
+    # `m2serve plan` under TP_TP printed "activations 0.00 GiB": without EP the planner counted 0 (MAX's
+    # rule), leaving a step's tensors to the utilisation headroom; now the hand-derived step (DENSE_*)
+    p = plan(m27, devices=GPU8, weight_dequant="runtime", device_memory_gib=80)
+    assert (p.mode, p.tp_size, p.activation_bytes) == (ParallelismMode.TP_TP, 8, DENSE_TP8)
+    assert "activations / device       0.74 GiB (792,068,096 B)" in format_plan(p)
+    one = plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=300)
+    assert one.activation_bytes == DENSE_ONE
+    # speculative decoding samples up to 1 + K rows per sequence: 256 x 5 = 1280 rows of fp32 logits
+    spec = plan(m27, devices=GPU8, weight_dequant="runtime", device_memory_gib=80,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert spec.activation_bytes == DENSE_TP8 + (1280 - 256) * V * 4
+    # the budget follows: free x 0.9 - (weights + activations + scratch)
+    assert p.kv_budget_bytes == math.floor(80 * GiB * 0.9 - p.weight_bytes - DENSE_TP8 - 256 * MiB)
+
+
 # --- the two "does not fit" errors (docs/serving.md §7) ---------------------------------------------
 
 def test_model_does_not_fit_names_the_numbers(m27):
     # one device, FP8 held packed: 214.32 GiB of weights > 200 GiB
     with pytest.raises(RuntimeError, match=r"^model does not fit: weights 214\.32 GiB \+ activations "
-                                           r"0\.00 GiB \+ scratch 0\.00 GiB > free 200\.00 GiB on device 0"):
+                                           r"1\.23 GiB \+ scratch 0\.00 GiB > free 200\.00 GiB on device 0"):
         plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=200)
     # TP_EP on 8 x 24 GiB: 28.95 GiB of weights per device
     with pytest.raises(RuntimeError, match=r"weights 28\.95 GiB \+ activations 0\.71 GiB \+ "
@@ -212,13 +235,13 @@ def test_model_does_not_fit_names_the_numbers(m27):
 
 
 def test_no_room_for_kv_cache_names_the_numbers(m27):
-    # 230 GiB x 0.9 = 207 GiB < 214.32 GiB of weights, although the weights alone fit
+    # 230 GiB x 0.9 = 207 GiB < 215.55 GiB of weights and activations, although they alone fit
     with pytest.raises(RuntimeError, match=r"^no room for KV cache: free 230\.00 GiB x "
-                                           r"device_memory_utilization=0\.9 - static 214\.32 GiB .* "
+                                           r"device_memory_utilization=0\.9 - static 215\.55 GiB .* "
                                            r"at device_memory_utilization=0\.9"):
         plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=230)
     # a budget below one page (128 x 253,952 B = 31 MiB) is no room either
-    free = (ONE_DEVICE + 10 * MiB) / 0.9 / GiB
+    free = (ONE_DEVICE + DENSE_ONE + 10 * MiB) / 0.9 / GiB
     with pytest.raises(RuntimeError, match=r"no room for KV cache: .* less than one KV page of 31\.00 MiB"):
         plan(m27, devices="gpu", weight_dequant="runtime", device_memory_gib=free)
 
@@ -238,7 +261,7 @@ def test_pages_and_max_context_from_the_formula(m27):
 
 def test_max_length_lowered_or_refused(m27, caplog):
     kw = dict(devices="gpu", weight_dequant="runtime", device_memory_gib=230, device_memory_utilization=1.0)
-    budget = math.floor(230 * GiB - ONE_DEVICE)
+    budget = math.floor(230 * GiB - ONE_DEVICE - DENSE_ONE)
     capacity = budget // (128 * KV_TOKEN_BF16) * 128
     assert capacity < 204_800
     with caplog.at_level("WARNING"):
@@ -337,7 +360,7 @@ def test_plain_data_parallel_holds_every_expert(m27):
     with pytest.raises(RuntimeError, match=r"model does not fit: weights 214\.32 GiB .* > free 141\.00 GiB"):
         plan(m27, devices=GPU8, data_parallel_degree=8, weight_dequant="runtime", device_memory_gib=141)
     p = plan(m27, devices=GPU8, data_parallel_degree=8, weight_dequant="runtime", device_memory_gib=300)
-    assert (p.mode, p.weight_bytes, p.activation_bytes) == (ParallelismMode.DP_EP, ONE_DEVICE, 0)
+    assert (p.mode, p.weight_bytes, p.activation_bytes) == (ParallelismMode.DP_EP, ONE_DEVICE, DENSE_ONE)
     assert p.scratch_bytes == 256 * MiB and p.kv_bytes_per_token == KV_TOKEN_BF16
 
 

@@ -75,8 +75,9 @@ class MemoryPlan:
       to the compute dtype with ``weight_dequant="load"``, held as stored with ``"runtime"``.
     checkpoint_bytes: the same tensors with quantised linears as stored in the checkpoint
       (docs/serving.md §7 table; router gate + bias counted in fp32, as held).
-    activation_bytes: EP buffer estimate (MAX formulas, :func:`ep_activation_bytes`) / devices;
-      0 without EP, as MAX. scratch_bytes: 256 MiB when more than one device runs.
+    activation_bytes: with EP the EP buffer estimate (MAX formulas, :func:`ep_activation_bytes`) /
+      devices; without EP one step's dense activations (:func:`dense_activation_bytes`).
+      scratch_bytes: 256 MiB when more than one device runs.
     free_bytes / memory_source: the device memory the plan starts from and where it came from.
     kv_bytes_per_token: K and V of all layers for the KV heads this device holds.
     numerics: which numerics the quantised linears run (model/load.py ``numerics_banner``: W4A4 as
@@ -256,7 +257,11 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
             dispatch=args.dtype)
         activations = -(-(moe_act + ep_buf) // P)
     else:
-        activations = 0
+        spec = parse_speculative_config(args.speculative_config)
+        activations = dense_activation_bytes(
+            config, args.max_batch_input_tokens, dep.max_batch_size, tp_size=dep.tp_size,
+            split_experts=dep.mode is ParallelismMode.TP_TP, act_bytes=act,
+            draft_tokens=spec.num_speculative_tokens if spec is not None else 0)
     scratch = MULTI_DEVICE_RESERVE if P > 1 else 0
 
     if device_memory_gib is not None:
@@ -400,6 +405,35 @@ def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *,
     experts_tok = (E // ep_size) * mt * tok if ep_use_allreduce else E * mt * tok
     per_dev = mt * tok + experts_tok + k * mt * H * 2
     return moe_act, 2 * n * per_dev
+
+
+def dense_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, max_batch_size: int, *,
+                           tp_size: int, split_experts: bool, act_bytes: int, draft_tokens: int = 0) -> int:
+    """Activation bytes of one step on one device without EP (TP_TP, or DP_EP with ep_size 1), an upper
+    bound of one layer's live tensors plus the logits (docs/serving.md §7 "activations"):
+
+        T = max_batch_input_tokens, a = act_bytes, tp = tp_size, I_r = I / tp (split_experts) else I,
+        R = min(T, max_batch_size x (1 + draft_tokens))       rows sampled in a step
+        hidden = 2 T H a                                        residual stream + normed layer input
+        attn   = T (2 Hq + 2 Hkv) D / tp a                      q, k, v, attention output
+        moe    = T E 4 + T k (3 I_r + H) a                      fp32 router logits; per routed row gate
+                                                                and up (2 I_r), their product, down (H)
+        logits = R V 4                                          fp32 logits of the sampled rows
+        bytes  = hidden + max(attn, moe) + logits
+
+    Bytes (int). The release (H 3072, Hq 48, Hkv 8, D 128, E 256, k 8, I 1536, V 200,064) in bf16 at
+    T 8192 and 256 sequences: 1,320,550,400 B (1.23 GiB) on one device, 792,068,096 B (0.74 GiB) per
+    device under TP_TP tp 8.
+    """
+    T, a, tp = max_batch_input_tokens, act_bytes, tp_size
+    H, D, V = config.hidden_size, config.head_dim, config.vocab_size
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    I_r = config.intermediate_size // tp if split_experts else config.intermediate_size
+    rows = min(T, max_batch_size * (1 + draft_tokens))
+    hidden = 2 * T * H * a
+    attn = T * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) * D // tp * a
+    moe = T * E * 4 + T * k * (3 * I_r + H) * a
+    return hidden + max(attn, moe) + rows * V * 4
 
 
 def checkpoint_encoding(config: MiniMaxM2Config) -> Encoding:
