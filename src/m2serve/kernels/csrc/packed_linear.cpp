@@ -485,62 +485,47 @@ M2_AVX512BF16 void gemv_mxfp4_avx512(const Weight& w, int64_t e, int64_t n0, int
   }
 }
 
-// bf16 weights, K a multiple of 64, R activation rows: one row's fp32 sum is always the even 32-column
-// steps in one accumulator, the odd ones in another, added at the end (so a row's result does not depend
-// on how many rows share the call). Prefetches go to L2 (_MM_HINT_T1), one line per 128 bytes of the
-// next weight row(s): measured on an AVX-512 BF16 EPYC, one row streamed 1.9x faster than two rows
-// prefetched into L1, whose 32 KB the prefetched rows, the current rows and the activations overfill.
-// One weight row (R <= 4; 1-2 rows, and the odd last row of a pair loop).
-template <int R>
-M2_AVX512BF16 void gemv_bf16w_row(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
+// bf16 weights, K a multiple of 64: W weight rows from n (1, or 2 = a pair) against R <= 4 activation
+// rows. One (weight row, activation row) fp32 sum is always the even 32-column steps in one accumulator,
+// the odd ones in another, added at the end (so a row's result does not depend on how many rows share the
+// call, nor on W). Each activation vector is loaded once for the W weight rows (W = 2 measured 1.2x one
+// row at a time at 4 rows, 1.6x for 8 rows in two passes). Prefetches go to L2 (_MM_HINT_T1), one line
+// per 128 bytes of the next W weight rows: measured on an AVX-512 BF16 EPYC, one row streamed 1.9x faster
+// than two rows prefetched into L1, whose 32 KB the prefetched rows, the current rows and the activations
+// overfill.
+template <int W, int R>
+M2_AVX512BF16 void gemv_bf16w_block(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
   const int64_t K = w.K;
   const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
-  __m512 acc[R][2];
+  __m512 a[W][R][2];
+#pragma GCC unroll 2
+  for (int j = 0; j < W; ++j)
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) a[j][r][0] = a[j][r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + w.q_n + 2 * k), _MM_HINT_T1);  // the next row
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + 2 * k), w1 = (__m512bh)_mm512_loadu_si512(p + 2 * k + 64);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(xb + r * K + k));
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32));
+    __m512bh w0[W], w1[W];
+#pragma GCC unroll 2
+    for (int j = 0; j < W; ++j) {
+      const uint8_t* pj = p + j * w.q_n;
+      _mm_prefetch(reinterpret_cast<const char*>(pj + W * w.q_n + 2 * k), _MM_HINT_T1);  // the next W rows
+      w0[j] = (__m512bh)_mm512_loadu_si512(pj + 2 * k);
+      w1[j] = (__m512bh)_mm512_loadu_si512(pj + 2 * k + 64);
     }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
-
-// Weight rows n and n + 1 against R (3 or 4) activation rows: each activation vector loaded once for
-// both weight rows (measured 1.2x one row at a time at 4 rows, 1.6x for 8 rows in two passes).
-template <int R>
-M2_AVX512BF16 void gemv_bf16w_two(const Weight& w, int64_t e, int64_t n, const uint16_t* xb, float* y, int64_t N) {
-  const int64_t K = w.K;
-  const uint8_t* p0 = w.q + e * w.q_e + n * w.q_n;
-  const uint8_t* p1 = p0 + w.q_n;
-  __m512 a[2][R][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) a[0][r][0] = a[0][r][1] = a[1][r][0] = a[1][r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p0 + 2 * w.q_n + 2 * k), _MM_HINT_T1);  // the next pair
-    _mm_prefetch(reinterpret_cast<const char*>(p1 + 2 * w.q_n + 2 * k), _MM_HINT_T1);
-    const __m512bh w00 = (__m512bh)_mm512_loadu_si512(p0 + 2 * k), w01 = (__m512bh)_mm512_loadu_si512(p0 + 2 * k + 64);
-    const __m512bh w10 = (__m512bh)_mm512_loadu_si512(p1 + 2 * k), w11 = (__m512bh)_mm512_loadu_si512(p1 + 2 * k + 64);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
       const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xb + r * K + k + 32);
-      a[0][r][0] = _mm512_dpbf16_ps(a[0][r][0], w00, x0);
-      a[0][r][1] = _mm512_dpbf16_ps(a[0][r][1], w01, x1);
-      a[1][r][0] = _mm512_dpbf16_ps(a[1][r][0], w10, x0);
-      a[1][r][1] = _mm512_dpbf16_ps(a[1][r][1], w11, x1);
+#pragma GCC unroll 2
+      for (int j = 0; j < W; ++j) {
+        a[j][r][0] = _mm512_dpbf16_ps(a[j][r][0], w0[j], x0);
+        a[j][r][1] = _mm512_dpbf16_ps(a[j][r][1], w1[j], x1);
+      }
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][r][0], a[0][r][1]));
-    y[r * N + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a[1][r][0], a[1][r][1]));
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < W; ++j) y[r * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j][r][0], a[j][r][1]));
 }
 
 // bf16 weights with K a multiple of 64: passes of up to 4 activation rows over the task's weight rows
@@ -554,16 +539,16 @@ M2_AVX512BF16 void gemv_bf16w_rows(const Weight& w, int64_t e, int64_t n0, int64
     int64_t n = n0;
     if (m >= 3) {
       for (; n + 2 <= n1; n += 2) {
-        if (m == 3) gemv_bf16w_two<3>(w, e, n, xr, yr, N);
-        else gemv_bf16w_two<4>(w, e, n, xr, yr, N);
+        if (m == 3) gemv_bf16w_block<2, 3>(w, e, n, xr, yr, N);
+        else gemv_bf16w_block<2, 4>(w, e, n, xr, yr, N);
       }
     }
     for (; n < n1; ++n) {
       switch (m) {
-        case 1: gemv_bf16w_row<1>(w, e, n, xr, yr, N); break;
-        case 2: gemv_bf16w_row<2>(w, e, n, xr, yr, N); break;
-        case 3: gemv_bf16w_row<3>(w, e, n, xr, yr, N); break;
-        default: gemv_bf16w_row<4>(w, e, n, xr, yr, N); break;
+        case 1: gemv_bf16w_block<1, 1>(w, e, n, xr, yr, N); break;
+        case 2: gemv_bf16w_block<1, 2>(w, e, n, xr, yr, N); break;
+        case 3: gemv_bf16w_block<1, 3>(w, e, n, xr, yr, N); break;
+        default: gemv_bf16w_block<1, 4>(w, e, n, xr, yr, N); break;
       }
     }
   }

@@ -339,6 +339,17 @@ void rows_scalar(const uint8_t* p, const float* sw, const Acts& a, int64_t r0, i
   }
 }
 
+// The last step of the vector row kernels: out[i] = the fp32 sum, in lane order, of row i's L lanes
+// (lanes[i·L, (i+1)·L), the stored accumulator) + its tail groups (tail_dot), for rows r0 .. r0 + m.
+inline void finish_rows(const float* lanes, int L, int m, const uint8_t* p, const float* sw, const Acts& a,
+                        int64_t r0, float* out) {
+  for (int i = 0; i < m; ++i) {
+    float acc = 0.0f;
+    for (int j = 0; j < L; ++j) acc += lanes[i * L + j];
+    out[i] = acc + tail_dot(p, a.codes.data() + (r0 + i) * a.K, a.sa.data() + (r0 + i) * a.sa_row, sw, a);
+  }
+}
+
 #if W4_X86
 // Group scales of weight row n, 8 at a time (the scalar formulas lane-wise, exact decodes).
 W4_AVX2 void weight_scales_avx2(const Weight& w, int64_t e, int64_t n, float* out) {
@@ -401,13 +412,9 @@ W4_AVX2 void rows_avx2_m(const uint8_t* p, const float* sw, const Acts& a, int64
       }
     }
   }
-  for (int i = 0; i < M; ++i) {
-    alignas(32) float l[8];
-    _mm256_store_ps(l, facc[i]);
-    float acc = 0.0f;
-    for (int j = 0; j < 8; ++j) acc += l[j];
-    out[i] = acc + tail_dot(p, a.codes.data() + (r0 + i) * a.K, a.sa.data() + (r0 + i) * a.sa_row, sw, a);
-  }
+  alignas(32) float l[M * 8];
+  for (int i = 0; i < M; ++i) _mm256_store_ps(l + i * 8, facc[i]);
+  finish_rows(l, 8, M, p, sw, a, r0, out);
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI: vpdpbusd
@@ -486,13 +493,9 @@ W4_VNNI void rows_vnni_m(const uint8_t* p, const float* sw, const Acts& a, int64
       facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, facc[i]);
     }
   }
-  for (int i = 0; i < M; ++i) {
-    alignas(64) float l[16];
-    _mm512_store_ps(l, facc[i]);
-    float acc = 0.0f;
-    for (int j = 0; j < 16; ++j) acc += l[j];
-    out[i] = acc + tail_dot(p, a.codes.data() + (r0 + i) * a.K, a.sa.data() + (r0 + i) * a.sa_row, sw, a);
-  }
+  alignas(64) float l[M * 16];
+  for (int i = 0; i < M; ++i) _mm512_store_ps(l + i * 16, facc[i]);
+  finish_rows(l, 16, M, p, sw, a, r0, out);
 }
 
 #define W4_ROWS(fn)                                                                                   \
@@ -642,13 +645,22 @@ at::Tensor w4a4_linear(const at::Tensor& x, const at::Tensor& offsets, const at:
   at::Tensor y32 = at::zeros({R, N}, x.options().dtype(at::kFloat));
   float* yp = y32.data_ptr<float>();
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    const int64_t sw_row = K / a.g + LANES;  // padded: the vector paths load 16 from a chunk's first
+    // A weight row's K/g group scales, padded with LANES lanes: the vector paths load 16 floats from a
+    // chunk's first group and keep (permute) only the chunk's own groups, so the last chunk's load
+    // reaches into the padding. The buffer is reused by this thread across tasks and calls with other
+    // K and g, so the padding is set to 0 with each row's scales: no lane read holds a value left by
+    // another row or call (the permutes discard those lanes, so this is not a numeric change).
+    const int64_t G = K / a.g, sw_row = G + LANES;
     thread_local std::vector<float> sw;
     if (sw.size() < size_t(tile_n * sw_row)) sw.resize(tile_n * sw_row, 0.0f);
     float out[ROW_BLOCK];
     for (int64_t t = t0; t < t1; ++t) {
       const Task& tk = tasks[t];
-      for (int64_t n = tk.n0; n < tk.n1; ++n) scales(w, tk.e, n, sw.data() + (n - tk.n0) * sw_row);
+      for (int64_t n = tk.n0; n < tk.n1; ++n) {
+        float* row = sw.data() + (n - tk.n0) * sw_row;
+        scales(w, tk.e, n, row);
+        std::fill(row + G, row + sw_row, 0.0f);
+      }
       for (int64_t r = tk.r0; r < tk.r1; r += ROW_BLOCK) {
         const int64_t m = std::min(ROW_BLOCK, tk.r1 - r);
         for (int64_t n = tk.n0; n < tk.n1; ++n) {
