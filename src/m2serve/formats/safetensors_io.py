@@ -195,7 +195,21 @@ class CheckpointReader:
             view = view[slice(*rows)]
         if cols is not None:
             view = view[:, slice(*cols)]
-        return copy_finite(view, name, self.copy_check, encoding, where=info.file.name)
+        out = copy_finite(view, name, self.copy_check, encoding, where=info.file.name)
+        self._release(info)
+        return out
+
+    def _release(self, info: TensorInfo) -> None:
+        """Unmap ``info``'s file pages from this process once its bytes are copied (madvise
+        MADV_DONTNEED on the read-only shared map: the pages stay in the page cache, a later read
+        faults them back in). Without it every page read stayed mapped, counted in the process's
+        resident set, until :meth:`close`: loading the 2.2 GiB bf16 bench checkpoint peaked at
+        4.7 GiB RSS, the copies plus the whole file mapped."""
+        mm = self._maps.get(info.file)
+        if mm is None or info.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        mm.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
 
     def _view(self, info: TensorInfo) -> torch.Tensor:
         """``info``'s tensor as a view of the mapped file (no copy; read-only use)."""
