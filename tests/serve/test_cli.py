@@ -248,6 +248,27 @@ def test_bad_engine_values_are_usage_errors_before_the_port_binds(argv, env, mes
     assert f"m2serve serve: error: {message}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--devices", "cpu:3", "hi"], "--devices: Number of attention heads (8) must be divisible"),
+    (["generate", "--devices", "cpu:2", "--ep-size", "4", "hi"],
+     "--ep-size: ep_size=4 does not match the 2 devices of this deployment"),
+    (["plan", "--max-batch-size", "0"], "--max-batch-size: max_batch_size=0 must be a positive integer"),
+])
+def test_generate_and_plan_refuse_bad_engine_values_with_their_usage(argv, message, capsys, monkeypatch):
+    # the same check for generate (before the model loads) and plan (before it plans), each with its own
+    # subcommand's usage
+    from m2serve.serve.cli import main
+
+    for var in [k for k in os.environ if k.startswith("M2SERVE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setattr("m2serve.serve.cli._make_llm", lambda opts: pytest.fail("model loaded first"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: m2serve {argv[0]}"), err
+    assert f"m2serve {argv[0]}: error: {message}" in err, err
+
+
 def test_bad_engine_value_leaves_the_port_free(tmp_path):
     # the real process: `m2serve serve --max-batch-size 0` on a free port exits 2 with the usage error
     # and never listens (no uvicorn line, no loading line); the port can be bound right after
