@@ -342,15 +342,17 @@ def test_fp8_rows_do_not_depend_on_the_row_count(isa, dtype):
     backend = build.select_backend(isa)
     want = w.dequantize(0, dtype)
     eye = torch.eye(k, dtype=dtype)
-    got = linear(eye[:11], w, backend)
-    want_t = want[:, :11].T
-    if dtype == torch.bfloat16:  # as in test_decoded_values_equal_the_formula_bit_for_bit
-        want_t = torch.where((want_t.abs() < 2**-126) & (got == 0), 0, want_t)
-    torch.testing.assert_close(got, want_t, rtol=0, atol=0, equal_nan=True)
+    for c in range(0, k, 11):  # every column, through GEMV calls of up to 11 identity rows
+        got = linear(eye[c:c + 11], w, backend)
+        want_t = want[:, c:c + 11].T
+        if dtype == torch.bfloat16:  # as in test_decoded_values_equal_the_formula_bit_for_bit
+            want_t = torch.where((want_t.abs() < 2**-126) & (got == 0), 0, want_t)
+        torch.testing.assert_close(got, want_t, rtol=0, atol=0, equal_nan=True)
     x = (torch.randn(11, k, generator=g) * 2.0**-125).to(dtype)  # keeps the 2^125 band finite
     alone = [linear(x[i:i + 1], w, backend) for i in range(11)]
     for m in range(1, 12):
         got = linear(x[:m], w, backend)
+        _check_products(got, x[:m], want)
         assert all(torch.equal(got[i:i + 1], alone[i]) for i in range(m)), m
     # grouped: rows 0-2 through expert 0, rows 3-10 through expert 1 (the same weight)
     w2 = PackedWeights(WeightFormat.FP8_BLOCK, torch.stack([q, q]), torch.stack([scale, scale]), None, 16, 16)
