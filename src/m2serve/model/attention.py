@@ -269,7 +269,7 @@ def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale:
         G = Hq // Hkv
         if n == 1:  # the G query heads of KV head h as G query rows: [1, Hkv, G, D]
             o = F.scaled_dot_product_attention(q[s].view(1, Hkv, G, D), k, v, scale=scale)
-        elif isinstance(mask, torch.Tensor) and n <= FOLD_MAX_ROWS:
+        elif type(mask) is torch.Tensor and n <= FOLD_MAX_ROWS:   # not a CausalBias (a subclass)
             # a few rows (a speculative verification): folded as a decode, query row i·G + g is
             # token i's head h·G + g over KV head h, mask row i repeated G times: [1, Hkv, n·G, D]
             qf = q[s:e].view(n, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, n * G, D)
