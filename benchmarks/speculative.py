@@ -9,7 +9,9 @@ off and on (``--k`` drafted tokens, prompt lookup ``--lookup-min``..``--lookup-m
 ``--repeats`` times after one warm-up each, with the prefix cache off so every repeat does the same
 work. Printed per row: the medians of generated tokens / wall second (prefill included, as a client
 sees it) and the median of the per-pair ratios, the same per process CPU second (what the steps
-computed: less sensitive to other processes on a shared machine), the mean accepted length (tokens
+computed: less sensitive to other processes on a shared machine), the median ratio of decode
+tokens per CPU second (the steps with no prompt in them: every request added and past its first
+token, so prefill and TTFT are left out; what speculation changes), the mean accepted length (tokens
 per verified draft, 1 + accepted / drafts) and the acceptance rate per draft position (accepted at
 position i / drafts).
 Every repeat checks that both engines produced the same tokens (greedy, and the seeded
@@ -54,16 +56,27 @@ def prompt_ids(llm: LLM, kind: str, n: int, max_tokens: int) -> list[list[int]]:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
-        ) -> tuple[dict, float, float]:
-    """Generate every prompt to completion: (request id -> tokens, wall seconds, process CPU seconds)."""
+        ) -> tuple[dict, float, float, int, float]:
+    """Generate every prompt to completion: (request id -> tokens, wall seconds, process CPU seconds,
+    decode tokens, decode CPU seconds). The decode part is the steps with no prompt in them (no
+    request's first token out of them, and no request left running without one, i.e. halfway
+    through a chunked prompt): the tokens they emit and their process CPU seconds."""
     t0, c0 = time.perf_counter(), time.process_time()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"b{i}", p, sp)
     out: dict[str, list[int]] = {}
+    dec_tokens, dec_cpu = 0, 0.0
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        c = time.process_time()
+        outs = engine.step()
+        dc = time.process_time() - c
+        if not any(o.new_token_ids and o.request_id not in out for o in outs) and \
+                all(r.num_output_tokens for s in engine.schedulers for r in s.running):
+            dec_cpu += dc
+            dec_tokens += sum(len(o.new_token_ids) for o in outs)
+        for o in outs:
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return out, time.perf_counter() - t0, time.process_time() - c0
+    return out, time.perf_counter() - t0, time.process_time() - c0, dec_tokens, dec_cpu
 
 
 def main() -> None:
@@ -95,7 +108,7 @@ def main() -> None:
           f"| speculative {spec} | max_tokens {args.max_tokens} | temperature {args.temperature} | "
           f"{args.repeats} alternated repeats, medians")
     print(f"{'kind':<12} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
-          f"{'plain tok/cpu-s':>16} {'spec tok/cpu-s':>15} {'ratio':>6} "
+          f"{'plain tok/cpu-s':>16} {'spec tok/cpu-s':>15} {'ratio':>6} {'decode ratio':>12} "
           f"{'accepted len':>13}  acceptance per position")
     for kind in args.kinds.split(","):
         prompts = prompt_ids(llm, kind, args.per_kind, args.max_tokens)
@@ -112,13 +125,15 @@ def main() -> None:
             base = engines["spec"].stats
             rates: dict[str, list[float]] = {"plain": [], "spec": []}
             cpu: dict[str, list[float]] = {"plain": [], "spec": []}
+            dec: dict[str, list[float]] = {"plain": [], "spec": []}
             for _ in range(args.repeats):
                 outs = {}
                 for name in ("plain", "spec"):
-                    outs[name], dt, ct = run(engines[name], prompts, params)
+                    outs[name], dt, ct, dn, dc = run(engines[name], prompts, params)
                     n = sum(len(t) for t in outs[name].values())
                     rates[name].append(n / dt)
                     cpu[name].append(n / ct)
+                    dec[name].append(dn / dc if dc > 0 else float("nan"))   # nan: no decode step
                 if outs["plain"] != outs["spec"]:
                     raise SystemExit(f"{kind} batch {batch}: speculative tokens differ from plain decoding")
             st = engines["spec"].stats
@@ -128,11 +143,12 @@ def main() -> None:
                        for i, a in enumerate(st.spec_accepted_per_pos)]
             ratio = statistics.median(s / p for p, s in zip(rates["plain"], rates["spec"]))
             cpu_ratio = statistics.median(s / p for p, s in zip(cpu["plain"], cpu["spec"]))
+            dec_ratio = statistics.median(s / p for p, s in zip(dec["plain"], dec["spec"]))
             pos = " ".join(f"{a / drafts:.2f}" for a in per_pos) if drafts else "-"
             print(f"{kind:<12} {batch:>5} {statistics.median(rates['plain']):>12.1f} "
                   f"{statistics.median(rates['spec']):>11.1f} {ratio:>5.2f}x "
                   f"{statistics.median(cpu['plain']):>16.1f} {statistics.median(cpu['spec']):>15.1f} "
-                  f"{cpu_ratio:>5.2f}x "
+                  f"{cpu_ratio:>5.2f}x {dec_ratio:>11.2f}x "
                   f"{(1 + accepted / drafts) if drafts else 1.0:>13.2f}  {pos}", flush=True)
     print("same tokens with and without speculation in every repeat")
     print(machine_line())

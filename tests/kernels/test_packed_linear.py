@@ -321,6 +321,46 @@ def test_bf16_weights_one_to_nine_rows_and_an_odd_last_row(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_rows_do_not_depend_on_the_row_count(isa, dtype):
+    # FP8 blocks with fp32 dot products decode each weight once for up to 8 activation rows in
+    # registers on AVX-512 (csrc/packed_linear.cpp gemv_fp8_f32_avx512): each row's result must be
+    # bit-equal to the same row alone, for 1..11 rows (one and two passes of up to 8) and in a grouped
+    # call, since a speculative verification step (K + 1 rows) must compute what one-row decode
+    # steps compute (docs/serving.md §13). K = 48 with 16-column blocks leaves a last 16 columns after
+    # the 32-column steps; the second scale band is 2^125, whose 2^8 multiple overflows fp32 (the
+    # other decode); identity rows still read the formula's values bit for bit.
+    g = torch.Generator().manual_seed(34)
+    n, k = 40, 48
+    codes = _e4m3_codes(n, k, g)
+    codes[16:32] &= 0xBF  # |q| < 2 in the 2^125 band: its weights stay finite
+    q = codes.view(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-20, 21, (3, 3), generator=g).float())
+    scale *= 1 + torch.rand(3, 3, generator=g)
+    scale[1, :] = 2.0**125
+    w = PackedWeights(WeightFormat.FP8_BLOCK, q[None], scale[None], None, 16, 16)
+    backend = build.select_backend(isa)
+    want = w.dequantize(0, dtype)
+    eye = torch.eye(k, dtype=dtype)
+    for c in range(0, k, 11):  # every column, through GEMV calls of up to 11 identity rows
+        got = linear(eye[c:c + 11], w, backend)
+        want_t = want[:, c:c + 11].T
+        if dtype == torch.bfloat16:  # as in test_decoded_values_equal_the_formula_bit_for_bit
+            want_t = torch.where((want_t.abs() < 2**-126) & (got == 0), 0, want_t)
+        torch.testing.assert_close(got, want_t, rtol=0, atol=0, equal_nan=True)
+    x = (torch.randn(11, k, generator=g) * 2.0**-125).to(dtype)  # keeps the 2^125 band finite
+    alone = [linear(x[i:i + 1], w, backend) for i in range(11)]
+    for m in range(1, 12):
+        got = linear(x[:m], w, backend)
+        _check_products(got, x[:m], want)
+        assert all(torch.equal(got[i:i + 1], alone[i]) for i in range(m)), m
+    # grouped: rows 0-2 through expert 0, rows 3-10 through expert 1 (the same weight)
+    w2 = PackedWeights(WeightFormat.FP8_BLOCK, torch.stack([q, q]), torch.stack([scale, scale]), None, 16, 16)
+    got = grouped_linear(x, torch.tensor([3, 11], dtype=torch.int32), w2, backend)
+    assert torch.equal(got, torch.cat(alone)), "grouped rows differ from the rows alone"
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_mxfp4_exponent_add_range_edges(isa):
     # docs/kernels.md §6: groups with E8M0 exponent in [2, 252] are decoded by adding (e - 127) << 7
     # to the bf16 bits of the E2M1 value; 1 and 253 (and 0, 254) take the fp32 path. Each row mixes

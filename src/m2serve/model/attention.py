@@ -8,23 +8,24 @@ The KV cache is the engine's paged pool (model/batch.py KVStorage [P, S, Hkv, D]
 after QK norm + RoPE, V raw; every request sees all its cached pages plus its new tokens
 causally.
 
-:func:`attend` is the one attention seam: ``attend(q, kv, layer, step, scale)``
-reads each request's REAL context from its pages (varlen over the block tables and context
-lengths of the step context, model/step.py), never a [B, Lk_max] padded copy, so one layer's
-scratch is the K/V rows of the requests, Σ_b ceil(L_b / S)·S, not B × Lk. CPU implementation:
-a loop over the requests (host ints from the step context), each gathering its pages
-(``index_select`` of its page ids) and calling ``F.scaled_dot_product_attention``, which on CPU
-is the fused flash kernel (GQA native via ``enable_gqa``; fp32 accumulation for bf16). A decode
-request folds its G query heads of a KV head into the query axis (no mask); a chunk starting at
-position 0 uses ``is_causal``; any other chunk takes the additive mask the step context built
-once per step (never per layer). Chosen by measurement (benchmarks/attention.py, one layer of
-the bench config's heads, fp32, 1 thread, best of 2-6, three runs on the shared 2-core box at
-load ~10, so noisy): against a chunked loop (per request, 512-key chunks read page by page with
-an online softmax in torch ops) the chunked/SDPA time ratio was 0.72-1.08 on decode of
-1 x 8,192 + 31 x 64 (a tie), 0.85-1.62 on decode of 32 x 512 and 3.0-3.6 on a 512-token chunk
-after 1,024 cached, so SDPA: never clearly slower, one fused op per request. The old padded
-gather took 20-28x SDPA's time on the first case and 1.25-2.4x on the second, 0.82-0.92x on the
-one-request prefill chunk.
+:func:`attend` is the one attention seam: ``attend(q, kv, layer, step, scale)`` reads each
+request's REAL context from its pages (varlen over the block tables and context lengths of the
+step context, model/step.py), never a [B, Lk_max] padded copy, so one layer's scratch is the K/V
+rows of the requests, Σ_b ceil(L_b / S)·S, not B × Lk. CPU implementation: a loop over the
+requests (host ints from the step context), each gathering its pages (``index_select`` of its
+page ids) and calling ``F.scaled_dot_product_attention``, which on CPU is the fused flash kernel
+(GQA native via ``enable_gqa``; fp32 accumulation for bf16). A decode request folds its G query
+heads of a KV head into the query axis (no mask), and so does a chunk of at most
+``FOLD_MAX_ROWS`` tokens after a cached prefix (a speculative verification; its mask rows
+repeated G times); a chunk starting at position 0 uses ``is_causal``; any other chunk takes the
+additive mask the step context built once per step (never per layer). Chosen by measurement
+(benchmarks/attention.py, one layer of the bench config's heads, fp32, 1 thread, best of 2-6,
+three runs on the shared 2-core box at load ~10, so noisy): against a chunked loop (per request,
+512-key chunks read page by page with an online softmax in torch ops) the chunked/SDPA time
+ratio was 0.72-1.08 on decode of 1 x 8,192 + 31 x 64 (a tie), 0.85-1.62 on decode of 32 x 512
+and 3.0-3.6 on a 512-token chunk after 1,024 cached, so SDPA: never clearly slower, one fused op
+per request. The old padded gather took 20-28x SDPA's time on the first case and 1.25-2.4x on
+the second, 0.82-0.92x on the one-request prefill chunk.
 
 GPU choice: the ``triton`` attention backend (docs/kernels.md §7), chosen once when the model is
 built (:func:`resolve_attention_backend`): :func:`attend_kernel` runs the paged attention kernel
@@ -61,6 +62,11 @@ from m2serve.model.norm import RMSNorm, qk_norm_pair
 from m2serve.model.rope import apply_rope, rope_cos_sin
 
 E4M3_MAX = 448.0
+#: Chunks of at most this many new tokens after a cached prefix (speculative verifications of
+#: K + 1 rows) fold their G query heads into the query axis, as a decode does (:func:`attend`).
+#: Measured (SDPA, fp32, 1 thread, 600 keys, Hq 8 / Hkv 4, D 128): folded / enable_gqa time
+#: 0.65 at 2 rows, 0.74 at 5, 0.80 at 9, 0.97 at 17, 1.9 at 33.
+FOLD_MAX_ROWS = 16
 SCRATCH_GROWTH = 1.25  # over-allocation when a scratch buffer grows (contexts grow every step)
 
 
@@ -259,10 +265,18 @@ def attend(q: torch.Tensor, kv: KVStorage, layer: int, step: StepContext, scale:
         K, V = read_pages(kv, layer, step.request_pages(b), L, q.dtype)  # [L, Hkv, D]
         Hkv = K.shape[1]
         k, v = K.permute(1, 0, 2)[None], V.permute(1, 0, 2)[None]  # [1, Hkv, L, D] views
+        mask = step.masks[b]
+        G = Hq // Hkv
         if n == 1:  # the G query heads of KV head h as G query rows: [1, Hkv, G, D]
-            o = F.scaled_dot_product_attention(q[s].view(1, Hkv, Hq // Hkv, D), k, v, scale=scale)
+            o = F.scaled_dot_product_attention(q[s].view(1, Hkv, G, D), k, v, scale=scale)
+        elif type(mask) is torch.Tensor and n <= FOLD_MAX_ROWS:   # not a CausalBias (a subclass)
+            # a few rows (a speculative verification): folded as a decode, query row i·G + g is
+            # token i's head h·G + g over KV head h, mask row i repeated G times: [1, Hkv, n·G, D]
+            qf = q[s:e].view(n, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, n * G, D)
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask.repeat_interleave(G, dim=0),
+                                               scale=scale)
+            o = o.view(Hkv, n, G, D).transpose(0, 1)  # [n, Hkv, G, D]
         else:
-            mask = step.masks[b]
             o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k, v, attn_mask=mask,
                                                is_causal=mask is None, scale=scale,
                                                enable_gqa=True)  # [1, Hq, n, D]

@@ -13,7 +13,8 @@
 //   NVFP4 c-t       W = e2m1(code) * (fp32(e4m3 ws[n, k / g]) / s2)                (s2: weight_global_scale)
 //   MXFP4           W = e2m1(code) * 2^(e8m0[n, k / g] - 127)
 // Block and group sizes are arguments (formats/ owns them). Small row counts stream each weight
-// row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV); larger row
+// row once through an L1 buffer and dot it with every row (bandwidth-bound GEMV; FP8 blocks with
+// fp32 dot products on AVX-512 decode each weight in registers, once for up to 8 rows); larger row
 // counts decode a tile of rows to the activation dtype and hand it to at::mm. Threads split over
 // (expert, output tile). On the GEMV path a row's fp32 summation order does not depend on the
 // other rows of the call (the batch-invariant mode relies on it: gemv_rows >= R sends every row
@@ -32,6 +33,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <vector>
@@ -356,6 +358,80 @@ M2_AVX512 float dot_avx512(const float* a, const float* b, int64_t K) {
   float tail = 0.f;
   for (; k < K; ++k) tail += a[k] * b[k];
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+}
+
+// FP8 block weights against R (<= 8) fp32 activation rows xf [R, K] (row stride K) -> y [R, N] f32,
+// the decode fused with the dot products: each 32 weights are decoded once, in registers, to the
+// values decode_row_avx512 stores (e4m3 x block scale, rounded to bf16 when the activations are
+// bf16), and multiplied into R accumulator pairs in dot_avx512's order (columns k mod 32 < 16 in
+// acc0, the others in acc1, a last 16 in acc0, one reduce, + 0): each row's sum is bit-equal to the
+// decode + dot path's, whatever R, while a weight row is decoded once per call instead of being
+// stored and re-read per activation row. The decode goes through fp16 (e4m3x32_scaled_avx512:
+// (2^-8 q) x (2^8 s), the same fp32 product as q x s) when every 2^8 s of the band is finite, else
+// through e4m3x16_avx512. gs16: K / 16 floats of scratch (the scale per 16 columns).
+template <int R>
+M2_AVX512 void gemv_fp8_f32_avx512(const Weight& w, int64_t e, int64_t n0, int64_t n1, const float* xf,
+                                   float* y, int64_t N, float* gs16) {
+  const int64_t K = w.K, per = w.block_k / 16;
+  const float* band = nullptr;
+  bool via_fp16 = true;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* srow = fp8_scale_row(w, e, n);
+    if (srow != band) {  // a new scale band: its scales spread per 16 columns (no division per step)
+      band = srow;
+      via_fp16 = true;
+      for (int64_t b = 0; b < K / w.block_k; ++b) via_fp16 = via_fp16 && std::isfinite(srow[b] * 0x1p8f);
+      for (int64_t b = 0, j = 0; b < K / w.block_k; ++b)
+        for (int64_t i = 0; i < per; ++i) gs16[j++] = via_fp16 ? srow[b] * 0x1p8f : srow[b];
+    }
+    const uint8_t* p = w.q + e * w.q_e + n * w.q_n;
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512 w0, w1;
+      if (via_fp16) {
+        e4m3x32_scaled_avx512(p + k, w0, w1);
+      } else {
+        w0 = e4m3x16_avx512(p + k);
+        w1 = e4m3x16_avx512(p + k + 16);
+      }
+      w0 = _mm512_mul_ps(w0, _mm512_set1_ps(gs16[k / 16]));
+      w1 = _mm512_mul_ps(w1, _mm512_set1_ps(gs16[k / 16 + 1]));
+      if (w.round_bf16) { w0 = round_bf16_avx512(w0); w1 = round_bf16_avx512(w1); }
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + r * K + k), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + r * K + k + 16), acc1[r]);
+      }
+    }
+    if (k < K) {  // K is a multiple of 16 for FP8 blocks; gs16 holds 2^8 s on the fp16 decode
+      __m512 w0 = e4m3x16_avx512(p + k);
+      if (via_fp16) w0 = _mm512_mul_ps(w0, _mm512_set1_ps(0x1p-8f));   // exact: q x 2^-8
+      w0 = _mm512_mul_ps(w0, _mm512_set1_ps(gs16[k / 16]));
+      if (w.round_bf16) w0 = round_bf16_avx512(w0);
+      for (int r = 0; r < R; ++r) acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + r * K + k), acc0[r]);
+    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + 0.f;
+  }
+}
+
+// gemv_fp8_f32_avx512 over any number of rows, 8 at a time.
+M2_AVX512 void gemv_fp8_f32_rows(const Weight& w, int64_t e, int64_t n0, int64_t n1, const float* xf,
+                                 int64_t rows, float* y, int64_t N, float* gs16) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const float* xr = xf + r0 * w.K;
+    float* yr = y + r0 * N;
+    switch (std::min<int64_t>(8, rows - r0)) {
+      case 1: gemv_fp8_f32_avx512<1>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 2: gemv_fp8_f32_avx512<2>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 3: gemv_fp8_f32_avx512<3>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 4: gemv_fp8_f32_avx512<4>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 5: gemv_fp8_f32_avx512<5>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 6: gemv_fp8_f32_avx512<6>(w, e, n0, n1, xr, yr, N, gs16); break;
+      case 7: gemv_fp8_f32_avx512<7>(w, e, n0, n1, xr, yr, N, gs16); break;
+      default: gemv_fp8_f32_avx512<8>(w, e, n0, n1, xr, yr, N, gs16); break;
+    }
+  }
 }
 
 // ---------------------------------------------------------------- AVX-512 + BF16, bf16 activations
@@ -851,6 +927,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
     const int64_t rows = ends[e] - (e ? ends[e - 1] : 0);
     gemv_experts += rows > 0 && rows <= gemv_rows;
   }
+  // FP8 block on the fp32 GEMV path (fp32 activations, or bf16 ones without the fused path) with
+  // AVX-512: decode fused with the dot products, R rows at a time (gemv_fp8_f32_avx512)
+#if M2_X86
+  const bool fp8_f32 = avx512 && !fused && fmt == FP8_BLOCK;
+#else
+  const bool fp8_f32 = false;
+#endif
   int64_t gemv_tile = fp8_table ? block_n : tile_n;
   const int64_t want_tasks = kTasksPerThread * at::get_num_threads();
   while (fp8_table && gemv_tile % 2 == 0 && gemv_tile / 2 >= tile_n &&
@@ -917,6 +1000,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
         continue;
       }
       const float* xp = static_cast<const float*>(xf.data_ptr());
+      if (fp8_f32) {
+#if M2_X86
+        gemv_fp8_f32_rows(w, tk.e, tk.n0, tk.n1, xp + tk.r0 * K, rows, yp + tk.r0 * N, N, scratch.data());
+#endif
+        continue;
+      }
       for (int64_t n = tk.n0; n < tk.n1; ++n) {
         decode(w, tk.e, n, buf.data(), scratch.data());
         for (int64_t r = tk.r0; r < tk.r1; ++r) yp[r * N + n] = dot(buf.data(), xp + r * K, K);
