@@ -213,3 +213,32 @@ def test_engine_checks_then_refuses_an_eagle3_draft_before_loading(tmp_path):
         LLMEngine.from_args(EngineArgs(model=str(TINY_CHAT), speculative_config=spec | {"model": str(bad)}))
     with pytest.raises(ValueError, match="eagle3 drafts load but are not run by the engine yet"):
         LLMEngine.from_args(EngineArgs(model=str(TINY_CHAT), speculative_config=spec | {"model": str(good)}))
+
+
+def test_target_aux_hidden_states_are_transformers_hidden_states(tmp_path):
+    """Id i = the residual stream entering layer i = transformers' ``hidden_states[i]``
+    (output_hidden_states: the embedding output, then each layer's), from the same forward."""
+    import transformers
+
+    from m2serve.checkpoints.tiny_random import build_tiny_random
+    from m2serve.model.load import load_model
+    from m2serve.model.simple_cache import SimpleKVCache
+
+    path = build_tiny_random(tmp_path / "t4", seed=3, num_hidden_layers=4)
+    ours = load_model(path, dtype=torch.float32)
+    ref = transformers.MiniMaxM2ForCausalLM.from_pretrained(path, dtype=torch.float32).float().eval()
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        ours.set_aux_layer_ids((1, 4, 2))
+    ids = (3, 0, 1)   # out of order, the embedding included: blocks follow the ids
+    ours.set_aux_layer_ids(ids)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, ours.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    cache = SimpleKVCache.create(ours.config, num_pages=16, page_size=4)
+    logits = ours(cache.batch(list(enumerate(prompts)), return_n_logits=10**6), cache.storage)
+    with torch.no_grad():
+        outs = [ref(torch.tensor([p]), output_hidden_states=True) for p in prompts]
+    expect = torch.cat([torch.cat([o.hidden_states[i][0] for i in ids], -1) for o in outs])
+    assert ours.aux_hidden.shape == (14, 3 * ours.config.hidden_size)
+    torch.testing.assert_close(ours.aux_hidden, expect, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, torch.cat([o.logits[0] for o in outs]), rtol=1e-4, atol=1e-4)
+    assert default_aux_layer_ids(4) == (1, 2, 3)
