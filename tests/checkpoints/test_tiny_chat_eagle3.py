@@ -96,17 +96,67 @@ def test_shipped_draft_first_token_agrees_with_the_target(target):
 
 
 def test_training_twin_matches_the_runtime_step(target):
-    """DraftNet.unroll's step 0 (the code that measured the README figures) equals Eagle3Draft.forward
-    on the shipped weights."""
+    """DraftNet.unroll (the code that trained the draft and measured the README figures) equals the
+    runtime step Eagle3Draft.forward on the shipped weights, unroll steps included: step j at index
+    i is the runtime step over rows 0..i (token t_{k+1}, hidden fc(a_k), position k) followed by the
+    drafted rows i+1..i+j (token t_{i+1+s}, hidden the previous row's output, position i+s), whose
+    causal attention is the training-time-test attention (docs/serving.md §15)."""
     H, V, L = _target_dims(target)
     embed = target.model.embed_tokens.weight.float()
-    draft, ids = load_eagle3_draft(DRAFT, H, V, L, target_embed=embed)
+    draft, _ = load_eagle3_draft(DRAFT, H, V, L, target_embed=embed)
     net = e3.DraftNet(Eagle3DraftConfig.from_pretrained(DRAFT), embed,
                       {k: v.float() for k, v in e3.load_state(DRAFT).items()})
     g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, V, (12,), generator=g)
-    aux = torch.randn(12, 3 * H, generator=g)
-    ref, _ = draft(toks[1:], torch.arange(11), aux[:11])
+    n, steps = 12, 3
+    toks = torch.randint(0, V, (n,), generator=g)
+    aux = torch.randn(n, 3 * H, generator=g)
     with torch.no_grad():
-        [got] = net.unroll(toks[None], aux[None], 1)
-    torch.testing.assert_close(got[0, :11], ref, rtol=1e-5, atol=1e-5)
+        got = net.unroll(toks[None], aux[None], steps, q_start=2)
+    ref0, _ = draft(toks[1:], torch.arange(n - 1), aux[: n - 1])
+    torch.testing.assert_close(got[0][0, : n - 3], ref0[2:], rtol=1e-5, atol=1e-5)
+    fused = draft.combine(aux)
+    for i in (2, 5, 7):
+        _, r = draft(toks[1: i + 2], torch.arange(i + 1), aux[: i + 1])
+        rows_t, rows_h = list(toks[1: i + 2]), list(fused[: i + 1])
+        prev = r[i]
+        for j in range(1, steps):
+            rows_t.append(toks[i + 1 + j])
+            rows_h.append(prev)
+            logits, out = draft(torch.stack(rows_t), torch.arange(len(rows_t)), torch.stack(rows_h))
+            torch.testing.assert_close(got[j][0, i - 2], logits[-1], rtol=1e-4, atol=1e-4)
+            prev = out[-1]
+
+
+class _ScriptedDraft:
+    """A stand-in for DraftNet whose step-j argmax at index i is the target's argmax at i + 1 + j
+    except at the scripted misses {(j, i)}."""
+
+    def __init__(self, target_argmax: torch.Tensor, misses: set[tuple[int, int]], V: int):
+        self.a, self.misses, self.V = target_argmax, misses, V
+
+    def unroll(self, tokens, aux, steps, free_running=False, q_start=0):
+        N = tokens.shape[1]
+        out = []
+        for j in range(steps):
+            logits = torch.zeros(1, N - q_start, self.V)
+            for i in range(q_start, N):
+                m = i + 1 + j
+                want = int(self.a[m]) if m < N else 0
+                logits[0, i - q_start, (want + 1) % self.V if (j, i) in self.misses else want] = 1.0
+            out.append(logits)
+        return out
+
+
+def test_acceptance_counts_by_hand():
+    """n = 8, prompt_len 4: responses are predicted at indices 3..6. K = 2 starts at i = 2, 3, 4;
+    misses at (step 1, i = 3) and (step 0, i = 4) give accepted 2, 1, 0 -> mean 1.0, length 2.0;
+    per-step rates 3/4 (step 0 scores i = 2..5, step 1 i = 1..4)."""
+    V = 10
+    a = torch.tensor([5, 1, 7, 2, 9, 4, 3, 6])
+    logits = torch.full((5, V), -1.0)
+    logits[torch.arange(5), a[3:]] = 1.0            # the target's argmax a[m] at m = 3..7
+    seq = e3.TargetSeq(torch.arange(8), 4, torch.zeros(8, 6), logits)
+    r = e3.acceptance(_ScriptedDraft(a, {(1, 3), (0, 4)}, V), [seq], 2)
+    assert r["positions"] == 3
+    assert r["accepted"] == 1.0 and r["mean_accepted_length"] == 2.0
+    assert r["teacher_forced"] == [0.75, 0.75] and r["free_running"] == [0.75, 0.75]
