@@ -43,7 +43,8 @@ def test_config_shapes_and_defaults():
 
 
 @pytest.mark.parametrize("value, field", [
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "speculative_config.method"),
+    ('{"method": "medusa", "num_speculative_tokens": 3}', "speculative_config.method"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "speculative_config.model"),
     ('{"method": "ngram"}', "speculative_config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
     ('{"method": "ngram", "num_speculative_tokens": 33}', "speculative_config.num_speculative_tokens"),

@@ -49,8 +49,9 @@ QUANTIZE_UNQUANTIZED_MODES = ("none", "fp8")
 #: paged attention kernel (kernels/triton/attention.py), "auto" triton on a GPU where Triton imports.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
-#: Every accepted ``speculative_config.method`` (docs/serving.md §13): n-gram prompt lookup.
-SPECULATIVE_METHODS = ("ngram",)
+#: Every accepted ``speculative_config.method``: n-gram prompt lookup (docs/serving.md §13) and an
+#: EAGLE-3 draft model (docs/serving.md §14; parsed and loaded, not run by the engine yet).
+SPECULATIVE_METHODS = ("ngram", "eagle3")
 #: Largest ``speculative_config.num_speculative_tokens`` accepted (drafted tokens per step and request).
 MAX_SPECULATIVE_TOKENS = 32
 #: ``prompt_lookup_min`` / ``prompt_lookup_max`` when the config leaves both unset (docs/serving.md §13).
@@ -66,17 +67,21 @@ class SpeculativeConfig:
 
     method: one of SPECULATIVE_METHODS; num_speculative_tokens: K, tokens drafted per request and step
     (1..MAX_SPECULATIVE_TOKENS); prompt_lookup_min / prompt_lookup_max: the n-gram lengths (tokens)
-    the proposer matches, 1 <= min <= max <= MAX_PROMPT_LOOKUP. Build it with
+    the proposer matches, 1 <= min <= max <= MAX_PROMPT_LOOKUP (ngram; None for eagle3); model: the
+    EAGLE-3 draft's local directory (eagle3; None for ngram). Build it with
     :func:`parse_speculative_config`.
     """
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int | None
+    prompt_lookup_max: int | None
+    model: str | None = None
 
     def describe(self) -> str:
-        """The banner's words: ``ngram k=4 lookup 2..4``."""
+        """The banner's words: ``ngram k=4 lookup 2..4`` or ``eagle3 k=3 draft DIR``."""
+        if self.method == "eagle3":
+            return f"eagle3 k={self.num_speculative_tokens} draft {self.model}"
         return (f"{self.method} k={self.num_speculative_tokens} "
                 f"lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}")
 
@@ -88,15 +93,16 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
 (whose fields are checked the same way).
 
     Keys: method (required, one of SPECULATIVE_METHODS), num_speculative_tokens (required, an
-    integer in [1, MAX_SPECULATIVE_TOKENS]), prompt_lookup_min / prompt_lookup_max (integers in
-    [1, MAX_PROMPT_LOOKUP], min <= max; one unset takes the other's value, both unset
-    DEFAULT_PROMPT_LOOKUP). Raises ValueError naming the field (``speculative_config.<key>``) for a
-    bad value or an unknown key.
+    integer in [1, MAX_SPECULATIVE_TOKENS]); for ngram prompt_lookup_min / prompt_lookup_max
+    (integers in [1, MAX_PROMPT_LOOKUP], min <= max; one unset takes the other's value, both unset
+    DEFAULT_PROMPT_LOOKUP); for eagle3 model (required: a local directory holding config.json;
+    docs/serving.md §14). Raises ValueError naming the field (``speculative_config.<key>``) for a
+    bad value, an unknown key or a key of the other method.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, SpeculativeConfig):   # built directly: checked like any other value
-        value = {f: getattr(value, f) for f in value.__slots__}
+        value = {f: getattr(value, f) for f in value.__slots__ if getattr(value, f) is not None}
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -105,7 +111,7 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
                              'give an object such as {"method": "ngram", "num_speculative_tokens": 4}') from e
     if not isinstance(value, Mapping):
         raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
-    known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
         raise ValueError(f"speculative_config.{unknown[0]}: unknown key; accepted keys: {', '.join(known)}")
@@ -126,6 +132,20 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if k is None:
         raise ValueError("speculative_config.num_speculative_tokens: required (tokens drafted per step, "
                          f"1..{MAX_SPECULATIVE_TOKENS})")
+    if method == "eagle3":
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if value.get(key) is not None:
+                raise ValueError(f"speculative_config.{key}: an ngram key; method eagle3 takes model instead")
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model: required for method eagle3 "
+                             "(the draft's local directory)")
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"speculative_config.model={model!r}: not a local directory with a config.json "
+                             "(EAGLE-3 drafts are read from disk; hub ids are not downloaded)")
+        return SpeculativeConfig(method, k, None, None, model)
+    if value.get("model") is not None:
+        raise ValueError("speculative_config.model: only method eagle3 takes a draft model")
     lo = integer("prompt_lookup_min", 1, MAX_PROMPT_LOOKUP)
     hi = integer("prompt_lookup_max", 1, MAX_PROMPT_LOOKUP)
     if lo is None and hi is None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from m2serve.config.eagle3 import Eagle3DraftConfig
 from m2serve.config.engine_args import (
     EngineArgs,
     SpeculativeConfig,
@@ -53,6 +54,21 @@ from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
 
 log = logging.getLogger(__name__)
+
+#: Why an ``eagle3`` speculative config is refused at start (docs/serving.md §14).
+EAGLE3_NOT_RUN = ("speculative_config.method='eagle3': eagle3 drafts load but are not run by the engine yet "
+                  "(docs/serving.md §14); use method ngram or leave speculative decoding off")
+
+
+def refuse_unrun_speculative(speculative: SpeculativeConfig | None, config: MiniMaxM2Config) -> None:
+    """Refuse at start what the engine cannot run: an eagle3 draft is first checked against the
+    target (a mismatch is a ValueError naming the draft's field, :meth:`Eagle3DraftConfig.check_target`),
+    then refused with :data:`EAGLE3_NOT_RUN` (ValueError). None or ngram: nothing."""
+    if speculative is None or speculative.method != "eagle3":
+        return
+    Eagle3DraftConfig.from_pretrained(speculative.model).check_target(   # type: ignore[arg-type]
+        config.hidden_size, config.vocab_size, config.num_hidden_layers)
+    raise ValueError(EAGLE3_NOT_RUN)
 
 
 @dataclass(slots=True)
@@ -144,13 +160,15 @@ class LLMEngine:
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set).
-        Raises ValueError for a bad ``args.speculative_config`` before loading anything."""
+        Raises ValueError for a bad ``args.speculative_config`` before loading anything, and for an
+        eagle3 one (:func:`refuse_unrun_speculative`) once the target's config is read."""
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
         dtype_bytes("dtype", args.dtype)
-        parse_speculative_config(args.speculative_config)   # a bad config fails before the load
+        speculative = parse_speculative_config(args.speculative_config)   # a bad config fails before the load
         devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
+        refuse_unrun_speculative(speculative, config)
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
             plan = plan_memory(config, args)
             args = replace(args, num_kv_pages=plan.num_pages, max_length=plan.max_length)
@@ -188,6 +206,7 @@ class LLMEngine:
         (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         speculative = parse_speculative_config(args.speculative_config)
+        refuse_unrun_speculative(speculative, config)
         S = check_page_and_length(args)
         num_pages = args.num_kv_pages
         if num_pages is None:

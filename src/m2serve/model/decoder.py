@@ -184,6 +184,8 @@ class MiniMaxM2ForCausalLM(nn.Module):
         self.legacy_path = False  # benchmark-only: the loop experts + padded K/V gather (module docstring)
         self.kv_scratch = GatherScratch()  # the legacy path's padded K/V buffers, reused across steps
         self.batch_invariant = False  # use_batch_invariant
+        self.aux_layer_ids: tuple[int, ...] = ()  # EAGLE-3 aux hidden states kept (set_aux_layer_ids)
+        self.aux_hidden: torch.Tensor | None = None  # [T, len(ids) * H] act of the last forward
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,8 +207,13 @@ class MiniMaxM2ForCausalLM(nn.Module):
 
     def _run(self, tokens: torch.Tensor, step: StepContext, kv: KVStorage) -> torch.Tensor:
         x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, H] act
+        aux = {}
         for layer, block in enumerate(self.model.layers):
+            if layer in self.aux_layer_ids:
+                aux[layer] = x
             x = block(x, step, kv, layer)
+        if aux:   # in the order of the ids (the EAGLE-3 fc's input blocks, docs/serving.md §14)
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], -1)
         if step.logit_rows is not None:
             x = x.index_select(0, step.logit_rows)
         x = self.model.norm(x)  # [N, H]
@@ -229,6 +236,18 @@ class MiniMaxM2ForCausalLM(nn.Module):
                              "loops over the requests on the host)")
         step = StepContext.for_decode(inputs, cos_table, sin_table, self.attention_kernel, max_context_len)
         return self._run(inputs.tokens, step, kv)
+
+    def set_aux_layer_ids(self, ids: tuple[int, ...]) -> None:
+        """Keep, from every later forward, the residual stream entering each layer of ``ids`` (an
+        EAGLE-3 draft's auxiliary hidden states, docs/serving.md §14; 0 = the embedding output) as
+        ``self.aux_hidden`` [T, len(ids) * H] in the activation dtype, all T tokens of the step, the
+        blocks in the order of ``ids``. Set once after load; ``()`` turns it off. Raises ValueError
+        naming aux_layer_ids for ids outside [0, num_hidden_layers) or repeated."""
+        L = self.config.num_hidden_layers
+        ids = tuple(ids)
+        if len(set(ids)) != len(ids) or not all(isinstance(i, int) and 0 <= i < L for i in ids):
+            raise ValueError(f"aux_layer_ids={list(ids)}: must be distinct layers in [0, {L})")
+        self.aux_layer_ids, self.aux_hidden = ids, None
 
     def rope_table(self, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [n, R/2] f32 of positions [0, n) on ``device``, computed as the forward's
