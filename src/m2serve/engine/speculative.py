@@ -25,6 +25,20 @@ from collections.abc import Sequence
 
 import torch
 
+#: Keys xor-ed into a request's seed for the EAGLE-3 streams of counter-based uniforms
+#: (engine/sampling.py ``counter_uniforms``, docs/serving.md §14): the draft's draws and the
+#: rejection rule's acceptance tests; the residual / bonus draw uses the request's own stream,
+#: at the output position, as plain decoding's draw there.
+DRAFT_STREAM = 0x5EED_D4AF_7000_0001
+ACCEPT_STREAM = 0x5EED_ACCE_9700_0002
+
+
+def stream_seed(seed: int, key: int) -> int:
+    """The int64 (two's complement) seed of the stream ``key`` of a request seeded ``seed``:
+    ``(seed xor key) mod 2**64`` as counter_uniforms takes it."""
+    z = (seed ^ key) % 2 ** 64
+    return z - 2 ** 64 if z >= 2 ** 63 else z
+
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` drafted tokens for a sequence ``token_ids`` (prompt + output so far).
