@@ -246,3 +246,38 @@ def test_sampled_eagle3_follows_the_target_distribution(tmp_path):
     assert set(counts) <= set(expected), "a token outside the target's top-k was emitted"
     p = _chi_square_p(counts, expected, SAMPLES)
     assert p > 1e-3, f"chi-square p = {p:.2e}: counts {counts} vs expected {expected}"
+
+
+def test_the_pool_and_the_plan_hold_the_drafts_layer_and_sampled_features_run(tmp_path):
+    """One more K/V layer of the draft's shape (2 x Hkv x D x 4 bytes per token in the plan); sampled
+    requests with penalties, logprobs and min_tokens run with drafts, each logprobs entry naming its
+    token (the rejection path's entries: log p of the emitted token)."""
+    from m2serve.config.engine_args import EngineArgs, parse_speculative_config
+    from m2serve.engine.planner import draft_kv_bytes_per_token
+
+    path = write_draft(tmp_path / "skip", "skip")
+    spec = _spec(path)
+    assert parse_speculative_config(spec).describe().startswith("eagle3 k=3 draft ")
+    with_draft = EngineArgs(model=str(CKPT), speculative_config=spec)
+    assert draft_kv_bytes_per_token(with_draft, 4) == 2 * HKV * D * 4
+    assert draft_kv_bytes_per_token(EngineArgs(model=str(CKPT)), 4) == 0
+    eng = _llm(8, spec).engine
+    kv = eng.runner.kv_storage
+    L = eng.config.num_hidden_layers
+    assert len(kv.k) == L + 1 and kv.k[L].shape == (kv.num_pages, kv.page_size, HKV, D)
+    for i in range(4):
+        eng.add_request(f"p{i}", [7, 300, 41, 1200, 88, 5, 960, 17, 402, 33][i:],
+                        SamplingParams(temperature=1.5, top_k=5, repetition_penalty=1.2,
+                                       frequency_penalty=0.3, logprobs=2, min_tokens=4, max_tokens=16,
+                                       seed=i, ignore_eos=True))
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(o.new_logprobs)
+    assert eng.stats.spec_drafts > 0
+    for rid, t in toks.items():
+        assert len(t) == 16 and [e.token_id for e in lps[rid]] == t
+        bad = [e for e in lps[rid] if not (e.logprob <= 0 and 1 <= len(e.top) <= 2)]   # -inf not listed
+        assert not bad, bad

@@ -461,7 +461,7 @@ class LLMEngine:
             probs = None   # the target's p per row, for drafts verified by the rejection rule
             if self.drafter is not None and any(s.draft_token_ids and not is_greedy(s.request.state)
                                                 for s in done):
-                probs = rows.probs(torch.stack(mine), self.scheduler.penalties).cpu()   # [rows, V]
+                probs = rows.probs(torch.stack(mine), self.scheduler.penalties, log=True).cpu()   # log p
             toks: list[int] = []
             lps: list = []
             acc: list[int] = []
@@ -484,9 +484,9 @@ class LLMEngine:
         return out, accepted
 
     @staticmethod
-    def _rejection(r: Request, drafts: list[int], p: torch.Tensor) -> tuple[list[int], list]:
+    def _rejection(r: Request, drafts: list[int], logp: torch.Tensor) -> tuple[list[int], list]:
         """The rejection rule (engine/speculative.py ``rejection_sample``) on an EAGLE-3 request's
-        k drafts: ``p`` [k + 1, V] the target's distributions at its verified positions, q the
+        k drafts: ``logp`` [k + 1, V] log of the target's p at its verified positions, q the
         draft's rows of its proposal; accept uniforms from the request's ACCEPT_STREAM, the
         residual / bonus draw's from its own stream, both keyed by output position (docs/serving.md
         §14). Returns the emitted tokens and their logprobs entries (log p, or None each)."""
@@ -495,12 +495,11 @@ class LLMEngine:
         at = torch.arange(pos, pos + k + 1, dtype=torch.int64)
         ua = counter_uniforms(torch.full((k,), stream_seed(seed, ACCEPT_STREAM), dtype=torch.int64), at[:k])
         ur = counter_uniforms(torch.full((k + 1,), stream_seed(seed, 0), dtype=torch.int64), at)
-        emitted = rejection_sample(drafts, q, p, ua.tolist(), ur.tolist())
+        emitted = rejection_sample(drafts, q, logp.exp(), ua.tolist(), ur.tolist())
         n = r.sampling_params.logprobs
         if n is None:
             return emitted, [None] * len(emitted)
-        rows = p[:len(emitted)]
-        return emitted, compute_logprobs(rows.log(), torch.tensor(emitted), [n] * len(emitted))
+        return emitted, compute_logprobs(logp[:len(emitted)], torch.tensor(emitted), [n] * len(emitted))
 
     def _sampling_rows(self, done: list[ScheduledRequest], held: set[str] | None = None
                        ) -> tuple[SamplingRows, list[int]]:

@@ -549,11 +549,12 @@ class SamplingRows:
 
     def probs(self, logits: torch.Tensor, penalties: PenaltyState | None = None,
               held: dict[str, SamplingState] | None = None,
-              buffers: StepBuffers | None = None) -> torch.Tensor:
+              buffers: StepBuffers | None = None, log: bool = False) -> torch.Tensor:
         """:func:`target_probs` of ``logits`` [B, V] f32 with these rows: f32 [B, V], each row the
-        distribution :meth:`sample` would draw it from (arguments and errors as there)."""
+        distribution :meth:`sample` would draw it from (its log with ``log``; arguments and errors
+        as there)."""
         batch, allowed = self.inputs(logits.device, held, buffers)
-        return target_probs(logits, batch, penalties, allowed)
+        return target_probs(logits, batch, penalties, allowed, log)
 
     def inputs(self, device: torch.device, held: dict[str, SamplingState] | None = None,
                buffers: StepBuffers | None = None) -> tuple[SamplingBatch, torch.Tensor | None]:
@@ -703,11 +704,12 @@ def _masked(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState 
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None = None,
-                 allowed: torch.Tensor | None = None) -> torch.Tensor:
+                 allowed: torch.Tensor | None = None, log: bool = False) -> torch.Tensor:
     """The distribution :func:`sample` draws each row from, f32 [B, V] (rows sum to 1): after
     logit_bias, min_tokens, penalties, ``allowed``, temperature, top-k, top-p and min-p (the same
     stages and value cuts, on whole rows); a greedy row is one-hot at its argmax (the token
-    :func:`sample` returns). The target's p of the rejection rule (docs/serving.md §14). Raises
+    :func:`sample` returns). The target's p of the rejection rule (docs/serving.md §14). ``log``:
+    log p instead (log-softmax, as the sampler's logprobs; -inf where p is 0). Raises
     ValueError as :func:`sample` for mismatched rows or missing penalties."""
     B = batch.num_rows
     if logits.dim() != 2 or logits.shape[0] != B:
@@ -715,13 +717,13 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyS
     if batch.any_penalty and penalties is None:
         raise ValueError("target_probs: a row has penalties but penalties=None; pass the PenaltyState")
     x = _masked(logits, batch, penalties, allowed)
-    if batch.all_greedy:
-        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[1]).float()
+    hot = torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[1]).float() if batch.any_greedy else None
+    if hot is not None and batch.all_greedy:
+        return hot.log() if log else hot
     v = _filter_rows(_scale(x, batch), batch)
-    p = torch.softmax(v, dim=-1)
-    if batch.any_greedy:
-        hot = torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[1]).float()
-        p = torch.where(batch.greedy.unsqueeze(1), hot, p)
+    p = torch.log_softmax(v, dim=-1) if log else torch.softmax(v, dim=-1)
+    if hot is not None:
+        p = torch.where(batch.greedy.unsqueeze(1), hot.log() if log else hot, p)
     return p
 
 
