@@ -169,10 +169,10 @@ def _held_out_200() -> list[data.Example]:
     return [ex for kind in data.KINDS for ex in data.eval_subset(kind, per, seed=34)][:200]
 
 
-@pytest.mark.slow  # 200 prompts, each decoded twice
+@pytest.mark.slow  # 200 prompts, each decoded twice (16 tokens; at 24: 281 s at batch 1, 124 s at 16, load 5)
 @pytest.mark.parametrize("batch", [1, 16])
 def test_greedy_eagle3_equals_plain_on_200_held_out_prompts(tmp_path, batch):
-    _check_identity(tmp_path, _held_out_200(), batch, 24)
+    _check_identity(tmp_path, _held_out_200(), batch, 16)
 
 
 # ---- sampled output follows the target's distribution ---------------------------------------------
