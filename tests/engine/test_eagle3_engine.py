@@ -281,3 +281,26 @@ def test_the_pool_and_the_plan_hold_the_drafts_layer_and_sampled_features_run(tm
         assert len(t) == 16 and [e.token_id for e in lps[rid]] == t
         bad = [e for e in lps[rid] if not (e.logprob <= 0 and 1 <= len(e.top) <= 2)]   # -inf not listed
         assert not bad, bad
+
+
+def test_greedy_eagle3_equals_plain_through_preemption(tmp_path):
+    """A pool too small for the batch: requests are preempted and recomputed (their proposals
+    dropped, the draft's K/V recomputed with the target's); tokens still equal plain decoding's."""
+    prompts = [[7, 300, 41, 1200, 88, 5, 960, 17, 402, 33][i:] + [i + 1] * 20 for i in range(6)]
+
+    def run(spec):
+        llm = LLM(str(CKPT), dtype="float32", kv_cache_format="float32", max_batch_size=6,
+                  num_kv_pages=9, kv_cache_page_size=16, speculative_config=spec)
+        eng = llm.engine
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        toks: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return toks, eng.stats
+
+    plain, _ = run(None)
+    spec, st = run(_spec(write_draft(tmp_path / "skip", "skip")))
+    assert st.preemptions > 0 and st.spec_draft_tokens > 0
+    assert spec == plain
