@@ -7,7 +7,9 @@ logprobs → sample the requests whose chunk completed their sequence (constrain
 first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
 request that produced something. With speculative decoding a drafted decode samples its K + 1
 verified positions in the same draw and keeps the drafts the target's own samples confirm
-(docs/serving.md §13). The engine is driven by one thread calling
+(docs/serving.md §13); with an EAGLE-3 draft, sampled requests keep drafts by the rejection rule
+and the draft runs after the update, proposing the next step's drafts (engine/eagle.py,
+docs/serving.md §14). The engine is driven by one thread calling
 ``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
 validate, register the request in the one request table and append it to the one inbox under a
 lock, which ``step()`` drains first (docs/architecture.md, engine contract).
@@ -231,7 +233,10 @@ class LLMEngine:
         page size or a bad ``args.speculative_config`` (naming the field). On one CUDA device (or
         TP_TP CUDA ranks: every rank at once) with the triton attention backend and without
         ``args.enforce_eager`` the decode graphs are captured here, one per batch-size bucket
-        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
+        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise. An eagle3
+        ``speculative_config`` loads the draft here (one more K/V layer in the pool, the target's aux
+        layer ids set, decode graphs off; docs/serving.md §14); ValueError for a multi-rank or
+        data-parallel model or a draft that does not fit the target (naming the field)."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         speculative = parse_speculative_config(args.speculative_config)
         replicas = getattr(model, "data_parallel_degree", 1)
