@@ -169,7 +169,7 @@ def _held_out_200() -> list[data.Example]:
     return [ex for kind in data.KINDS for ex in data.eval_subset(kind, per, seed=34)][:200]
 
 
-@pytest.mark.slow  # 200 prompts, each decoded twice (16 tokens; at 24: 281 s at batch 1, 124 s at 16, load 5)
+@pytest.mark.slow  # 200 prompts x 2 decodes, 16 tokens: 79 s at batch 1, 46 s at 16 (2 cores, load 2-3)
 @pytest.mark.parametrize("batch", [1, 16])
 def test_greedy_eagle3_equals_plain_on_200_held_out_prompts(tmp_path, batch):
     _check_identity(tmp_path, _held_out_200(), batch, 16)
@@ -218,6 +218,7 @@ def _chi_square_p(observed: dict, expected: dict, n: int) -> float:
     return float(chi2.sf(stat, len(exp) - 1))
 
 
+@pytest.mark.slow  # 12 s on 2 cores (1,200 requests); in the default suite
 def test_sampled_eagle3_follows_the_target_distribution(tmp_path):
     """SAMPLES seeded requests of 4 tokens (so K = 2 drafts are verified at positions 2-3 in one
     step); the first three tokens' counts against the exact joint (27 cells). The draft disagrees
