@@ -305,3 +305,20 @@ def test_greedy_eagle3_equals_plain_through_preemption(tmp_path):
     spec, st = run(_spec(write_draft(tmp_path / "skip", "skip")))
     assert st.preemptions > 0 and st.spec_draft_tokens > 0
     assert spec == plain
+
+
+def test_target_probs_is_the_distribution_written_by_hand():
+    """engine/sampling.py target_probs (the rejection rule's p) on a toy row: logits / T, the top-k
+    kept, softmax; with logit_bias first; a greedy row one-hot at its argmax."""
+    from m2serve.engine.sampling import SamplingRows, SamplingState
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, 2.5], [0.0, 1.0, 4.0, 2.0, 3.0]])
+    states = [SamplingState(SamplingParams(temperature=2.0, top_k=3, top_p=1.0, logit_bias={0: 2.5}), seed=1),
+              SamplingState(SamplingParams(temperature=0.0, top_k=0, top_p=1.0), seed=2)]
+    rows = SamplingRows.of(["a", "b"], states, [0, 0], [False, False], None, 5)
+    p = rows.probs(logits)
+    # row 0: biased logits [3.5, 3, 2, 0.5, 2.5] / 2 -> top 3 are ids 0, 1, 4: e^1.75, e^1.5, e^1.25
+    w = [math.exp(1.75), math.exp(1.5), 0.0, 0.0, math.exp(1.25)]
+    torch.testing.assert_close(p[0], torch.tensor([x / sum(w) for x in w]))
+    torch.testing.assert_close(p[1], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(rows.probs(logits, log=True).exp(), p)
