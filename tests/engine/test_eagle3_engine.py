@@ -322,3 +322,30 @@ def test_target_probs_is_the_distribution_written_by_hand():
     torch.testing.assert_close(p[0], torch.tensor([x / sum(w) for x in w]))
     torch.testing.assert_close(p[1], torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]))
     torch.testing.assert_close(rows.probs(logits, log=True).exp(), p)
+
+
+def test_batched_rejection_rule_equals_the_per_request_rule():
+    """rejection_sample_batched (the engine's) against rejection_sample (the rule step by step, whose
+    hand-derived cases are in tests/engine/test_speculative.py): random p, q (some q = p rows, some
+    one-hot), drafts drawn from q, padded requests of fewer drafts, the same uniforms."""
+    from m2serve.engine.speculative import rejection_sample, rejection_sample_batched
+
+    g = torch.Generator().manual_seed(7)
+    B, K, V = 64, 4, 6
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    q[::5] = p[::5, :K]                                                         # q = p: all accepted
+    q[1::7] = torch.nn.functional.one_hot(q[1::7].argmax(-1), V).float()       # a greedy-like draft
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    nd = torch.randint(1, K + 1, (B,), generator=g)
+    ua, ur = torch.rand(B, K, generator=g), torch.rand(B, K + 1, generator=g)
+    a, tok = rejection_sample_batched(drafts, nd, q, p, ua, ur)
+    seen = set()
+    for b in range(B):
+        k = int(nd[b])
+        ref = rejection_sample(drafts[b, :k].tolist(), q[b, :k], p[b, :k + 1], ua[b, :k].tolist(),
+                               ur[b, :k + 1].tolist())
+        got = drafts[b, :int(a[b])].tolist() + [int(tok[b])]
+        assert got == ref, b
+        seen.add(int(a[b]) == k)
+    assert seen == {True, False}   # both all-accepted and rejected rows

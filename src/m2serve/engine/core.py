@@ -52,7 +52,7 @@ from m2serve.engine.sampling import (
     counter_uniforms,
 )
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler, choose_replica
-from m2serve.engine.speculative import ACCEPT_STREAM, accepted_length, rejection_sample, stream_seed
+from m2serve.engine.speculative import ACCEPT_STREAM, accepted_length, rejection_sample_batched, stream_seed
 from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers
 from m2serve.model.eagle3 import load_eagle3_draft
 from m2serve.model.load import load_model
@@ -463,20 +463,26 @@ class LLMEngine:
                 out.append(drawn)
                 accepted.append(None)
                 continue
-            probs = None   # the target's p per row, for drafts verified by the rejection rule
-            if self.drafter is not None and any(s.draft_token_ids and not is_greedy(s.request.state)
-                                                for s in done):
-                probs = rows.probs(torch.stack(mine), self.scheduler.penalties, log=True).cpu()   # log p
+            # drafts with their own q (EAGLE-3, sampled): the rejection rule, all such requests at once
+            rule = [j for j, (s, k) in enumerate(zip(done, kept, strict=True))
+                    if self.drafter is not None and k and not is_greedy(s.request.state)]
+            logp, verdicts = None, {}
+            if rule:
+                logp = rows.probs(torch.stack(mine), self.scheduler.penalties, log=True)   # [rows, V] log p
+                verdicts = self._rejection(done, kept, rule, logp)
             toks: list[int] = []
             lps: list = []
             acc: list[int] = []
             o = 0
-            for s, k in zip(done, kept, strict=True):
-                if probs is not None and k and not is_greedy(s.request.state):
-                    emitted, entries = self._rejection(s.request, s.draft_token_ids[:k], probs[o:o + k + 1])
-                    a = len(emitted) - 1
+            for j, (s, k) in enumerate(zip(done, kept, strict=True)):
+                if j in verdicts:
+                    a, last_token = verdicts[j]
+                    emitted = s.draft_token_ids[:a] + [last_token]
                     toks += emitted
-                    lps += entries
+                    n = s.request.sampling_params.logprobs
+                    lps += ([None] * (a + 1) if n is None else   # type: ignore[index]
+                            compute_logprobs(logp[o:o + a + 1], torch.tensor(emitted, device=logp.device),
+                                             [n] * (a + 1)))
                 else:
                     samples = drawn.token_ids[o:o + k + 1]
                     a = accepted_length(s.draft_token_ids[:k], samples)
@@ -489,22 +495,41 @@ class LLMEngine:
         return out, accepted
 
     @staticmethod
-    def _rejection(r: Request, drafts: list[int], logp: torch.Tensor) -> tuple[list[int], list]:
-        """The rejection rule (engine/speculative.py ``rejection_sample``) on an EAGLE-3 request's
-        k drafts: ``logp`` [k + 1, V] log of the target's p at its verified positions, q the
-        draft's rows of its proposal; accept uniforms from the request's ACCEPT_STREAM, the
-        residual / bonus draw's from its own stream, both keyed by output position (docs/serving.md
-        §14). Returns the emitted tokens and their logprobs entries (log p, or None each)."""
-        k, pos, seed = len(drafts), r.num_output_tokens, r.state.seed
-        q = r.draft_proposal.probs[:k].cpu()
-        at = torch.arange(pos, pos + k + 1, dtype=torch.int64)
-        ua = counter_uniforms(torch.full((k,), stream_seed(seed, ACCEPT_STREAM), dtype=torch.int64), at[:k])
-        ur = counter_uniforms(torch.full((k + 1,), stream_seed(seed, 0), dtype=torch.int64), at)
-        emitted = rejection_sample(drafts, q, logp.exp(), ua.tolist(), ur.tolist())
-        n = r.sampling_params.logprobs
-        if n is None:
-            return emitted, [None] * len(emitted)
-        return emitted, compute_logprobs(logp[:len(emitted)], torch.tensor(emitted), [n] * len(emitted))
+    def _rejection(done: list[ScheduledRequest], kept: list[int], rule: list[int],
+                   logp: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """The rejection rule (engine/speculative.py ``rejection_sample_batched``) for the requests
+        ``done[j]``, j in ``rule``, each verifying its first ``kept[j]`` drafts: p from ``logp``
+        [rows, V] (log of the target's p, each request's kept[j] + 1 rows in ``done`` order), q the
+        rows of its proposal; accept uniforms from the request's ACCEPT_STREAM, the residual / bonus
+        draw's from its own stream, both keyed by output position (docs/serving.md §14). One host
+        copy. Returns j -> (accepted drafts a, the token after them)."""
+        starts = [0]
+        for k in kept:
+            starts.append(starts[-1] + k + 1)
+        dev, V = logp.device, logp.shape[1]
+        K = max(kept[j] for j in rule)
+        row_idx, drafts, nd, q, seeds_a, seeds_r, pos = [], [], [], [], [], [], []
+        for j in rule:
+            s, k = done[j], kept[j]
+            r = s.request
+            row_idx.append([starts[j] + min(i, k) for i in range(K + 1)])   # padding repeats row k
+            drafts.append(s.draft_token_ids[:k] + [0] * (K - k))
+            nd.append(k)
+            q.append(torch.nn.functional.pad(r.draft_proposal.probs[:k], (0, 0, 0, K - k)))
+            seeds_a.append(stream_seed(r.state.seed, ACCEPT_STREAM))
+            seeds_r.append(stream_seed(r.state.seed, 0))
+            pos.append(r.num_output_tokens)
+        B = len(rule)
+        at = torch.tensor(pos, dtype=torch.int64, device=dev).unsqueeze(1) + torch.arange(K + 1, device=dev)
+        sa = torch.tensor(seeds_a, dtype=torch.int64, device=dev).unsqueeze(1).expand(B, K + 1)
+        sr = torch.tensor(seeds_r, dtype=torch.int64, device=dev).unsqueeze(1).expand(B, K + 1)
+        ua = counter_uniforms(sa.reshape(-1), at.reshape(-1)).view(B, K + 1)[:, :K]
+        ur = counter_uniforms(sr.reshape(-1), at.reshape(-1)).view(B, K + 1)
+        p = logp.index_select(0, torch.tensor(row_idx, device=dev).view(-1)).view(B, K + 1, V).exp()
+        a, token = rejection_sample_batched(torch.tensor(drafts, device=dev), torch.tensor(nd, device=dev),
+                                            torch.stack(q).to(dev), p, ua, ur)
+        out = torch.stack([a, token]).tolist()   # the one host copy
+        return {j: (out[0][b], out[1][b]) for b, j in enumerate(rule)}
 
     def _sampling_rows(self, done: list[ScheduledRequest], held: set[str] | None = None
                        ) -> tuple[SamplingRows, list[int]]:
