@@ -31,8 +31,9 @@ sys.path.insert(0, str(REPO))
 
 from tools.tiny_chat import data  # noqa: E402
 
+from m2serve.config.eagle3 import Eagle3DraftConfig  # noqa: E402
 from m2serve.engine.sampling import SamplingParams  # noqa: E402
-from m2serve.model.eagle3 import load_eagle3_draft  # noqa: E402
+from m2serve.model.eagle3 import _weight_shapes, load_eagle3_draft  # noqa: E402
 from m2serve.model.load import load_model  # noqa: E402
 from m2serve.model.simple_cache import SimpleKVCache  # noqa: E402
 from m2serve.serve import chat_pipeline as cp  # noqa: E402
@@ -55,12 +56,13 @@ def write_draft(path: Path, kind: str, seed: int = 0, noise: float = 0.02,
         return torch.randn(*shape, generator=g) * scale
 
     m = "midlayer."
-    w = {"fc.weight": r(H, 3 * H), m + "input_layernorm.weight": 1 + r(H), m + "hidden_norm.weight": 1 + r(H),
-         m + "self_attn.q_proj.weight": r(HQ * D, 2 * H), m + "self_attn.k_proj.weight": r(HKV * D, 2 * H),
-         m + "self_attn.v_proj.weight": r(HKV * D, 2 * H), m + "self_attn.o_proj.weight": r(H, HQ * D),
-         m + "post_attention_layernorm.weight": 1 + r(H), m + "mlp.gate_proj.weight": r(I, H),
-         m + "mlp.up_proj.weight": r(I, H), m + "mlp.down_proj.weight": r(H, I), "norm.weight": 1 + r(H)}
     Vd = (512 if vocab is None else len(vocab)) if kind == "random" else V
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "num_attention_heads": HQ,
+           "num_key_value_heads": HKV, "head_dim": D, "intermediate_size": I, "vocab_size": V,
+           "draft_vocab_size": Vd, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    # the layout's shapes (model/eagle3.py; tests/model/test_eagle3.py writes them out by hand)
+    w = {name: 1 + r(*shape) if name.endswith("norm.weight") else r(*shape)
+         for name, shape in _weight_shapes(Eagle3DraftConfig.from_dict(cfg)).items()}
     if kind == "random":
         w["lm_head.weight"] = r(Vd, H, scale=head_scale)
         ids = torch.randperm(V, generator=g)[:Vd] if vocab is None else torch.tensor(vocab)
@@ -74,9 +76,6 @@ def write_draft(path: Path, kind: str, seed: int = 0, noise: float = 0.02,
         w[m + "mlp.down_proj.weight"].zero_()
         w["norm.weight"] = norm
         w["lm_head.weight"] = embed + r(V, H, scale=noise)
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "num_attention_heads": HQ,
-           "num_key_value_heads": HKV, "head_dim": D, "intermediate_size": I, "vocab_size": V,
-           "draft_vocab_size": Vd, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
