@@ -202,17 +202,56 @@ def test_config_parse_for_eagle3(tmp_path):
     assert Eagle3DraftConfig.from_pretrained(path).draft_vocab_size == VD
 
 
-def test_engine_checks_then_refuses_an_eagle3_draft_before_loading(tmp_path):
+def test_engine_refuses_a_mismatched_draft_before_loading_and_a_multi_rank_deployment(tmp_path, monkeypatch):
     target = json.loads((TINY_CHAT / "config.json").read_text())
     Ht, Vt = target["hidden_size"], target["vocab_size"]
     good = _write(tmp_path / "good", _config(hidden_size=Ht, vocab_size=Vt, head_dim=Ht // HQ,
                                              eagle_config={}), {})
     bad = _write(tmp_path / "bad", _config(hidden_size=Ht, vocab_size=Vt + 1, eagle_config={}), {})
     spec = {"method": "eagle3", "num_speculative_tokens": 2}
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded before the draft was refused")
+
+    monkeypatch.setattr("m2serve.engine.core.load_model", no_load)
+    monkeypatch.setattr("m2serve.engine.core.start_distributed_model", no_load)
     with pytest.raises(ValueError, match="vocab_size"):
         LLMEngine.from_args(EngineArgs(model=str(TINY_CHAT), speculative_config=spec | {"model": str(bad)}))
-    with pytest.raises(ValueError, match="eagle3 drafts load but are not run by the engine yet"):
-        LLMEngine.from_args(EngineArgs(model=str(TINY_CHAT), speculative_config=spec | {"model": str(good)}))
+    with pytest.raises(ValueError, match="2 ranks"):
+        LLMEngine.from_args(EngineArgs(model=str(TINY_CHAT), devices="cpu:2", num_kv_pages=8,
+                                       speculative_config=spec | {"model": str(good)}))
+
+
+def test_paged_draft_forward_equals_the_unpaged_forward(tmp_path):
+    """forward_paged (the engine's: K/V in a layer of the paged pool, two requests in one ragged
+    batch, a chunk after cached positions) gives forward's logits and hidden states (forward is
+    checked against the float64 hand reference above)."""
+    from m2serve.model.batch import KVStorage, ragged_batch
+    from m2serve.model.step import RopeCache
+
+    w = _weights(seed=2)
+    draft, _ = load_eagle3_draft(_write(tmp_path / "d", _config(), w), hidden_size=H, vocab_size=V,
+                                 num_hidden_layers=L)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (9, 6)]
+    auxs = [torch.randn(n, 3 * H, generator=g) for n in (9, 6)]
+    kv = KVStorage.allocate(2, 16, 4, HKV, D, torch.float32)   # layer 1: the draft's
+    rope = RopeCache(D, 500.0)
+    tables = [[3, 7, 1], [5, 2]]
+    cut = [5, 2]   # first pass: positions [0, cut), second: [cut, n)
+    for first in (True, False):
+        spans = [(0, c) if first else (c, len(s)) for s, c in zip(seqs, cut)]
+        batch = ragged_batch([s[a:b].tolist() for s, (a, b) in zip(seqs, spans)], [b for _, b in spans],
+                             tables, [b - a for a, b in spans], 4)
+        hidden = torch.cat([x[a:b] for x, (a, b) in zip(auxs, spans)])
+        logits, r2 = draft.forward_paged(batch, hidden, kv, 1, rope)
+        o = 0
+        for s, x, (a, b) in zip(seqs, auxs, spans):
+            ref_logits, ref_r2 = draft(s[:b], torch.arange(b), x[:b])
+            torch.testing.assert_close(r2[o:o + b - a], ref_r2[a:b], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits[o:o + b - a], ref_logits[a:b][:, draft.draft_to_target],
+                                       rtol=1e-5, atol=1e-5)
+            o += b - a
 
 
 def test_target_aux_hidden_states_are_transformers_hidden_states(tmp_path):

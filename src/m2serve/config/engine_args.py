@@ -50,7 +50,7 @@ QUANTIZE_UNQUANTIZED_MODES = ("none", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 #: Every accepted ``speculative_config.method``: n-gram prompt lookup (docs/serving.md §13) and an
-#: EAGLE-3 draft model (docs/serving.md §14; parsed and loaded, not run by the engine yet).
+#: EAGLE-3 draft model (docs/serving.md §14).
 SPECULATIVE_METHODS = ("ngram", "eagle3")
 #: Largest ``speculative_config.num_speculative_tokens`` accepted (drafted tokens per step and request).
 MAX_SPECULATIVE_TOKENS = 32

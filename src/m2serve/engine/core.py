@@ -7,7 +7,9 @@ logprobs → sample the requests whose chunk completed their sequence (constrain
 first) → ``Scheduler.update_from_output`` (advance, append, finish, free) → ``RequestOutput`` per
 request that produced something. With speculative decoding a drafted decode samples its K + 1
 verified positions in the same draw and keeps the drafts the target's own samples confirm
-(docs/serving.md §13). The engine is driven by one thread calling
+(docs/serving.md §13); with an EAGLE-3 draft, sampled requests keep drafts by the rejection rule
+and the draft runs after the update, proposing the next step's drafts (engine/eagle.py,
+docs/serving.md §14). The engine is driven by one thread calling
 ``step()``; other threads may call ``add_request`` / ``abort_request`` at any time: those only
 validate, register the request in the one request table and append it to the one inbox under a
 lock, which ``step()`` drains first (docs/architecture.md, engine contract).
@@ -35,6 +37,7 @@ from m2serve.config.engine_args import (
 )
 from m2serve.config.model_config import MiniMaxM2Config
 from m2serve.engine.constraint import BITMASK_WORD_BITS, TokenConstraint, bitmask_words
+from m2serve.engine.eagle import DraftSpan, Eagle3Drafter, is_greedy
 from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.planner import check_page_and_length, fit_max_length, plan_memory
 from m2serve.engine.request import Request, RequestOutput, prompt_length_error
@@ -46,29 +49,52 @@ from m2serve.engine.sampling import (
     SamplingRows,
     SamplingState,
     compute_logprobs,
+    counter_uniforms,
 )
 from m2serve.engine.scheduler import ScheduledRequest, Scheduler, choose_replica
-from m2serve.engine.speculative import accepted_length
+from m2serve.engine.speculative import ACCEPT_STREAM, accepted_length, rejection_sample_batched, stream_seed
 from m2serve.model.batch import ForwardBatch, KVStorage, StepBuffers
+from m2serve.model.eagle3 import load_eagle3_draft
 from m2serve.model.load import load_model
 from m2serve.parallel.deploy import start_distributed_model
 
 log = logging.getLogger(__name__)
 
-#: Why an ``eagle3`` speculative config is refused at start (docs/serving.md §14).
-EAGLE3_NOT_RUN = ("speculative_config.method='eagle3': eagle3 drafts load but are not run by the engine yet "
-                  "(docs/serving.md §14); use method ngram or leave speculative decoding off")
-
-
-def refuse_unrun_speculative(speculative: SpeculativeConfig | None, config: MiniMaxM2Config) -> None:
-    """Refuse at start what the engine cannot run: an eagle3 draft is first checked against the
-    target (a mismatch is a ValueError naming the draft's field, :meth:`Eagle3DraftConfig.check_target`),
-    then refused with :data:`EAGLE3_NOT_RUN` (ValueError). None or ngram: nothing."""
+def check_speculative_target(speculative: SpeculativeConfig | None, config: MiniMaxM2Config,
+                             num_devices: int = 1) -> None:
+    """Refuse at start, before the target loads, an eagle3 draft that does not fit the target (a
+    ValueError naming the draft's field, :meth:`Eagle3DraftConfig.check_target`) or a multi-rank
+    deployment (``num_devices`` > 1: TP / EP / DP modes do not run EAGLE-3 drafts yet; the error
+    names the devices). None or ngram: nothing."""
     if speculative is None or speculative.method != "eagle3":
         return
     Eagle3DraftConfig.from_pretrained(speculative.model).check_target(   # type: ignore[arg-type]
         config.hidden_size, config.vocab_size, config.num_hidden_layers)
-    raise ValueError(EAGLE3_NOT_RUN)
+    if num_devices > 1:
+        raise ValueError(f"speculative_config.method='eagle3' with devices on {num_devices} ranks: EAGLE-3 "
+                         "drafts run on one device only (TP / EP / DP modes not yet, docs/serving.md §14); "
+                         "use method ngram there")
+
+
+def _load_drafter(model: Any, config: MiniMaxM2Config, spec: SpeculativeConfig, storage: KVStorage,
+                  args: EngineArgs, device: torch.device | str) -> Eagle3Drafter:
+    """Load the eagle3 draft of ``spec`` for ``model`` (its embedding when the draft ships none),
+    make the target keep the draft's aux hidden states, and give the draft its K/V layer: one
+    more layer appended to ``storage`` (index num_hidden_layers; the planner counts it,
+    engine/planner.py ``draft_kv_bytes_per_token``). docs/serving.md §14."""
+    draft, aux_ids = load_eagle3_draft(spec.model, config.hidden_size, config.vocab_size,  # type: ignore[arg-type]
+                                       config.num_hidden_layers, model.model.embed_tokens.weight,
+                                       getattr(torch, args.dtype), device)
+    model.set_aux_layer_ids(aux_ids)
+    c = draft.config
+    shape = (storage.num_pages, storage.page_size, c.num_key_value_heads, c.head_dim)
+    layer = len(storage.k)
+    storage.k.append(torch.zeros(shape, dtype=storage.dtype, device=device))
+    storage.v.append(torch.zeros(shape, dtype=storage.dtype, device=device))
+    storage.k_scale.append(1.0)
+    storage.v_scale.append(1.0)
+    return Eagle3Drafter(draft, layer, spec.num_speculative_tokens, getattr(model, "attention_kernel", None),
+                         bool(getattr(model, "lower_right_masks", False)))
 
 
 @dataclass(slots=True)
@@ -138,6 +164,8 @@ class LLMEngine:
     replica_held: per replica, the ids of the requests whose sampling state its rank holds (sent
     once, docs/serving.md §6).
     speculative: the speculative decoding config (docs/serving.md §13), None = off.
+    drafter: the EAGLE-3 draft run after every step (engine/eagle.py, docs/serving.md §14), None
+    unless speculative.method is eagle3.
     requests: the one table of requests added and not finished, keyed by id (filled by
     ``add_request``, so an id is in use from then until its final output); inbox: the one queue of
     adds and aborts into the step loop; both guarded by ``lock``.
@@ -155,20 +183,22 @@ class LLMEngine:
     steps: int = 0
     replica_held: list[set[str]] = field(default_factory=list)
     speculative: SpeculativeConfig | None = None
+    drafter: Eagle3Drafter | None = None
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load ``args.model`` and size the KV pool (planner unless ``num_kv_pages`` is set).
         Raises ValueError for a bad ``args.speculative_config`` before loading anything, and for an
-        eagle3 one (:func:`refuse_unrun_speculative`) once the target's config is read."""
+        eagle3 draft that does not fit the target or a multi-rank deployment
+        (:func:`check_speculative_target`) once the target's config is read, before its weights."""
         if args.model is None:
             raise ValueError("EngineArgs.model is None: pass a checkpoint directory")
         dtype_bytes("dtype", args.dtype)
         speculative = parse_speculative_config(args.speculative_config)   # a bad config fails before the load
         devices = rank_devices(args.devices)
         config = MiniMaxM2Config.from_pretrained(args.model)
-        refuse_unrun_speculative(speculative, config)
+        check_speculative_target(speculative, config, len(devices))
         if args.num_kv_pages is None:   # plan before loading: free memory still includes the weights'
             plan = plan_memory(config, args)
             args = replace(args, num_kv_pages=plan.num_pages, max_length=plan.max_length)
@@ -203,10 +233,19 @@ class LLMEngine:
         page size or a bad ``args.speculative_config`` (naming the field). On one CUDA device (or
         TP_TP CUDA ranks: every rank at once) with the triton attention backend and without
         ``args.enforce_eager`` the decode graphs are captured here, one per batch-size bucket
-        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise."""
+        (docs/serving.md §6.3); ``runner.graphs_off`` says why not otherwise. An eagle3
+        ``speculative_config`` loads the draft here (one more K/V layer in the pool, the target's aux
+        layer ids set, decode graphs off; docs/serving.md §14); ValueError for a multi-rank or
+        data-parallel model or a draft that does not fit the target (naming the field)."""
         dtype = kv_cache_dtype(args.kv_cache_format)
         speculative = parse_speculative_config(args.speculative_config)
-        refuse_unrun_speculative(speculative, config)
+        replicas = getattr(model, "data_parallel_degree", 1)
+        eagle = speculative is not None and speculative.method == "eagle3"
+        if eagle and (replicas > 1 or not hasattr(model, "set_aux_layer_ids")):
+            raise ValueError("speculative_config.method='eagle3': the model is multi-rank or does not expose "
+                             "aux hidden states (set_aux_layer_ids); EAGLE-3 drafts run on one device "
+                             "with MiniMaxM2ForCausalLM only (docs/serving.md §14)")
+        check_speculative_target(speculative, config)
         S = check_page_and_length(args)
         num_pages = args.num_kv_pages
         if num_pages is None:
@@ -216,11 +255,15 @@ class LLMEngine:
             kv_scales = getattr(model, "kv_scales", None)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         num_kv_heads = getattr(model, "num_kv_heads", config.num_key_value_heads)
-        replicas = getattr(model, "data_parallel_degree", 1)
         graphs_off = graphs_off_reason(model, device, args.enforce_eager, replicas)
+        if eagle and graphs_off is None:
+            graphs_off = "eagle3 drafting runs eagerly"
         pad = int(graphs_off is None)   # the graphs' padding page, allocated with the pool (no regrowth)
         storage = zeroed_kv_storage(config.num_hidden_layers, num_pages + pad, S, num_kv_heads,
                                     config.head_dim, dtype, device, k_scale, v_scale)
+        drafter = None
+        if eagle:
+            drafter = _load_drafter(model, config, speculative, storage, args, device)  # type: ignore[arg-type]
         penalties = PenaltyState(config.vocab_size, device)   # rank 0 samples every replica's rows
         schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
                                 args.max_batch_input_tokens, args.max_batch_size, penalties, speculative)
@@ -231,7 +274,7 @@ class LLMEngine:
             runner.pad_page = num_pages
             # the scheduler's max_batch_size (clamped to the token budget): no bucket no step reaches
             runner.enable_graphs(schedulers[0].max_batch_size, max_length, capture=True)
-        return cls(config=config, schedulers=schedulers, runner=runner,
+        return cls(config=config, schedulers=schedulers, runner=runner, drafter=drafter,
                    replica_held=[set() for _ in schedulers], speculative=speculative,
                    max_length=max_length, generator=torch.Generator().manual_seed(args.seed))
 
@@ -368,12 +411,28 @@ class LLMEngine:
             drawn = self.runner.run_sampled(scheduled, kvs, rows)
         else:   # speculative steps draw here (rank 0): their K + 1 rows per request
             drawn, accepted = self._run_and_sample(scheduled, kvs, completing)
+        before = [(s.request.num_computed_tokens, s.completes) for s in scheduled]
         for sched, part, mine, acc in zip(self.schedulers, parts, drawn, accepted, strict=True):
             for r in sched.update_from_output(part, mine, acc):
                 if r.is_finished:
                     self._forget(r)
                 outputs.append(self._output(r))
+        if self.drafter is not None:
+            self._draft(scheduled, before)
         return outputs
+
+    def _draft(self, scheduled: list[ScheduledRequest], before: list[tuple[int, bool]]) -> None:
+        """Run the EAGLE-3 draft over the positions the step kept (engine/eagle.py, docs/serving.md
+        §14). ``before``: per scheduled request, its computed tokens before the step and whether its
+        chunk completed the sequence (read before the update moved them)."""
+        spans, row = [], 0
+        for s, (c, completes) in zip(scheduled, before, strict=True):
+            r = s.request
+            if not r.is_finished:
+                spans.append(DraftSpan(r, c, r.num_computed_tokens - c, row, completes))
+            row += s.num_new_tokens
+        aux = self.runner.model.aux_hidden   # type: ignore[attr-defined]
+        self.drafter.run(spans, aux, self.runner.kv_storage, self.scheduler.kv)   # type: ignore[union-attr]
 
     def _run_and_sample(self, scheduled: list[ScheduledRequest], kvs: list[KVCacheManager],
                         completing: list[list[ScheduledRequest]]
@@ -404,20 +463,73 @@ class LLMEngine:
                 out.append(drawn)
                 accepted.append(None)
                 continue
+            # drafts with their own q (EAGLE-3, sampled): the rejection rule, all such requests at once
+            rule = [j for j, (s, k) in enumerate(zip(done, kept, strict=True))
+                    if self.drafter is not None and k and not is_greedy(s.request.state)]
+            logp, verdicts = None, {}
+            if rule:
+                logp = rows.probs(torch.stack(mine), self.scheduler.penalties, log=True)   # [rows, V] log p
+                verdicts = self._rejection(done, kept, rule, logp)
             toks: list[int] = []
             lps: list = []
             acc: list[int] = []
             o = 0
-            for s, k in zip(done, kept, strict=True):
-                samples = drawn.token_ids[o:o + k + 1]
-                a = accepted_length(s.draft_token_ids[:k], samples)
-                toks += samples[:a + 1]
-                lps += drawn.logprobs[o:o + a + 1]
+            for j, (s, k) in enumerate(zip(done, kept, strict=True)):
+                if j in verdicts:
+                    a, last_token = verdicts[j]
+                    emitted = s.draft_token_ids[:a] + [last_token]
+                    toks += emitted
+                    n = s.request.sampling_params.logprobs
+                    lps += ([None] * (a + 1) if n is None else   # type: ignore[index]
+                            compute_logprobs(logp[o:o + a + 1], torch.tensor(emitted, device=logp.device),
+                                             [n] * (a + 1)))
+                else:
+                    samples = drawn.token_ids[o:o + k + 1]
+                    a = accepted_length(s.draft_token_ids[:k], samples)
+                    toks += samples[:a + 1]
+                    lps += drawn.logprobs[o:o + a + 1]
                 acc.append(a)
                 o += k + 1
             out.append(SamplerOutput(toks, lps))
             accepted.append(acc)
         return out, accepted
+
+    @staticmethod
+    def _rejection(done: list[ScheduledRequest], kept: list[int], rule: list[int],
+                   logp: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """The rejection rule (engine/speculative.py ``rejection_sample_batched``) for the requests
+        ``done[j]``, j in ``rule``, each verifying its first ``kept[j]`` drafts: p from ``logp``
+        [rows, V] (log of the target's p, each request's kept[j] + 1 rows in ``done`` order), q the
+        rows of its proposal; accept uniforms from the request's ACCEPT_STREAM, the residual / bonus
+        draw's from its own stream, both keyed by output position (docs/serving.md §14). One host
+        copy. Returns j -> (accepted drafts a, the token after them)."""
+        starts = [0]
+        for k in kept:
+            starts.append(starts[-1] + k + 1)
+        dev, V = logp.device, logp.shape[1]
+        K = max(kept[j] for j in rule)
+        row_idx, drafts, nd, q, seeds_a, seeds_r, pos = [], [], [], [], [], [], []
+        for j in rule:
+            s, k = done[j], kept[j]
+            r = s.request
+            row_idx.append([starts[j] + min(i, k) for i in range(K + 1)])   # padding repeats row k
+            drafts.append(s.draft_token_ids[:k] + [0] * (K - k))
+            nd.append(k)
+            q.append(torch.nn.functional.pad(r.draft_proposal.probs[:k], (0, 0, 0, K - k)))
+            seeds_a.append(stream_seed(r.state.seed, ACCEPT_STREAM))
+            seeds_r.append(stream_seed(r.state.seed, 0))
+            pos.append(r.num_output_tokens)
+        B = len(rule)
+        at = torch.tensor(pos, dtype=torch.int64, device=dev).unsqueeze(1) + torch.arange(K + 1, device=dev)
+        sa = torch.tensor(seeds_a, dtype=torch.int64, device=dev).unsqueeze(1).expand(B, K + 1)
+        sr = torch.tensor(seeds_r, dtype=torch.int64, device=dev).unsqueeze(1).expand(B, K + 1)
+        ua = counter_uniforms(sa.reshape(-1), at.reshape(-1)).view(B, K + 1)[:, :K]
+        ur = counter_uniforms(sr.reshape(-1), at.reshape(-1)).view(B, K + 1)
+        p = logp.index_select(0, torch.tensor(row_idx, device=dev).view(-1)).view(B, K + 1, V).exp()
+        a, token = rejection_sample_batched(torch.tensor(drafts, device=dev), torch.tensor(nd, device=dev),
+                                            torch.stack(q).to(dev), p, ua, ur)
+        out = torch.stack([a, token]).tolist()   # the one host copy
+        return {j: (out[0][b], out[1][b]) for b, j in enumerate(rule)}
 
     def _sampling_rows(self, done: list[ScheduledRequest], held: set[str] | None = None
                        ) -> tuple[SamplingRows, list[int]]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from m2serve.config.eagle3 import Eagle3DraftConfig
 from m2serve.config.engine_args import (
     ACTIVATION_QUANT_MODES,
     ATTENTION_BACKENDS,
@@ -283,7 +284,7 @@ def plan_memory(config: MiniMaxM2Config, args: EngineArgs,
             f"weight_dequant={weight_dequant}); use more devices (ep_size / tensor parallelism), "
             f"a smaller max_batch_input_tokens{hint}")
     budget = math.floor(free_bytes * util - static)
-    kv_per_token = kv_bytes_per_token(config, dep.tp_size, kv_elem)
+    kv_per_token = kv_bytes_per_token(config, dep.tp_size, kv_elem) + draft_kv_bytes_per_token(args, kv_elem)
     page = S * kv_per_token
     kv_source = _GPU_KV_SOURCE
     if args.devices.partition(":")[0] == "cpu":
@@ -354,7 +355,8 @@ def kv_pool_bytes(config: MiniMaxM2Config, args: EngineArgs, num_pages: int, wor
     ranks (``args.devices``' count, or torchrun's WORLD_SIZE), for banners."""
     elem = dtype_bytes("kv_cache_format", args.kv_cache_format)
     tp = _deployment(config, args, world_size).tp_size
-    return num_pages * args.kv_cache_page_size * kv_bytes_per_token(config, tp, elem)
+    return num_pages * args.kv_cache_page_size * (kv_bytes_per_token(config, tp, elem)
+                                                   + draft_kv_bytes_per_token(args, elem))
 
 
 def _deployment(config: MiniMaxM2Config, args: EngineArgs, world_size: int | None = None) -> Deployment:
@@ -373,6 +375,17 @@ def kv_bytes_per_token(config: MiniMaxM2Config, tp_size: int, elem_bytes: int) -
     not counted."""
     kv_heads = config.num_key_value_heads // tp_size
     return 2 * config.num_hidden_layers * kv_heads * config.head_dim * elem_bytes
+
+
+def draft_kv_bytes_per_token(args: EngineArgs, elem_bytes: int) -> int:
+    """K and V bytes per token of an EAGLE-3 draft's layer in the pool (docs/serving.md §14):
+    2 · num_key_value_heads · head_dim · elem_bytes of the draft's config.json; 0 without one.
+    Raises ValueError naming the field for a bad speculative_config or draft config."""
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None or spec.method != "eagle3":
+        return 0
+    c = Eagle3DraftConfig.from_pretrained(spec.model)  # type: ignore[arg-type]
+    return 2 * c.num_key_value_heads * c.head_dim * elem_bytes
 
 
 def ep_activation_bytes(config: MiniMaxM2Config, max_batch_input_tokens: int, *, num_devices: int,

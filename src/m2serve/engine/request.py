@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from m2serve.engine.constraint import TokenConstraint
 from m2serve.engine.sampling import SamplingParams, SamplingState, TokenLogprobs
@@ -51,7 +52,9 @@ class Request:
     data-parallel replica that owns it (chosen once at admission, kept through preemption;
     engine/scheduler.py ``choose_replica``; always 0 with one replica); ngram_index: the
     speculative proposer's index over ``all_token_ids`` (engine/speculative.py `NgramIndex`, made
-    at the request's first draft; None without speculative decoding, docs/serving.md §13).
+    at the request's first draft; None without speculative decoding, docs/serving.md §13);
+    draft_proposal: the EAGLE-3 draft's proposal for the next step (engine/eagle.py
+    `DraftProposal`, docs/serving.md §14), None when there is none.
     """
 
     request_id: str
@@ -70,6 +73,7 @@ class Request:
     num_sent_tokens: int = 0
     replica: int = 0
     ngram_index: NgramIndex | None = None
+    draft_proposal: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -544,6 +544,21 @@ class SamplingRows:
         one copy through ``buffers`` when given: :meth:`SamplingBatch.build`).
         ``held``: the drawing side's states by request id (updated with ``new_states``). Raises
         KeyError for a row whose state is neither new nor held."""
+        batch, allowed = self.inputs(logits.device, held, buffers)
+        return sample(logits, batch, penalties, allowed)
+
+    def probs(self, logits: torch.Tensor, penalties: PenaltyState | None = None,
+              held: dict[str, SamplingState] | None = None,
+              buffers: StepBuffers | None = None, log: bool = False) -> torch.Tensor:
+        """:func:`target_probs` of ``logits`` [B, V] f32 with these rows: f32 [B, V], each row the
+        distribution :meth:`sample` would draw it from (its log with ``log``; arguments and errors
+        as there)."""
+        batch, allowed = self.inputs(logits.device, held, buffers)
+        return target_probs(logits, batch, penalties, allowed, log)
+
+    def inputs(self, device: torch.device, held: dict[str, SamplingState] | None = None,
+               buffers: StepBuffers | None = None) -> tuple[SamplingBatch, torch.Tensor | None]:
+        """The rows' :class:`SamplingBatch` and bitmask on ``device`` (see :meth:`sample`)."""
         held = {} if held is None else held
         states, seen = [], set()
         for rid, reasoning in zip(self.request_ids, self.in_reasoning, strict=True):
@@ -555,10 +570,10 @@ class SamplingRows:
             elif st.in_reasoning != reasoning:   # a later speculative row, past a reasoning end
                 st = replace(st, in_reasoning=reasoning)
             states.append(st)
-        batch = SamplingBatch.build(states, self.num_output_tokens, self.vocab_size, logits.device,
+        batch = SamplingBatch.build(states, self.num_output_tokens, self.vocab_size, device,
                                     self.end_of_turn, buffers, self.draft_counts)
-        allowed = self.allowed.to(logits.device) if self.allowed is not None else None
-        return sample(logits, batch, penalties, allowed)
+        allowed = self.allowed.to(device) if self.allowed is not None else None
+        return batch, allowed
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -637,17 +652,7 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState 
             allowed: torch.Tensor | None, window: bool) -> SamplerOutput | None:
     """:func:`sample` on top-k windows (``window``) or whole rows; None when a window overflowed."""
     B, V = logits.shape
-    x = logits.float()
-    if batch.bias is not None:
-        x = x.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
-    if batch.eos_mask is not None:
-        x = x.index_put(batch.eos_mask, torch.tensor(-math.inf, device=x.device))
-    if batch.any_penalty:
-        x = _apply_penalties(x, batch, penalties)  # type: ignore[arg-type]
-    if allowed is not None:
-        x = apply_allowed_bitmask(x, allowed)
-    x = x.clamp(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
-
+    x = _masked(logits, batch, penalties, allowed)
     greedy_tok = x.argmax(dim=-1) if batch.any_greedy else None                 # [B]
     overflow = None
     if batch.all_greedy:
@@ -680,6 +685,46 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState 
         return None
     return SamplerOutput([e.token_id for e in entries],
                          [e if n is not None else None for e, n in zip(entries, batch.num_logprobs)])
+
+
+def _masked(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None,
+            allowed: torch.Tensor | None) -> torch.Tensor:
+    """The draw's first stages on logits [B, V]: logit_bias -> min_tokens mask -> penalties ->
+    ``allowed`` bitmask -> clamp to finite above; f32 [B, V]."""
+    x = logits.float()
+    if batch.bias is not None:
+        x = x.index_put(batch.bias[:2], batch.bias[2], accumulate=True)
+    if batch.eos_mask is not None:
+        x = x.index_put(batch.eos_mask, torch.tensor(-math.inf, device=x.device))
+    if batch.any_penalty:
+        x = _apply_penalties(x, batch, penalties)  # type: ignore[arg-type]
+    if allowed is not None:
+        x = apply_allowed_bitmask(x, allowed)
+    return x.clamp(max=_FMAX)  # a tiny repetition_penalty can overflow a logit to +inf (inf - inf = NaN)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch, penalties: PenaltyState | None = None,
+                 allowed: torch.Tensor | None = None, log: bool = False) -> torch.Tensor:
+    """The distribution :func:`sample` draws each row from, f32 [B, V] (rows sum to 1): after
+    logit_bias, min_tokens, penalties, ``allowed``, temperature, top-k, top-p and min-p (the same
+    stages and value cuts, on whole rows); a greedy row is one-hot at its argmax (the token
+    :func:`sample` returns). The target's p of the rejection rule (docs/serving.md §14). ``log``:
+    log p instead (log-softmax, as the sampler's logprobs; -inf where p is 0). Raises
+    ValueError as :func:`sample` for mismatched rows or missing penalties."""
+    B = batch.num_rows
+    if logits.dim() != 2 or logits.shape[0] != B:
+        raise ValueError(f"target_probs: logits {tuple(logits.shape)} must be [B, V] with B = {B}")
+    if batch.any_penalty and penalties is None:
+        raise ValueError("target_probs: a row has penalties but penalties=None; pass the PenaltyState")
+    x = _masked(logits, batch, penalties, allowed)
+    hot = torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[1]).float() if batch.any_greedy else None
+    if hot is not None and batch.all_greedy:
+        return hot.log() if log else hot
+    v = _filter_rows(_scale(x, batch), batch)
+    p = torch.log_softmax(v, dim=-1) if log else torch.softmax(v, dim=-1)
+    if hot is not None:
+        p = torch.where(batch.greedy.unsqueeze(1), hot.log() if log else hot, p)
+    return p
 
 
 def apply_allowed_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -752,6 +797,13 @@ def _draw_rows(v: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, None]:
     """top-k -> top-p -> min-p -> draw on whole rows v [B, V]; rows with k = 0 / p = 1 / min_p = 0
     untouched. Returns tokens [B] and the filtered values [B, V]."""
+    v = _filter_rows(v, batch)
+    tokens = _draw(torch.exp(v - v.max(dim=1, keepdim=True).values), u).squeeze(1)  # token-id order
+    return tokens, v, None
+
+
+def _filter_rows(v: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """top-k -> top-p -> min-p on whole rows v [B, V] (filtered values -inf)."""
     k = batch.top_k.unsqueeze(1)                                                # [B, 1]
     if batch.kmax:
         top = v.topk(batch.kmax, dim=-1).values                                 # [B, kmax] desc
@@ -761,8 +813,7 @@ def _draw_rows(v: torch.Tensor, batch: SamplingBatch, u: torch.Tensor
     if batch.any_min_p:
         v = v.masked_fill(v < v.max(dim=1, keepdim=True).values + torch.log(batch.min_p).unsqueeze(1),
                           -math.inf)                                            # log 0 = -inf
-    tokens = _draw(torch.exp(v - v.max(dim=1, keepdim=True).values), u).squeeze(1)  # token-id order
-    return tokens, v, None
+    return v
 
 
 def _draw_window(x: torch.Tensor, batch: SamplingBatch, u: torch.Tensor

@@ -18,7 +18,8 @@ requests. Stop strings are matched above the engine (serve/output.py), which abo
 
 With speculative decoding (docs/serving.md §13) a running request one token behind (a decode)
 also gets up to K drafted tokens (engine/speculative.py ``NgramIndex``, the request's index that
-gives ``propose_ngram``'s drafts), computed in the same
+gives ``propose_ngram``'s drafts; with an EAGLE-3 draft the proposal the draft left on the
+request after the last step, engine/eagle.py, docs/serving.md §14), computed in the same
 chunk: its KV pages are allocated for them once every running request has its own chunk's pages
 (never at the price of a preemption or of another request's page: a draft that does not fit is
 dropped), the update appends the accepted drafts and the target's next token, and pages
@@ -242,6 +243,9 @@ class Scheduler:
             k = min(k, p.max_tokens - req.num_output_tokens - 1)
         if k <= 0:
             return []
+        if spec.method == "eagle3":   # the draft's proposal of the last step (engine/eagle.py)
+            prop = req.draft_proposal
+            return list(prop.tokens[:k]) if prop is not None and prop.num_tokens == req.num_tokens else []
         if req.ngram_index is None:
             req.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return req.ngram_index.propose(req.all_token_ids, k)
@@ -348,9 +352,11 @@ class Scheduler:
             self.penalties.release(request.state.penalty_row)
         request.state.penalty_row = 0
         request.ngram_index = None
+        request.draft_proposal = None
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
+        request.draft_proposal = None
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -14,7 +14,8 @@
 * :func:`rejection_sample` is the standard rule (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023)
   for drafts that carry their own distribution q (a draft model, EAGLE): accept token x with
   probability min(1, p(x) / q(x)), else draw from norm(max(0, p - q)); every output token is then
-  distributed as p. Not used by the n-gram path.
+  distributed as p. Not used by the n-gram path; :func:`rejection_sample_batched` is the same rule
+  for many requests at once on their device (the EAGLE-3 verification, docs/serving.md §14).
 
 Legend: K drafted tokens, V vocabulary.
 """
@@ -24,6 +25,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+#: Keys xor-ed into a request's seed for the EAGLE-3 streams of counter-based uniforms
+#: (engine/sampling.py ``counter_uniforms``, docs/serving.md §14): the draft's draws and the
+#: rejection rule's acceptance tests; the residual / bonus draw uses the request's own stream,
+#: at the output position, as plain decoding's draw there.
+DRAFT_STREAM = 0x5EED_D4AF_7000_0001
+ACCEPT_STREAM = 0x5EED_ACCE_9700_0002
+
+
+def stream_seed(seed: int, key: int) -> int:
+    """The int64 (two's complement) seed of the stream ``key`` of a request seeded ``seed``:
+    ``(seed xor key) mod 2**64`` as counter_uniforms takes it."""
+    z = (seed ^ key) % 2 ** 64
+    return z - 2 ** 64 if z >= 2 ** 63 else z
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -155,3 +170,46 @@ def rejection_sample(draft_token_ids: Sequence[int], draft_probs: torch.Tensor, 
         return out
     out.append(_inverse_cdf(target_probs[K], resample_uniforms[K]))
     return out
+
+
+def rejection_sample_batched(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
+                             draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                             accept_uniforms: torch.Tensor, resample_uniforms: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_sample` for B requests at once, on their device, no host sync (the engine's
+    EAGLE-3 verification, docs/serving.md §14; :func:`rejection_sample` is its oracle).
+
+    draft_token_ids int64 [B, K] (padding any id past num_drafts); num_drafts int64 [B], k_b <= K;
+    draft_probs [B, K, V] q; target_probs [B, K + 1, V] p; accept_uniforms [B, K]; resample_uniforms
+    [B, K + 1]. Row b: its first k_b drafts are tested as in :func:`rejection_sample` (accept iff
+    u < p(x) / q(x)); a_b = the accepted count; the last token is drawn by inverse CDF (float64)
+    from norm(max(0, p_a - q_a)) (p_a when that is all zero) when a_b < k_b, else from p_{k_b}, with
+    resample_uniforms[b, a_b]. Returns (a [B] int64, last token [B] int64): the request emits its
+    first a_b drafts and that token. Raises ValueError for mismatched shapes."""
+    B, K = draft_token_ids.shape
+    V = target_probs.shape[-1]
+    if (tuple(draft_probs.shape) != (B, K, V) or tuple(target_probs.shape) != (B, K + 1, V)
+            or tuple(accept_uniforms.shape) != (B, K) or tuple(resample_uniforms.shape) != (B, K + 1)
+            or tuple(num_drafts.shape) != (B,)):
+        raise ValueError(f"rejection_sample_batched: drafts {tuple(draft_token_ids.shape)}, q "
+                         f"{tuple(draft_probs.shape)}, p {tuple(target_probs.shape)}, uniforms "
+                         f"{tuple(accept_uniforms.shape)} / {tuple(resample_uniforms.shape)}, num_drafts "
+                         f"{tuple(num_drafts.shape)}: need [B, K], [B, K, V], [B, K + 1, V], [B, K], "
+                         "[B, K + 1], [B]")
+    p = target_probs.double()
+    q = draft_probs.double()
+    x = draft_token_ids.unsqueeze(-1)
+    px, qx = p[:, :K].gather(2, x).squeeze(-1), q.gather(2, x).squeeze(-1)                    # [B, K]
+    valid = torch.arange(K, device=p.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+    accept = (accept_uniforms.double() < px / qx) & valid   # padding's 0 / 0 is masked
+    a = accept.long().cumprod(1).sum(1)                                                        # [B]
+    pa = p.gather(1, a.view(B, 1, 1).expand(B, 1, V)).squeeze(1)                               # [B, V]
+    q_pad = torch.cat([q, q.new_zeros(B, 1, V)], 1)
+    qa = q_pad.gather(1, a.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
+    rejected = (a < num_drafts).unsqueeze(1)
+    w = torch.where(rejected, (pa - qa).clamp(min=0), pa)
+    w = torch.where(w.sum(1, keepdim=True) > 0, w, pa)
+    cdf = w.cumsum(1)
+    u = resample_uniforms.double().gather(1, a.view(B, 1))
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=V - 1).squeeze(1)
+    return a, token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +19,11 @@ from torch import nn
 
 from m2serve.config.eagle3 import Eagle3DraftConfig
 from m2serve.formats.finite import check_finite
+from m2serve.model.attention import attend, attend_kernel, write_kv
+from m2serve.model.batch import ForwardBatch, KVStorage
 from m2serve.model.norm import rms_norm
 from m2serve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from m2serve.model.step import RopeCache, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,54 @@ class Eagle3Draft(nn.Module):
         r1 = o_proj(attn(x)) + r; r2 = mlp(post_norm(r1)) + r1; logits = lm_head(norm(r2)).
         Raises ValueError naming ``hidden`` for another width.
         """
+        T, D = input_ids.shape[0], self.config.head_dim
+
+        def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cos, sin = rope_cos_sin(positions, self.inv_freq)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=1.0 / math.sqrt(D))
+            return a.transpose(0, 1).reshape(T, -1)
+
+        draft_logits, r2 = self._layer(input_ids, hidden, causal, None)
+        logits = draft_logits.new_full((T, self.config.vocab_size), float("-inf"))
+        logits[:, self.draft_to_target] = draft_logits
+        return logits, r2
+
+    def forward_paged(self, batch: ForwardBatch, hidden: torch.Tensor, kv: KVStorage, layer: int,
+                      rope: RopeCache, kernel: Callable[..., torch.Tensor] | None = None,
+                      lower_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass over a ragged batch (docs/serving.md §14, "Drafting in the engine"): the
+        new tokens' K/V are written into layer ``layer`` of the engine's pool ``kv`` at the batch's
+        slot mapping, and each request attends causally over its pages (the target's attention
+        seam, model/attention.py ``attend`` / ``attend_kernel``: no per-request Python here beyond
+        the torch backend's loop the target shares).
+
+        batch: the `ForwardBatch` (tokens int64 [T] = the NEXT token of each position, positions,
+        block tables, logit rows [N]); hidden [T, 3 Ht] (target aux states) or [T, H] (the draft's
+        own previous output); rope: the draft's `RopeCache` (head_dim, rope_theta). Returns (logits
+        [N, Vd] f32 over the DRAFT vocabulary at the batch's logit rows; pre-norm hidden [T, H]).
+        """
+        step = StepContext.build(batch, kv.page_size, rope, hidden.dtype, None, kernel, lower_right)
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+
+        def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+            write_kv(kv, layer, k, v, step.slot_mapping)
+            if step.kernel is not None:
+                return attend_kernel(q, kv, layer, step, scale)
+            return attend(q, kv, layer, step, scale)
+
+        draft_logits, r2 = self._layer(batch.tokens, hidden, paged, step.logit_rows)
+        return draft_logits.float(), r2
+
+    def _layer(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+               attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+               rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The midlayer around ``attention(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq·D]`` (RoPE is
+        the attention's): (draft-vocabulary logits [N, Vd] at ``rows`` (None: all T), r2 [T, H])."""
         c, w, m = self.config, self.w, "midlayer."
         if hidden.shape[-1] == 3 * c.target_hidden_size:
             hidden = self.combine(hidden)
@@ -89,21 +141,12 @@ class Eagle3Draft(nn.Module):
         q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, Hq, D)
         k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, Hkv, D)
         v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, Hkv, D)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        g = Hq // Hkv
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=1.0 / math.sqrt(D))
-        r1 = F.linear(a.transpose(0, 1).reshape(T, Hq * D), w[m + "self_attn.o_proj.weight"]) + residual
+        r1 = F.linear(attention(q, k, v), w[m + "self_attn.o_proj.weight"]) + residual
         n = rms_norm(r1, w[m + "post_attention_layernorm.weight"], eps)
         gated = F.silu(F.linear(n, w[m + "mlp.gate_proj.weight"])) * F.linear(n, w[m + "mlp.up_proj.weight"])
-        mlp = F.linear(gated, w[m + "mlp.down_proj.weight"])
-        r2 = mlp + r1
-        draft_logits = F.linear(rms_norm(r2, w["norm.weight"], eps), w["lm_head.weight"])
-        logits = draft_logits.new_full((T, c.vocab_size), float("-inf"))
-        logits[:, self.draft_to_target] = draft_logits
-        return logits, r2
+        r2 = F.linear(gated, w[m + "mlp.down_proj.weight"]) + r1
+        out = r2 if rows is None else r2.index_select(0, rows)
+        return F.linear(rms_norm(out, w["norm.weight"], eps), w["lm_head.weight"]), r2
 
 
 def load_eagle3_draft(path: str | Path, hidden_size: int, vocab_size: int, num_hidden_layers: int,

@@ -166,7 +166,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--speculative-config",
       help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}; same tokens as without (docs/serving.md §13); '
-           'method eagle3 with "model": DIR is checked, then refused (not run yet, docs/serving.md §14)')
+           'method eagle3 with "model": DIR runs a local EAGLE-3 draft, one device (docs/serving.md §14)')
 
 
 def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
