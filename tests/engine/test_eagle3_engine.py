@@ -33,7 +33,7 @@ from tools.tiny_chat import data  # noqa: E402
 
 from m2serve.config.eagle3 import Eagle3DraftConfig  # noqa: E402
 from m2serve.engine.sampling import SamplingParams  # noqa: E402
-from m2serve.model.eagle3 import _weight_shapes, load_eagle3_draft  # noqa: E402
+from m2serve.model.eagle3 import load_eagle3_draft, weight_shapes  # noqa: E402
 from m2serve.model.load import load_model  # noqa: E402
 from m2serve.model.simple_cache import SimpleKVCache  # noqa: E402
 from m2serve.serve import chat_pipeline as cp  # noqa: E402
@@ -62,7 +62,7 @@ def write_draft(path: Path, kind: str, seed: int = 0, noise: float = 0.02,
            "draft_vocab_size": Vd, "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     # the layout's shapes (model/eagle3.py; tests/model/test_eagle3.py writes them out by hand)
     w = {name: 1 + r(*shape) if name.endswith("norm.weight") else r(*shape)
-         for name, shape in _weight_shapes(Eagle3DraftConfig.from_dict(cfg)).items()}
+         for name, shape in weight_shapes(Eagle3DraftConfig.from_dict(cfg)).items()}
     if kind == "random":
         w["lm_head.weight"] = r(Vd, H, scale=head_scale)
         ids = torch.randperm(V, generator=g)[:Vd] if vocab is None else torch.tensor(vocab)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m2serve.config.eagle3 import Eagle3DraftConfig
+from m2serve.model.eagle3 import weight_shapes
 from m2serve.model.norm import rms_norm
 from m2serve.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -41,18 +42,6 @@ EVAL_SEED = 3535
 M = "midlayer."
 
 
-def weight_shapes(c: Eagle3DraftConfig) -> dict[str, tuple[int, ...]]:
-    """The public layout's trainable weights (d2t / t2d / embed_tokens apart): name -> shape."""
-    H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
-    q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
-    return {"fc.weight": (H, 3 * c.target_hidden_size),
-            M + "input_layernorm.weight": (H,), M + "hidden_norm.weight": (H,),
-            M + "self_attn.q_proj.weight": (q, 2 * H), M + "self_attn.k_proj.weight": (kv, 2 * H),
-            M + "self_attn.v_proj.weight": (kv, 2 * H), M + "self_attn.o_proj.weight": (H, q),
-            M + "post_attention_layernorm.weight": (H,),
-            M + "mlp.gate_proj.weight": (I, H), M + "mlp.up_proj.weight": (I, H),
-            M + "mlp.down_proj.weight": (H, I),
-            "norm.weight": (H,), "lm_head.weight": (c.draft_vocab_size, H)}
 
 
 class DraftNet(nn.Module):

@@ -27,8 +27,9 @@ from m2serve.model.step import RopeCache, StepContext
 
 log = logging.getLogger(__name__)
 
-def _weight_shapes(c: Eagle3DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of the public layout (d2t / t2d / embed_tokens apart): name -> shape from ``c``."""
+def weight_shapes(c: Eagle3DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of the public EAGLE-3 layout (d2t / t2d / embed_tokens apart): tensor name ->
+    shape (element counts) from ``c`` (docs/serving.md §14). Pure; raises nothing."""
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
     m = "midlayer."
@@ -153,7 +154,7 @@ def load_eagle3_draft(path: str | Path, hidden_size: int, vocab_size: int, num_h
                       target_embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> tuple[Eagle3Draft, tuple[int, ...]]:
     """Load an EAGLE-3 draft in the public layout from directory ``path`` (config.json and
-    ``*.safetensors``: the weights of :func:`_weight_shapes`, optional ``embed_tokens.weight``
+    ``*.safetensors``: the weights of :func:`weight_shapes`, optional ``embed_tokens.weight``
     [V, H], ``d2t`` int [Vd] (target id = draft id + d2t; required when Vd < V), ``t2d`` bool [V]
     (checked against d2t when present)) and check it against the target (hidden_size H,
     vocab_size V, num_hidden_layers L).
@@ -175,7 +176,7 @@ def load_eagle3_draft(path: str | Path, hidden_size: int, vocab_size: int, num_h
         with safe_open(str(f), "pt") as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 raw[name] = sf.get_tensor(name)
-    shapes = _weight_shapes(config)
+    shapes = weight_shapes(config)
     weights = {}
     for name, shape in shapes.items():
         if name not in raw:
