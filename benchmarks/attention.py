@@ -43,7 +43,7 @@ def chunked(q: torch.Tensor, kv: KVStorage, step: StepContext, scale: float, chu
     for b, L in enumerate(ctx):
         s, e = qs[b], qs[b + 1]
         n = e - s
-        pages = step.request_pages(b)
+        pages = step.page_ids[step.page_starts[b]: step.page_starts[b + 1]]
         qb = q[s:e].float().transpose(0, 1).reshape(HKV, Hq // HKV * n, Dh)  # [Hkv, G·n, D]
         qpos = (L - n + torch.arange(n)).repeat(Hq // HKV)                   # [G·n]
         m = torch.full((HKV, qb.shape[1], 1), float("-inf"))

@@ -128,6 +128,7 @@ def test_engine_proposals_are_the_draft_run_by_hand(tmp_path, kind):
         for r in list(eng.requests.values()):
             if r.draft_proposal is not None:
                 assert r.draft_proposal.tokens == _by_hand(model, draft, r.all_token_ids, K), r.request_id
+                assert r.draft_proposal.probs is None   # all greedy: the identity rule needs no q
                 checked += 1
     assert checked >= 6 and eng.stats.spec_draft_tokens > 0
 

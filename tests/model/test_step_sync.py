@@ -8,6 +8,7 @@ would see), independently of the code under test. References: the previous loop 
 
 from __future__ import annotations
 
+import random
 from unittest import mock
 
 import pytest
@@ -284,6 +285,41 @@ def test_decode_attention_scratch_follows_sum_of_contexts():
     assert scratch <= budget, (scratch, budget)
     padded, _ = _attend_scratch(cache.storage, batch, S, legacy=True)
     assert padded > 10 * budget  # the padded gather: 2 x 32 x 8,193 rows
+
+
+def _cache_on_pages(context: int, page_ids: list[int], S: int, Hkv: int, D: int,
+                    dtype: torch.dtype) -> SimpleKVCache:
+    """One sequence of ``context`` cached tokens (seeded values) on the pool pages ``page_ids``
+    (taken in that order), room for one more token."""
+    cache = SimpleKVCache(KVStorage.allocate(1, max(page_ids) + 1, S, Hkv, D, dtype), list(page_ids))
+    g = torch.Generator().manual_seed(1)
+    b = cache.batch([(0, [0] * context)])
+    write_kv(cache.storage, 0, torch.randn(context, Hkv, D, generator=g).to(dtype),
+             torch.randn(context, Hkv, D, generator=g).to(dtype), b.slot_mapping)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_consecutive_pages_are_read_in_place(dtype):
+    # A request whose pages are consecutive ids is read as a view of the pool (StepContext
+    # page_runs): no gather; with an fp32 pool no K/V copy at all, with bf16 only the conversion.
+    # The same values on shuffled pages (gathered) give the same output, and both equal the
+    # padded-gather reference inside _attend_scratch.
+    S, Hkv, D, ctx = 16, 2, 16, 600
+    n_pages = -(-(ctx + 1) // S)
+    run = _cache_on_pages(ctx, list(range(3, 3 + n_pages)), S, Hkv, D, dtype)
+    order = list(range(3, 3 + n_pages))
+    random.Random(0).shuffle(order)
+    shuffled = _cache_on_pages(ctx, order, S, Hkv, D, dtype)
+    kv_bytes = 2 * n_pages * S * Hkv * D * 4   # K and V rows of the pages, as fp32
+    scratch_run, step_run = _attend_scratch(run.storage, run.batch([(0, [1])]), S)
+    scratch_shuf, step_shuf = _attend_scratch(shuffled.storage, shuffled.batch([(0, [1])]), S)
+    assert step_run.page_runs == [slice(3, 3 + n_pages)] and step_shuf.page_runs == [None]
+    assert scratch_shuf >= kv_bytes * (1 if dtype == torch.float32 else 1.45)   # gather (+ conversion)
+    assert scratch_run <= (0.05 if dtype == torch.float32 else 1.05) * kv_bytes
+    q = torch.randn(1, 4 * Hkv, D, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(attend(q, run.storage, 0, step_run, 0.25),
+                               attend(q, shuffled.storage, 0, step_shuf, 0.25), rtol=0, atol=0)
 
 
 def test_prefill_chunk_attention_scratch_follows_context_plus_score_tile():

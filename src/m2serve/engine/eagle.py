@@ -37,11 +37,12 @@ from m2serve.model.step import RopeCache
 @dataclass(slots=True)
 class DraftProposal:
     """A request's drafted tokens for its next step: ``tokens`` (K target ids), ``probs`` f32
-    [K, V] (q: row i the draft distribution token i was drawn from, one-hot for a greedy request)
-    and ``num_tokens``, the request's length they continue (stale once the request moved)."""
+    [K, V] (q: row i the draft distribution token i was drawn from, one-hot for a greedy request;
+    None when every request of that draft run was greedy: the identity rule verifies greedy drafts
+    without q) and ``num_tokens``, the request's length they continue (stale once the request moved)."""
 
     tokens: list[int]
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     num_tokens: int
 
 
@@ -126,33 +127,41 @@ class Eagle3Drafter:
         hidden = r2.index_select(0, last.to(r2.device))               # [B, H]
         tables = [tables[b] for b in mine]
         ctx = [spans[b].start + spans[b].length for b in mine]          # = num_tokens - 1
-        greedy = torch.tensor([is_greedy(r.state) for r in reqs], device=logits.device)
-        temps = torch.tensor([max(r.state.temperature, GREEDY_EPS) for r in reqs], device=logits.device)
-        seeds = torch.tensor([stream_seed(r.state.seed, DRAFT_STREAM) for r in reqs], dtype=torch.int64,
-                             device=logits.device)
-        out_pos = torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64, device=logits.device)
         targets = self.draft.draft_to_target
+        greedy_host = [is_greedy(r.state) for r in reqs]
+        sampled = not all(greedy_host)   # all greedy: argmax drafts, no q (the identity rule needs none)
+        if sampled:
+            greedy = torch.tensor(greedy_host, device=logits.device)
+            temps = torch.tensor([max(r.state.temperature, GREEDY_EPS) for r in reqs], device=logits.device)
+            seeds = torch.tensor([stream_seed(r.state.seed, DRAFT_STREAM) for r in reqs], dtype=torch.int64,
+                                 device=logits.device)
+            out_pos = torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64,
+                                   device=logits.device)
         V = self.draft.config.vocab_size
         toks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for j in range(K):
-            q = torch.softmax(logits / temps.unsqueeze(1), dim=-1)                        # [B, Vd]
-            hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()
-            q = torch.where(greedy.unsqueeze(1), hot, q)
-            u = counter_uniforms(seeds, out_pos + j)
-            cdf = q.double().cumsum(1)
-            pick = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)
-            pick = pick.clamp_(max=q.shape[1] - 1).squeeze(1)                               # draft ids [B]
-            full = q.new_zeros(q.shape[0], V)
-            full[:, targets] = q
+            if sampled:
+                q = torch.softmax(logits / temps.unsqueeze(1), dim=-1)                    # [B, Vd]
+                hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[1]).float()
+                q = torch.where(greedy.unsqueeze(1), hot, q)
+                u = counter_uniforms(seeds, out_pos + j)
+                cdf = q.double().cumsum(1)
+                pick = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)
+                pick = pick.clamp_(max=q.shape[1] - 1).squeeze(1)                           # draft ids [B]
+                full = q.new_zeros(q.shape[0], V)
+                full[:, targets] = q
+                probs.append(full)
+            else:
+                pick = logits.argmax(dim=-1)                                                # draft ids [B]
             toks.append(targets[pick])
-            probs.append(full)
             if j == K - 1:
                 break
-            ids = targets[pick].tolist()
+            ids = toks[-1].tolist()
             logits, hidden = self._forward([[t] for t in ids], [c + j + 1 for c in ctx], tables,
                                            [1] * len(ids), hidden, kv)
         tok_lists = torch.stack(toks, 1).tolist()                                           # [B, K]
-        q_all = torch.stack(probs, 1)                                                       # [B, K, V]
+        q_all = torch.stack(probs, 1) if sampled else None                                  # [B, K, V]
         for b, r in enumerate(reqs):
-            r.draft_proposal = DraftProposal(tok_lists[b], q_all[b], r.num_tokens)
+            q_b = None if q_all is None else q_all[b]
+            r.draft_proposal = DraftProposal(tok_lists[b], q_b, r.num_tokens)

@@ -13,7 +13,8 @@ request's REAL context from its pages (varlen over the block tables and context 
 step context, model/step.py), never a [B, Lk_max] padded copy, so one layer's scratch is the K/V
 rows of the requests, Σ_b ceil(L_b / S)·S, not B × Lk. CPU implementation: a loop over the
 requests (host ints from the step context), each gathering its pages (``index_select`` of its
-page ids) and calling ``F.scaled_dot_product_attention``, which on CPU is the fused flash kernel
+page ids; a view of the pool when they are consecutive ids, StepContext ``page_runs``) and
+calling ``F.scaled_dot_product_attention``, which on CPU is the fused flash kernel
 (GQA native via ``enable_gqa``; fp32 accumulation for bf16). A decode request folds its G query
 heads of a KV head into the query axis (no mask), and so does a chunk of at most
 ``FOLD_MAX_ROWS`` tokens after a cached prefix (a speculative verification; its mask rows
@@ -226,20 +227,24 @@ class MiniMaxM2Attention(nn.Module):
         return self.o_proj(attend(q, kv, layer, step, self.scale))  # [T, Hq·D] -> [T, H]
 
 
-def read_pages(kv: KVStorage, layer: int, pages: torch.Tensor, length: int,
+def read_pages(kv: KVStorage, layer: int, pages: torch.Tensor | slice, length: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of the first ``length`` tokens held in ``pages`` (int64 [p], in order) of layer
-    ``layer`` -> two [length, Hkv, D] tensors of ``dtype`` (fp8 pages: e4m3 x scale, exact).
+    """K, V of the first ``length`` tokens held in ``pages`` (int64 [p] page ids in order, or
+    ``slice(first, first + p)`` for consecutive ids) of layer ``layer`` -> two [length, Hkv, D]
+    tensors of ``dtype`` (fp8 pages: e4m3 x scale, exact).
 
-    Allocates p·S rows per tensor (the gathered pages; the tail of the last page is sliced off).
+    Page ids: allocates p·S rows per tensor (the gathered pages; the tail of the last page is sliced
+    off). A slice is read as a view of the pool: nothing allocated when the pool holds ``dtype``,
+    else only the conversion's rows (one pass over the pages instead of a gather and a conversion).
     """
     out = []
     for pool, scale in ((kv.k[layer], kv.k_scale[layer]), (kv.v[layer], kv.v_scale[layer])):
-        x = pool.index_select(0, pages).flatten(0, 1)[:length]  # [length, Hkv, D]
+        x = pool[pages] if type(pages) is slice else pool.index_select(0, pages)
+        x = x.flatten(0, 1)[:length]  # [length, Hkv, D]
         if pool.dtype == torch.float8_e4m3fn:
             x = x.to(dtype)
             if scale != 1.0:
-                x.mul_(scale)
+                x.mul_(scale)   # x is a new tensor here (the conversion), never the pool
         elif x.dtype != dtype:
             x = x.to(dtype)
         out.append(x)

@@ -49,7 +49,9 @@ class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft (one midlayer), weights as in the public layout (names in ``weights``).
 
     config: the draft's :class:`Eagle3DraftConfig`; weights: name -> tensor (the names of
-    :func:`load_eagle3_draft`, all of the compute dtype); embed_tokens [V, H]: the draft's own or the
+    :func:`load_eagle3_draft`, all of the compute dtype; kept as ``w`` except q/k/v and
+    gate/up, held concatenated as ``qkv_weight`` [(Hq + 2 Hkv)·D, 2H] and
+    ``gate_up_weight`` [2I, H]); embed_tokens [V, H]: the draft's own or the
     target's embedding; draft_to_target int64 [Vd]: target id of each draft id (``d + d2t[d]``).
     """
 
@@ -57,7 +59,13 @@ class Eagle3Draft(nn.Module):
                  embed_tokens: torch.Tensor, draft_to_target: torch.Tensor):
         super().__init__()
         self.config = config
-        self.w = weights
+        m = "midlayer."
+        # q, k, v as one linear and gate, up as one (fewer, larger GEMMs per pass; the originals are
+        # dropped from ``w``, so the draft's memory stays one copy)
+        w = dict(weights)
+        self.qkv_weight = torch.cat([w.pop(m + f"self_attn.{p}_proj.weight") for p in "qkv"])
+        self.gate_up_weight = torch.cat([w.pop(m + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
+        self.w = w
         self.embed_tokens = embed_tokens
         self.draft_to_target = draft_to_target
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, embed_tokens.device)
@@ -139,12 +147,12 @@ class Eagle3Draft(nn.Module):
         residual = hn if c.norm_before_residual else hidden
         x = torch.cat((e, hn), dim=-1)
         T, D, Hq, Hkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, Hq, D)
-        k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, Hkv, D)
-        v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, Hkv, D)
-        r1 = F.linear(attention(q, k, v), w[m + "self_attn.o_proj.weight"]) + residual
+        q, k, v = F.linear(x, self.qkv_weight).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        r1 = F.linear(attention(q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)),
+                      w[m + "self_attn.o_proj.weight"]) + residual
         n = rms_norm(r1, w[m + "post_attention_layernorm.weight"], eps)
-        gated = F.silu(F.linear(n, w[m + "mlp.gate_proj.weight"])) * F.linear(n, w[m + "mlp.up_proj.weight"])
+        gate, up = F.linear(n, self.gate_up_weight).chunk(2, dim=-1)
+        gated = F.silu(gate) * up
         r2 = F.linear(gated, w[m + "mlp.down_proj.weight"]) + r1
         out = r2 if rows is None else r2.index_select(0, rows)
         return F.linear(rms_norm(out, w["norm.weight"], eps), w["lm_head.weight"]), r2

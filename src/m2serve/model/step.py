@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,6 +80,8 @@ class StepContext:
     logit_rows:   int64 [N] indices into [T] of the returned rows (None: every row).
     page_ids:     int64 [Σ_b ceil(L_b / S)] each request's pages, concatenated in request order;
                   request b's are ``page_ids[page_starts[b]:page_starts[b+1]]`` (host ints).
+    page_runs:    per request, ``slice(p, p + n)`` when its n pages are the consecutive ids
+                  p .. p + n - 1 (the pool is then read as a view, no gather), else None.
     masks:        per request: None (one new token, or a chunk starting at position 0, which
                   uses SDPA's ``is_causal``) or an additive mask [n_b, L_b] of the activation
                   dtype, 0 where new token i may see key j (j <= L_b - n_b + i), -inf elsewhere.
@@ -101,6 +103,7 @@ class StepContext:
     page_ids: torch.Tensor
     page_starts: list[int]
     masks: list[torch.Tensor | None]
+    page_runs: list[slice | None] = field(default_factory=list)
     legacy: AttentionMetadata | None = None
     kernel: Callable[..., torch.Tensor] | None = None
     block_tables: torch.Tensor | None = None
@@ -129,13 +132,17 @@ class StepContext:
         qs, ctx = host.query_starts, host.context_lens
         pages: list[int] = []
         page_starts = [0]
+        page_runs: list[slice | None] = []
         masks: list[torch.Tensor | CausalBias | None] = []
         if lower_right:
             from torch.nn.attention.bias import causal_lower_right
         if kernel is None:
             for n, L, table in zip(host.query_lens, ctx, host.block_tables, strict=True):
-                pages.extend(table[: -(-L // page_size)])
+                mine = table[: -(-L // page_size)]
+                pages.extend(mine)
                 page_starts.append(len(pages))
+                page_runs.append(slice(mine[0], mine[0] + len(mine))
+                                 if mine and mine == list(range(mine[0], mine[0] + len(mine))) else None)
                 if n <= 1 or n == L:
                     masks.append(None)
                 elif lower_right:
@@ -155,7 +162,8 @@ class StepContext:
         return cls(host=host, positions=batch.positions, slot_mapping=slots, cos=cos, sin=sin,
                    logit_rows=rows,
                    page_ids=host_tensor(pages, torch.int64, dev) if kernel is None else batch.positions[:0],
-                   page_starts=page_starts, masks=masks, legacy=legacy, kernel=kernel,
+                   page_starts=page_starts, page_runs=page_runs, masks=masks, legacy=legacy,
+                   kernel=kernel,
                    block_tables=batch.block_tables, query_starts=batch.input_row_offsets,
                    context_lens=batch.context_lens,
                    max_query_len=max(map(operator.sub, qs[1:], qs[:-1]), default=0),
@@ -177,6 +185,8 @@ class StepContext:
                    block_tables=inputs.block_tables, query_starts=inputs.query_starts,
                    context_lens=inputs.context_lens, max_query_len=1, max_context_len=max_context_len)
 
-    def request_pages(self, b: int) -> torch.Tensor:
-        """int64 [ceil(L_b / S)]: request b's page ids (a view)."""
-        return self.page_ids[self.page_starts[b]: self.page_starts[b + 1]]
+    def request_pages(self, b: int) -> torch.Tensor | slice:
+        """Request b's pages: ``slice(p, p + n)`` when they are consecutive ids (``page_runs``),
+        else int64 [ceil(L_b / S)] page ids (a view of ``page_ids``)."""
+        run = self.page_runs[b] if b < len(self.page_runs) else None
+        return run if run is not None else self.page_ids[self.page_starts[b]: self.page_starts[b + 1]]
