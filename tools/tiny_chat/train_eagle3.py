@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="run directory (data cache, metrics, draft)")
     ap.add_argument("--export", type=Path, help="also write the draft here")
     ap.add_argument("--examples", type=int, default=2400)
+    ap.add_argument("--kind-weights", default=",".join(map(str, KIND_WEIGHTS)),
+                    help="training mix over data.KINDS, comma-separated, in that order")
     ap.add_argument("--data-seed", type=int, default=35)
     ap.add_argument("--eval-per-kind", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=192)
@@ -126,12 +128,15 @@ def main() -> None:
     target_cfg = json.loads((e3.TARGET / "config.json").read_text())
     aux_ids = default_aux_layer_ids(target_cfg["num_hidden_layers"])
     model = e3.load_target()
+    weights = tuple(float(w) for w in args.kind_weights.split(","))
+    if len(weights) != len(data.KINDS):
+        ap.error(f"--kind-weights: {len(weights)} weights for {len(data.KINDS)} kinds {data.KINDS}")
     cache = args.out / "data.pt"
     if cache.exists():
         train, held = torch.load(cache, weights_only=False)
         log(f"data from {cache}")
     else:
-        train = build_seqs(model, data.make_examples("train", args.examples, args.data_seed, KIND_WEIGHTS),
+        train = build_seqs(model, data.make_examples("train", args.examples, args.data_seed, weights),
                            args.max_tokens, aux_ids, log)
         held_ex = [ex for kind in data.KINDS
                    for ex in data.eval_subset(kind, args.eval_per_kind, e3.EVAL_SEED)]

@@ -13,8 +13,9 @@ distribution q of each over the target vocabulary) waits on the request for the 
 (engine/scheduler.py ``_draft``).
 
 Every pass is one batched draft forward over all requests (model/eagle3.py ``forward_paged``,
-metadata from the host lists through model/batch.py ``ragged_batch``); the host work is building
-those lists, as for the target's step.
+metadata from the host lists through model/batch.py ``ragged_batch`` into the drafter's own
+persistent ``StepBuffers``: one copy per pass); the host work is building those lists, as for the
+target's step.
 
 Legend: B requests drafting, K drafted tokens, V target vocabulary, Vd the draft's.
 """
@@ -29,7 +30,7 @@ from m2serve.engine.kv_cache import KVCacheManager
 from m2serve.engine.request import Request
 from m2serve.engine.sampling import GREEDY_EPS, SamplingState, counter_uniforms
 from m2serve.engine.speculative import DRAFT_STREAM, stream_seed
-from m2serve.model.batch import KVStorage, ragged_batch
+from m2serve.model.batch import KVStorage, StepBuffers, ragged_batch
 from m2serve.model.eagle3 import Eagle3Draft
 from m2serve.model.step import RopeCache
 
@@ -81,6 +82,7 @@ class Eagle3Drafter:
     num_speculative_tokens: int
     kernel: object = None
     lower_right: bool = False
+    buffers: StepBuffers | None = None
     rope: RopeCache | None = None
     passes: int = 0   # draft forwards run (tests)
 
@@ -91,7 +93,8 @@ class Eagle3Drafter:
     def _forward(self, new_tokens: list[list[int]], ctx: list[int], tables: list[list[int]],
                  n_logits: list[int], hidden: torch.Tensor, kv: KVStorage
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = ragged_batch(new_tokens, ctx, tables, n_logits, kv.page_size, hidden.device)
+        batch = ragged_batch(new_tokens, ctx, tables, n_logits, kv.page_size, hidden.device,
+                             buffers=self.buffers)
         self.passes += 1
         return self.draft.forward_paged(batch, hidden, kv, self.layer, self.rope,  # type: ignore[arg-type]
                                         self.kernel, self.lower_right)  # type: ignore[arg-type]
