@@ -284,6 +284,48 @@ def test_the_pool_and_the_plan_hold_the_drafts_layer_and_sampled_features_run(tm
         assert not bad, bad
 
 
+def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeypatch):
+    """``"model": "org/name"`` (issue 35 item 1, docs/serving.md §14): resolved by LLM to its snapshot in
+    a fake Hugging Face cache (the hub's models--org--name/snapshots/<rev> + refs/main layout, offline,
+    no network), then the same greedy tokens as plain decoding with drafts accepted; a hub id in no
+    cache is refused naming speculative_config.model, by LLM and by the CLI's check before loading."""
+    import huggingface_hub.constants
+
+    from m2serve.config.engine_args import parse_speculative_config
+    from m2serve.serve.cli import build_parser, check_engine_options, resolve_options
+    from m2serve.serve.resolve import ModelNotFoundError
+
+    repo = tmp_path / "hf" / "models--test-org--draft"
+    snap = repo / "snapshots" / ("ab" * 20)
+    snap.mkdir(parents=True)
+    for f in (REPO / "src/m2serve/checkpoints/tiny-chat-eagle3").iterdir():   # the shipped, trained draft
+        (snap / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = {"method": "eagle3", "model": "test-org/draft", "num_speculative_tokens": K}
+    assert parse_speculative_config(hub).model == "test-org/draft"   # the shape is accepted below serve
+    examples = [data.eval_subset(kind, 1, seed=35)[0] for kind in ("tool_result", "plain")]
+    plain = _generate(_llm(2, None), examples, 24)
+    llm = _llm(2, hub)
+    assert Path(llm.engine.speculative.model).resolve() == snap.resolve()
+    assert _generate(llm, examples, 24) == plain
+    assert llm.engine.stats.spec_accepted_tokens > 0
+
+    absent = {**hub, "model": "test-org/absent"}
+    with pytest.raises(ModelNotFoundError,
+                       match=r"speculative_config\.model 'test-org/absent'.*HF_HUB_OFFLINE"):
+        _llm(1, absent)
+    parser = build_parser()
+    opts = resolve_options(parser.parse_args(["serve", "--model", str(CKPT), "--speculative-config",
+                                              json.dumps(absent)]), parser, {})
+    problem = check_engine_options("serve", opts)
+    assert problem is not None and problem.startswith("speculative_config.model 'test-org/absent'")
+    with pytest.raises(ValueError, match=r"speculative_config\.model='a/b/c': not a directory"):
+        parse_speculative_config({**hub, "model": "a/b/c"})   # a path that does not exist, not a hub id
+
+
 def test_greedy_eagle3_equals_plain_through_preemption(tmp_path):
     """A pool too small for the batch: requests are preempted and recomputed (their proposals
     dropped, the draft's K/V recomputed with the target's); tokens still equal plain decoding's."""

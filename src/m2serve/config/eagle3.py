@@ -135,7 +135,10 @@ class Eagle3DraftConfig:
         is absent or not JSON."""
         file = Path(path) / "config.json"
         if not file.is_file():
-            raise ValueError(f"speculative_config.model={str(path)!r}: no config.json in that directory")
+            why = "no config.json in that directory" if Path(path).is_dir() else (
+                "no such directory (LLM and `m2serve serve` resolve a hub id to its snapshot; the "
+                "engine itself takes a local directory)")
+            raise ValueError(f"speculative_config.model={str(path)!r}: {why}")
         try:
             cfg = json.loads(file.read_text())
         except json.JSONDecodeError as e:

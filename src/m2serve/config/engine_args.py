@@ -61,6 +61,16 @@ DEFAULT_PROMPT_LOOKUP = (2, 4)
 MAX_PROMPT_LOOKUP = 32
 
 
+def looks_like_hub_id(model: str) -> bool:
+    """``org/name`` with exactly one slash and no leading ``.``/``/``/``~`` (not a path): the shape of a
+    Hugging Face hub id, for ``--model`` and an EAGLE-3 draft's ``speculative_config.model``."""
+    return (
+        model.count("/") == 1
+        and not model.startswith((".", "/", "~"))
+        and all(part.strip() for part in model.split("/"))
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding (docs/serving.md §13), vLLM's ``speculative_config`` shape.
@@ -68,7 +78,8 @@ class SpeculativeConfig:
     method: one of SPECULATIVE_METHODS; num_speculative_tokens: K, tokens drafted per request and step
     (1..MAX_SPECULATIVE_TOKENS); prompt_lookup_min / prompt_lookup_max: the n-gram lengths (tokens)
     the proposer matches, 1 <= min <= max <= MAX_PROMPT_LOOKUP (ngram; None for eagle3); model: the
-    EAGLE-3 draft's local directory (eagle3; None for ngram). Build it with
+    EAGLE-3 draft's local directory or hub id (eagle3; None for ngram; a hub id is resolved to its
+    local snapshot by the serve layer, serve/resolve.py ``resolve_engine_args``). Build it with
     :func:`parse_speculative_config`.
     """
 
@@ -95,9 +106,9 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     Keys: method (required, one of SPECULATIVE_METHODS), num_speculative_tokens (required, an
     integer in [1, MAX_SPECULATIVE_TOKENS]); for ngram prompt_lookup_min / prompt_lookup_max
     (integers in [1, MAX_PROMPT_LOOKUP], min <= max; one unset takes the other's value, both unset
-    DEFAULT_PROMPT_LOOKUP); for eagle3 model (required: a local directory holding config.json;
-    docs/serving.md §14). Raises ValueError naming the field (``speculative_config.<key>``) for a
-    bad value, an unknown key or a key of the other method.
+    DEFAULT_PROMPT_LOOKUP); for eagle3 model (required: a local directory holding config.json, or a
+    hub id ``org/name`` that names no local path; docs/serving.md §14). Raises ValueError naming the
+    field (``speculative_config.<key>``) for a bad value, an unknown key or a key of the other method.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -139,10 +150,11 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         model = value.get("model")
         if not isinstance(model, str) or not model:
             raise ValueError("speculative_config.model: required for method eagle3 "
-                             "(the draft's local directory)")
-        if not (Path(model) / "config.json").is_file():
-            raise ValueError(f"speculative_config.model={model!r}: not a local directory with a config.json "
-                             "(EAGLE-3 drafts are read from disk; hub ids are not downloaded)")
+                             "(the draft's local directory or hub id)")
+        local = Path(model).expanduser()
+        if not (local / "config.json").is_file() and (local.exists() or not looks_like_hub_id(model)):
+            raise ValueError(f"speculative_config.model={model!r}: not a directory with a config.json "
+                             "(nor a hub id of the form org/name)")
         return SpeculativeConfig(method, k, None, None, model)
     if value.get("model") is not None:
         raise ValueError("speculative_config.model: only method eagle3 takes a draft model")

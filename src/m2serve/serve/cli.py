@@ -315,10 +315,10 @@ def _join_torchrun(opts: dict[str, Any]) -> Any:
     from m2serve.config.model_config import MiniMaxM2Config
     from m2serve.engine.core import LLMEngine
     from m2serve.parallel.deploy import join_torchrun
-    from m2serve.serve.resolve import resolve_model
+    from m2serve.serve.resolve import resolve_engine_args, resolve_model
 
     path = resolve_model(opts.get("model"))
-    args = EngineArgs(model=str(path), **engine_args_from(opts))
+    args = EngineArgs(model=str(path), **resolve_engine_args(engine_args_from(opts)))
     if os.environ.get("RANK") != "0":
         # torchrun signals every rank at once; a worker keeps serving steps so that rank 0 can
         # drain its in-flight requests, then stops the workers itself (a dead rank 0 ends the
@@ -628,10 +628,17 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     before the model loads (docs/serving.md §12). The message starts with the flag at fault
     (``--max-batch-size: max_batch_size=0 must be ...``). A ``--model`` hub id whose config.json is
     neither cached nor shipped is left to the load (it may be downloaded); a path that does not exist
-    is an error here. Raises what reading config.json raises (ValueError/OSError: a runtime error)."""
+    is an error here. An EAGLE-3 draft named by hub id is resolved here (cache, else download) and
+    is an error when that fails. Raises what reading config.json raises (ValueError/OSError: a
+    runtime error)."""
     from m2serve.config.model_config import MiniMaxM2Config
     from m2serve.engine.planner import check_engine_args
-    from m2serve.serve.resolve import ModelNotFoundError, looks_like_hub_id, resolve_config
+    from m2serve.serve.resolve import (
+        ModelNotFoundError,
+        looks_like_hub_id,
+        resolve_config,
+        resolve_engine_args,
+    )
 
     template = opts.get("chat_template")
     if command != "plan" and template is not None and not os.path.isfile(template):
@@ -641,7 +648,11 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     except ModelNotFoundError as e:
         return None if looks_like_hub_id(str(opts.get("model"))) else str(e)
     config = MiniMaxM2Config.from_pretrained(cfg_path)
-    args = EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts))
+    try:
+        engine_args = resolve_engine_args(engine_args_from(opts))   # an EAGLE-3 draft's hub id
+    except ModelNotFoundError as e:
+        return str(e)
+    args = EngineArgs(model=str(cfg_path.parent), **engine_args)
     world = torchrun_world_size()
     try:
         check_engine_args(config, args, world if world > 1 else None)

@@ -41,7 +41,7 @@ from m2serve.serve import chat_pipeline as cp
 from m2serve.serve.chat_pipeline import CompletionOutput, ToolCallResult
 from m2serve.serve.errors import APIError
 from m2serve.serve.output import OutputDelta, OutputProcessor, RequestTable
-from m2serve.serve.resolve import resolve_model
+from m2serve.serve.resolve import resolve_engine_args, resolve_model
 from m2serve.text.constraint import GrammarCompiler
 from m2serve.text.detokenizer import IncrementalDetokenizer
 from m2serve.text.template import ChatTemplate
@@ -127,7 +127,7 @@ class LLM:
             )
         path = resolve_model(model)
         self.model_path = Path(path)
-        self.args = EngineArgs(model=str(path), **engine_args)
+        self.args = EngineArgs(model=str(path), **resolve_engine_args(engine_args))
         self.threads = apply_num_threads(self.args)  # docs/serving.md §12, before any weight loads
         self.served_model_name = self.args.served_model_name or (model or self.model_path.name)
         self.config = MiniMaxM2Config.from_pretrained(path)

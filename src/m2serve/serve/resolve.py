@@ -9,6 +9,9 @@
 
 For planning without weights (:func:`resolve_config`), a hub id also resolves to the public
 config shipped in ``m2serve/checkpoints/hub_configs/<org>/<name>/config.json``.
+
+An EAGLE-3 draft named by hub id in ``speculative_config.model`` resolves the same way
+(:func:`resolve_engine_args`, called by ``LLM`` and torchrun's rank setup before ``EngineArgs``).
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from m2serve.checkpoints import default_model_path
+from m2serve.config.engine_args import looks_like_hub_id, parse_speculative_config
+
+__all__ = ["HUB_CONFIGS", "ModelNotFoundError", "looks_like_hub_id", "resolve_config", "resolve_engine_args",
+           "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -28,25 +36,17 @@ class ModelNotFoundError(FileNotFoundError):
     """``--model`` names neither a local directory nor a resolvable hub id."""
 
 
-def looks_like_hub_id(model: str) -> bool:
-    """``org/name`` with exactly one slash and no leading ``.``/``/``/``~`` (not a path)."""
-    return (
-        model.count("/") == 1
-        and not model.startswith((".", "/", "~"))
-        and all(part.strip() for part in model.split("/"))
-    )
-
-
 def hub_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` is set to a true value."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, what: str = "--model") -> Path:
     """Resolve ``--model`` to a local checkpoint directory holding config.json and the weights.
 
-    Raises ModelNotFoundError naming the value and what was tried (local path, hub cache, and
-    whether HF_HUB_OFFLINE prevented a download).
+    Raises ModelNotFoundError naming ``what`` (the option: ``--model`` or
+    ``speculative_config.model``), the value and what was tried (local path, hub cache, and whether
+    HF_HUB_OFFLINE prevented a download).
     """
     if model is None or model == "":
         return default_model_path()
@@ -55,7 +55,7 @@ def resolve_model(model: str | None) -> Path:
         return p
     if not looks_like_hub_id(model):
         raise ModelNotFoundError(
-            f"--model {model!r}: no such directory (and not a hub id of the form org/name)"
+            f"{what} {model!r}: no such directory (and not a hub id of the form org/name)"
         )
     from huggingface_hub import snapshot_download
 
@@ -64,7 +64,7 @@ def resolve_model(model: str | None) -> Path:
     except Exception as cached_err:  # noqa: BLE001 - huggingface_hub raises several types here
         if hub_offline():
             raise ModelNotFoundError(
-                f"--model {model!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set "
+                f"{what} {model!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set "
                 f"(download it first with `huggingface-cli download {model}` or unset HF_HUB_OFFLINE)"
             ) from cached_err
     try:
@@ -72,8 +72,25 @@ def resolve_model(model: str | None) -> Path:
         return Path(snapshot_download(model))
     except Exception as e:  # noqa: BLE001
         raise ModelNotFoundError(
-            f"--model {model!r}: could not download from the hub ({type(e).__name__}: {e})"
+            f"{what} {model!r}: could not download from the hub ({type(e).__name__}: {e})"
         ) from e
+
+
+def resolve_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """``engine_args`` with an EAGLE-3 draft named by hub id (``speculative_config.model``
+    ``org/name``, docs/serving.md §14) replaced by its local snapshot, resolved as
+    :func:`resolve_model` resolves ``--model`` (the hub cache; downloaded when online and missing).
+    Anything else comes back unchanged: a bad ``speculative_config`` is left to ``EngineArgs``,
+    whose error names the field. Raises ModelNotFoundError naming ``speculative_config.model``."""
+    try:
+        spec = parse_speculative_config(engine_args.get("speculative_config"))
+    except ValueError:
+        return engine_args
+    if spec is None or spec.model is None or Path(spec.model).expanduser().is_dir():
+        return engine_args
+    local = resolve_model(spec.model, "speculative_config.model")
+    fields = {f: getattr(spec, f) for f in spec.__slots__ if getattr(spec, f) is not None}
+    return {**engine_args, "speculative_config": {**fields, "model": str(local)}}
 
 
 def resolve_config(model: str | None) -> Path:
