@@ -293,7 +293,7 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
 
     from m2serve.config.engine_args import parse_speculative_config
     from m2serve.serve.cli import build_parser, check_engine_options, resolve_options
-    from m2serve.serve.resolve import ModelNotFoundError
+    from m2serve.serve.resolve import ModelNotFoundError, resolve_engine_args
 
     repo = tmp_path / "hf" / "models--test-org--draft"
     snap = repo / "snapshots" / ("ab" * 20)
@@ -312,6 +312,13 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     assert Path(llm.engine.speculative.model).resolve() == snap.resolve()
     assert _generate(llm, examples, 24) == plain
     assert llm.engine.stats.spec_accepted_tokens > 0
+    d = llm.engine.drafter   # every pass's metadata went through its persistent buffers, once
+    assert d.buffers.loads == d.passes > 0
+    assert 0 < d.query_buffers.loads < d.passes   # prompt passes: K/V-only rows, a query batch of last rows
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tilde = "~/" + str(snap.relative_to(tmp_path))
+    home = resolve_engine_args({"speculative_config": {**hub, "model": tilde}})["speculative_config"]
+    assert home["model"] == str(snap)   # ~ expanded before the engine sees it
 
     absent = {**hub, "model": "test-org/absent"}
     with pytest.raises(ModelNotFoundError,
@@ -321,7 +328,8 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     opts = resolve_options(parser.parse_args(["serve", "--model", str(CKPT), "--speculative-config",
                                               json.dumps(absent)]), parser, {})
     problem = check_engine_options("serve", opts)
-    assert problem is not None and problem.startswith("speculative_config.model 'test-org/absent'")
+    assert problem is not None and problem.startswith("--speculative-config: speculative_config.model "
+                                                      "'test-org/absent'")
     with pytest.raises(ValueError, match=r"speculative_config\.model='a/b/c': not a directory"):
         parse_speculative_config({**hub, "model": "a/b/c"})   # a path that does not exist, not a hub id
 

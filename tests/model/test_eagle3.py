@@ -254,6 +254,46 @@ def test_paged_draft_forward_equals_the_unpaged_forward(tmp_path):
             o += b - a
 
 
+def test_paged_draft_forward_computing_kv_only_off_the_logit_rows(tmp_path):
+    """forward_paged with ``kv_only_off_rows`` (a prompt chunk: K/V for every row, the rest at the
+    logit rows only, through a query batch of those rows): the logit rows' logits and hidden states
+    are forward's, the pool holds forward's K/V for every row (read back against a full paged pass
+    into a second pool), and a pass with no logit row writes the K/V alone."""
+    from m2serve.model.batch import KVStorage, ragged_batch
+    from m2serve.model.step import RopeCache
+
+    w = _weights(seed=4)
+    draft, _ = load_eagle3_draft(_write(tmp_path / "d", _config(), w), hidden_size=H, vocab_size=V,
+                                 num_hidden_layers=L)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (11, 7, 8)]
+    auxs = [torch.randn(n, 3 * H, generator=g) for n in (11, 7, 8)]
+    rope = RopeCache(D, 500.0)
+    tables = [[3, 7, 1], [5, 2], [0, 4]]
+    split, full = (KVStorage.allocate(2, 16, 4, HKV, D, torch.float32) for _ in range(2))
+    for spans, want in (([(0, 6), (0, 3), (0, 8)], [0, 0, 0]), ([(6, 11), (3, 7), (8, 8)], [1, 1, 0])):
+        new = [s[a:b].tolist() for s, (a, b) in zip(seqs, spans)]
+        ctx = [b for _, b in spans]
+        keep = [i for i, n in enumerate(want) if n]
+        hidden = torch.cat([x[a:b] for x, (a, b) in zip(auxs, spans)])
+        query = ragged_batch([new[i][-1:] for i in keep], [ctx[i] for i in keep], [tables[i] for i in keep],
+                             [1] * len(keep), 4) if keep else None
+        logits, r2 = draft.forward_paged(ragged_batch(new, ctx, tables, want, 4), hidden, split, 1, rope,
+                                         query=query, kv_only_off_rows=True)
+        every = ragged_batch(new, ctx, tables, [b - a for a, b in spans], 4)
+        draft.forward_paged(every, hidden, full, 1, rope)
+        assert logits.shape == (len(keep), draft.config.draft_vocab_size) and r2.shape == (len(keep), H)
+        for o, i in enumerate(keep):
+            b = spans[i][1]
+            ref_logits, ref_r2 = draft(seqs[i][:b], torch.arange(b), auxs[i][:b])
+            torch.testing.assert_close(r2[o], ref_r2[b - 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits[o], ref_logits[b - 1][draft.draft_to_target],
+                                       rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split.k[1], full.k[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(split.v[1], full.v[1], rtol=1e-5, atol=1e-6)
+    assert full.k[1].abs().sum() > 0
+
+
 def test_target_aux_hidden_states_are_transformers_hidden_states(tmp_path):
     """Id i = the residual stream entering layer i = transformers' ``hidden_states[i]``
     (output_hidden_states: the embedding output, then each layer's), from the same forward."""

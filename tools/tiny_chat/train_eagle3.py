@@ -8,8 +8,8 @@ Command of the committed draft (src/m2serve/checkpoints/tiny-chat-eagle3)::
 
 (``--kind-weights`` is the training mix over data.KINDS: tool_call, tool_result, no_tool, plain, repeat,
 natural_result. The first shipped draft used the defaults, 2400 examples and 1400 steps; its acceptance on
-tool-result turns was 0.58 at position 1 and the engine ran them at 0.98x plain, so the second weights
-tool-result and natural_result turns more: 0.80 at position 1, 1.07x; README "Status".)
+tool-result turns was 0.58 at position 1 and the engine ran them at 0.99x plain, so the second weights
+tool-result and natural_result turns more: 0.80 at position 1, 1.08x; README "Benchmarks", EAGLE-3.)
 
 What it does:
 1. Data: ``--examples`` train-split conversations (tools/tiny_chat/data.py ``make_examples("train", n,
@@ -120,6 +120,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--log-every", type=int, default=50)
     args = ap.parse_args()
+    try:
+        weights = tuple(float(w) for w in args.kind_weights.split(","))
+    except ValueError:
+        ap.error(f"--kind-weights {args.kind_weights!r}: comma-separated numbers, one per kind {data.KINDS}")
+    if len(weights) != len(data.KINDS) or min(weights) < 0 or sum(weights) <= 0:
+        ap.error(f"--kind-weights: {len(weights)} weights for {len(data.KINDS)} kinds {data.KINDS}, "
+                 "each >= 0, not all 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,11 +141,14 @@ def main() -> None:
     target_cfg = json.loads((e3.TARGET / "config.json").read_text())
     aux_ids = default_aux_layer_ids(target_cfg["num_hidden_layers"])
     model = e3.load_target()
-    weights = tuple(float(w) for w in args.kind_weights.split(","))
-    if len(weights) != len(data.KINDS):
-        ap.error(f"--kind-weights: {len(weights)} weights for {len(data.KINDS)} kinds {data.KINDS}")
     cache = args.out / "data.pt"
+    made_with = {"examples": args.examples, "data_seed": args.data_seed, "kind_weights": list(weights),
+                 "eval_per_kind": args.eval_per_kind, "max_tokens": args.max_tokens}
+    stamp = args.out / "data.json"   # the options data.pt was made with: a rerun must not mix them up
     if cache.exists():
+        was = json.loads(stamp.read_text()) if stamp.exists() else None
+        if was != made_with:
+            ap.error(f"{cache} was made with {was}, not {made_with}: use another --out or delete it")
         train, held = torch.load(cache, weights_only=False)
         log(f"data from {cache}")
     else:
@@ -148,6 +158,7 @@ def main() -> None:
                    for ex in data.eval_subset(kind, args.eval_per_kind, e3.EVAL_SEED)]
         held = build_seqs(model, held_ex, args.max_tokens, aux_ids, log)
         torch.save((train, held), cache)
+        stamp.write_text(json.dumps(made_with))
     log(f"train {len(train)} seqs, {sum(len(s.ids) - s.prompt_len for s in train)} response tokens; "
         f"held-out {len(held)} seqs")
 

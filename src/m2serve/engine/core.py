@@ -94,7 +94,8 @@ def _load_drafter(model: Any, config: MiniMaxM2Config, spec: SpeculativeConfig, 
     storage.k_scale.append(1.0)
     storage.v_scale.append(1.0)
     return Eagle3Drafter(draft, layer, spec.num_speculative_tokens, getattr(model, "attention_kernel", None),
-                         bool(getattr(model, "lower_right_masks", False)), StepBuffers(torch.device(device)))
+                         bool(getattr(model, "lower_right_masks", False)), StepBuffers(torch.device(device)),
+                         StepBuffers(torch.device(device)))
 
 
 @dataclass(slots=True)

@@ -83,6 +83,7 @@ class Eagle3Drafter:
     kernel: object = None
     lower_right: bool = False
     buffers: StepBuffers | None = None
+    query_buffers: StepBuffers | None = None
     rope: RopeCache | None = None
     passes: int = 0   # draft forwards run (tests)
 
@@ -93,11 +94,21 @@ class Eagle3Drafter:
     def _forward(self, new_tokens: list[list[int]], ctx: list[int], tables: list[list[int]],
                  n_logits: list[int], hidden: torch.Tensor, kv: KVStorage
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass (model/eagle3.py ``forward_paged``); (logits [N, Vd] f32, r2 [N, H]) at the
+        last ``n_logits[b]`` (0 or 1) rows of each request. A pass with a span longer than a
+        verification's K + 1 rows (a prompt chunk) computes only K/V for the rows without logits."""
         batch = ragged_batch(new_tokens, ctx, tables, n_logits, kv.page_size, hidden.device,
                              buffers=self.buffers)
+        query = None
+        split = max(len(t) for t in new_tokens) > self.num_speculative_tokens + 1
+        keep = [b for b, n in enumerate(n_logits) if n]
+        if split and keep:
+            query = ragged_batch([new_tokens[b][-1:] for b in keep], [ctx[b] for b in keep],
+                                 [tables[b] for b in keep], [1] * len(keep), kv.page_size, hidden.device,
+                                 buffers=self.query_buffers)
         self.passes += 1
         return self.draft.forward_paged(batch, hidden, kv, self.layer, self.rope,  # type: ignore[arg-type]
-                                        self.kernel, self.lower_right)  # type: ignore[arg-type]
+                                        self.kernel, self.lower_right, query, split)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def run(self, spans: list[DraftSpan], aux: torch.Tensor, kv: KVStorage, kvm: KVCacheManager) -> None:
@@ -125,9 +136,7 @@ class Eagle3Drafter:
         if not mine:
             return
         reqs = [spans[b].request for b in mine]
-        starts = torch.tensor([0] + [s.length for s in spans], dtype=torch.int64).cumsum(0)
-        last = starts[torch.tensor(mine) + 1] - 1
-        hidden = r2.index_select(0, last.to(r2.device))               # [B, H]
+        hidden = r2                                                     # [B, H], the spans' last rows
         tables = [tables[b] for b in mine]
         ctx = [spans[b].start + spans[b].length for b in mine]          # = num_tokens - 1
         targets = self.draft.draft_to_target

@@ -89,23 +89,29 @@ class Eagle3Draft(nn.Module):
         """
         T, D = input_ids.shape[0], self.config.head_dim
 
-        def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cos, sin = rope_cos_sin(positions, self.inv_freq)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            g = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        kv: list[torch.Tensor] = []
+
+        def write(k: torch.Tensor, v: torch.Tensor) -> None:
+            kv[:] = [apply_rope(k, cos, sin), v]
+
+        def causal(q: torch.Tensor) -> torch.Tensor:
+            q = apply_rope(q, cos, sin)
+            g = q.shape[1] // kv[0].shape[1]
+            k, v = kv[0].repeat_interleave(g, dim=1), kv[1].repeat_interleave(g, dim=1)
             a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, scale=1.0 / math.sqrt(D))
             return a.transpose(0, 1).reshape(T, -1)
 
-        draft_logits, r2 = self._layer(input_ids, hidden, causal, None)
+        draft_logits, r2 = self._layer(input_ids, hidden, write, causal, None, False)
         logits = draft_logits.new_full((T, self.config.vocab_size), float("-inf"))
         logits[:, self.draft_to_target] = draft_logits
         return logits, r2
 
     def forward_paged(self, batch: ForwardBatch, hidden: torch.Tensor, kv: KVStorage, layer: int,
                       rope: RopeCache, kernel: Callable[..., torch.Tensor] | None = None,
-                      lower_right: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      lower_right: bool = False, query: ForwardBatch | None = None,
+                      kv_only_off_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass over a ragged batch (docs/serving.md §14, "Drafting in the engine"): the
         new tokens' K/V are written into layer ``layer`` of the engine's pool ``kv`` at the batch's
         slot mapping, and each request attends causally over its pages (the target's attention
@@ -114,27 +120,40 @@ class Eagle3Draft(nn.Module):
 
         batch: the `ForwardBatch` (tokens int64 [T] = the NEXT token of each position, positions,
         block tables, logit rows [N]); hidden [T, 3 Ht] (target aux states) or [T, H] (the draft's
-        own previous output); rope: the draft's `RopeCache` (head_dim, rope_theta). Returns (logits
-        [N, Vd] f32 over the DRAFT vocabulary at the batch's logit rows; pre-norm hidden [T, H]).
+        own previous output); rope: the draft's `RopeCache` (head_dim, rope_theta). With
+        ``kv_only_off_rows`` only K and V are computed for all T rows, and the queries, attention,
+        o_proj, MLP and head only for the N logit rows (a prompt chunk's other rows are needed for
+        their K/V alone); ``query`` is then the batch of those rows alone (one row per request that
+        wants logits, at its last position, same tables and context lengths as ``batch``; None when
+        N = 0: nothing after the K/V write runs). Returns (logits [N, Vd] f32 over the DRAFT
+        vocabulary at the logit rows; pre-norm hidden [N, H] at the same rows).
         """
         step = StepContext.build(batch, kv.page_size, rope, hidden.dtype, None, kernel, lower_right)
+        at = step if query is None else StepContext.build(query, kv.page_size, rope, hidden.dtype, None,
+                                                           kernel, lower_right)
         scale = 1.0 / math.sqrt(self.config.head_dim)
 
-        def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-            write_kv(kv, layer, k, v, step.slot_mapping)
-            if step.kernel is not None:
-                return attend_kernel(q, kv, layer, step, scale)
-            return attend(q, kv, layer, step, scale)
+        def write(k: torch.Tensor, v: torch.Tensor) -> None:
+            write_kv(kv, layer, apply_rope(k, step.cos, step.sin), v, step.slot_mapping)
 
-        draft_logits, r2 = self._layer(batch.tokens, hidden, paged, step.logit_rows)
+        def paged(q: torch.Tensor) -> torch.Tensor:
+            q = apply_rope(q, at.cos, at.sin)
+            if at.kernel is not None:
+                return attend_kernel(q, kv, layer, at, scale)
+            return attend(q, kv, layer, at, scale)
+
+        draft_logits, r2 = self._layer(batch.tokens, hidden, write, paged, step.logit_rows, kv_only_off_rows)
         return draft_logits.float(), r2
 
     def _layer(self, input_ids: torch.Tensor, hidden: torch.Tensor,
-               attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-               rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The midlayer around ``attention(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq·D]`` (RoPE is
-        the attention's): (draft-vocabulary logits [N, Vd] at ``rows`` (None: all T), r2 [T, H])."""
+               write: Callable[[torch.Tensor, torch.Tensor], None],
+               attention: Callable[[torch.Tensor], torch.Tensor],
+               rows: torch.Tensor | None, kv_only_off_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The midlayer around ``write(k, v [T, Hkv, D])`` (stores them, RoPE on k) and
+        ``attention(q [n, Hq, D]) -> [n, Hq·D]`` (RoPE on q). Returns (draft-vocabulary logits
+        [N, Vd] at ``rows`` (None: all T), pre-norm hidden r2 at the same rows). With
+        ``kv_only_off_rows`` only K and V see all T rows; q and everything after it run on ``rows``
+        alone (the same values at those rows)."""
         c, w, m = self.config, self.w, "midlayer."
         if hidden.shape[-1] == 3 * c.target_hidden_size:
             hidden = self.combine(hidden)
@@ -147,16 +166,24 @@ class Eagle3Draft(nn.Module):
         residual = hn if c.norm_before_residual else hidden
         x = torch.cat((e, hn), dim=-1)
         T, D, Hq, Hkv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        q, k, v = F.linear(x, self.qkv_weight).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        r1 = F.linear(attention(q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)),
-                      w[m + "self_attn.o_proj.weight"]) + residual
+        if kv_only_off_rows and rows is not None:
+            k, v = F.linear(x, self.qkv_weight[Hq * D:]).split([Hkv * D, Hkv * D], dim=-1)
+            write(k.reshape(T, Hkv, D), v.reshape(T, Hkv, D))
+            if rows.numel() == 0:   # no request wants logits: the K/V were all this pass had to do
+                return x.new_zeros(0, c.draft_vocab_size), x.new_zeros(0, c.hidden_size)
+            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
+            q = F.linear(x, self.qkv_weight[:Hq * D])
+        else:
+            q, k, v = F.linear(x, self.qkv_weight).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            write(k.reshape(T, Hkv, D), v.reshape(T, Hkv, D))
+        r1 = F.linear(attention(q.reshape(x.shape[0], Hq, D)), w[m + "self_attn.o_proj.weight"]) + residual
         n = rms_norm(r1, w[m + "post_attention_layernorm.weight"], eps)
         gate, up = F.linear(n, self.gate_up_weight).chunk(2, dim=-1)
         gated = F.silu(gate) * up
         r2 = F.linear(gated, w[m + "mlp.down_proj.weight"]) + r1
-        out = r2 if rows is None else r2.index_select(0, rows)
-        return F.linear(rms_norm(out, w["norm.weight"], eps), w["lm_head.weight"]), r2
-
+        if rows is not None and not kv_only_off_rows:
+            r2 = r2.index_select(0, rows)
+        return F.linear(rms_norm(r2, w["norm.weight"], eps), w["lm_head.weight"]), r2
 
 def load_eagle3_draft(path: str | Path, hidden_size: int, vocab_size: int, num_hidden_layers: int,
                       target_embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,

@@ -590,11 +590,11 @@ def run_plan(opts: dict[str, Any]) -> int:
     """Print the memory plan for ``--model`` (dir, config.json or hub id) without loading weights."""
     from m2serve.config.model_config import MiniMaxM2Config
     from m2serve.engine.planner import format_plan, plan_memory
-    from m2serve.serve.resolve import resolve_config
+    from m2serve.serve.resolve import resolve_config, resolve_engine_args
 
     cfg_path = resolve_config(opts.get("model"))
     config = MiniMaxM2Config.from_pretrained(cfg_path)
-    args = EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts))
+    args = EngineArgs(model=str(cfg_path.parent), **resolve_engine_args(engine_args_from(opts)))
     print(f"model: {opts.get('model') or 'embedded default'} ({cfg_path})")
     plan = plan_memory(config, args, device_memory_gib=opts.get("device_memory_gib"))
     print(format_plan(plan))
@@ -644,14 +644,14 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     if command != "plan" and template is not None and not os.path.isfile(template):
         return f"--chat-template {template}: no such file"
     try:
+        engine_args = resolve_engine_args(engine_args_from(opts))   # an EAGLE-3 draft's hub id
+    except ModelNotFoundError as e:
+        return f"--speculative-config: {e}"
+    try:
         cfg_path = resolve_config(opts.get("model"))
     except ModelNotFoundError as e:
         return None if looks_like_hub_id(str(opts.get("model"))) else str(e)
     config = MiniMaxM2Config.from_pretrained(cfg_path)
-    try:
-        engine_args = resolve_engine_args(engine_args_from(opts))   # an EAGLE-3 draft's hub id
-    except ModelNotFoundError as e:
-        return str(e)
     args = EngineArgs(model=str(cfg_path.parent), **engine_args)
     world = torchrun_world_size()
     try:

@@ -125,9 +125,10 @@ class LLM:
                 f"LLM: unknown engine argument(s) {', '.join(unknown)}; "
                 f"valid: {', '.join(sorted(EngineArgs.__dataclass_fields__))}"
             )
+        engine_args = resolve_engine_args(engine_args)   # the draft first: a typo fails before the target
         path = resolve_model(model)
         self.model_path = Path(path)
-        self.args = EngineArgs(model=str(path), **resolve_engine_args(engine_args))
+        self.args = EngineArgs(model=str(path), **engine_args)
         self.threads = apply_num_threads(self.args)  # docs/serving.md §12, before any weight loads
         self.served_model_name = self.args.served_model_name or (model or self.model_path.name)
         self.config = MiniMaxM2Config.from_pretrained(path)

@@ -77,16 +77,17 @@ def resolve_model(model: str | None, what: str = "--model") -> Path:
 
 
 def resolve_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """``engine_args`` with an EAGLE-3 draft named by hub id (``speculative_config.model``
-    ``org/name``, docs/serving.md §14) replaced by its local snapshot, resolved as
-    :func:`resolve_model` resolves ``--model`` (the hub cache; downloaded when online and missing).
-    Anything else comes back unchanged: a bad ``speculative_config`` is left to ``EngineArgs``,
-    whose error names the field. Raises ModelNotFoundError naming ``speculative_config.model``."""
+    """``engine_args`` with an EAGLE-3 draft's ``speculative_config.model`` (docs/serving.md §14)
+    resolved as :func:`resolve_model` resolves ``--model``: a local directory (``~`` expanded) or a
+    hub id ``org/name`` -> its snapshot in the hub cache (downloaded when online and missing).
+    Anything else comes back unchanged: a bad ``speculative_config`` is left to whoever parses it
+    next (the CLI's option check, the planner, the engine: ``parse_speculative_config``, whose error
+    names the field). Raises ModelNotFoundError naming ``speculative_config.model``."""
     try:
         spec = parse_speculative_config(engine_args.get("speculative_config"))
     except ValueError:
         return engine_args
-    if spec is None or spec.model is None or Path(spec.model).expanduser().is_dir():
+    if spec is None or spec.model is None:
         return engine_args
     local = resolve_model(spec.model, "speculative_config.model")
     fields = {f: getattr(spec, f) for f in spec.__slots__ if getattr(spec, f) is not None}
