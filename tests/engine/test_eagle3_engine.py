@@ -330,6 +330,10 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     problem = check_engine_options("serve", opts)
     assert problem is not None and problem.startswith("--speculative-config: speculative_config.model "
                                                       "'test-org/absent'")
+    opts["speculative_config"] = json.dumps({**hub, "model": str(CKPT)})   # the target given as its own draft
+    problem = check_engine_options("serve", opts)   # before the port binds: a usage error naming the flag
+    assert problem is not None and problem.startswith("--speculative-config: ")
+    assert "num_hidden_layers" in problem
     with pytest.raises(ValueError, match=r"speculative_config\.model='a/b/c': not a directory"):
         parse_speculative_config({**hub, "model": "a/b/c"})   # a path that does not exist, not a hub id
 

@@ -166,7 +166,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a("--speculative-config",
       help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}; same tokens as without (docs/serving.md §13); '
-           'method eagle3 with "model": DIR runs a local EAGLE-3 draft, one device (docs/serving.md §14)')
+           'method eagle3 with "model": DIR or hub id runs an EAGLE-3 draft, one device '
+           '(docs/serving.md §14)')
 
 
 def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
@@ -629,9 +630,11 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     (``--max-batch-size: max_batch_size=0 must be ...``). A ``--model`` hub id whose config.json is
     neither cached nor shipped is left to the load (it may be downloaded); a path that does not exist
     is an error here. An EAGLE-3 draft named by hub id is resolved here (cache, else download) and
-    is an error when that fails. Raises what reading config.json raises (ValueError/OSError: a
-    runtime error)."""
+    is an error when that fails; its config.json is checked against the target's here too. Raises
+    what reading config.json raises (ValueError/OSError: a runtime error)."""
+    from m2serve.config.engine_args import parse_speculative_config, rank_devices
     from m2serve.config.model_config import MiniMaxM2Config
+    from m2serve.engine.core import check_speculative_target
     from m2serve.engine.planner import check_engine_args
     from m2serve.serve.resolve import (
         ModelNotFoundError,
@@ -658,6 +661,11 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
         check_engine_args(config, args, world if world > 1 else None)
     except EngineArgError as e:
         return f"--{e.field.replace('_', '-')}: {e}"
+    try:   # an EAGLE-3 draft that does not fit the target, or on several ranks (its config.json only)
+        check_speculative_target(parse_speculative_config(args.speculative_config), config,
+                                 world if world > 1 else len(rank_devices(args.devices)))
+    except ValueError as e:
+        return f"--speculative-config: {e}"
     return None
 
 

@@ -65,14 +65,15 @@ def resolve_model(model: str | None, what: str = "--model") -> Path:
         if hub_offline():
             raise ModelNotFoundError(
                 f"{what} {model!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set "
-                f"(download it first with `huggingface-cli download {model}` or unset HF_HUB_OFFLINE)"
+                f"(download it first with `hf download {model}` or unset HF_HUB_OFFLINE)"
             ) from cached_err
     try:
         log.info("downloading %s from the Hugging Face hub", model)
         return Path(snapshot_download(model))
     except Exception as e:  # noqa: BLE001
         raise ModelNotFoundError(
-            f"{what} {model!r}: could not download from the hub ({type(e).__name__}: {e})"
+            f"{what} {model!r}: could not download from the hub ({type(e).__name__}: "
+            f"{' '.join(str(e).split())})"
         ) from e
 
 
