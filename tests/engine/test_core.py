@@ -170,7 +170,10 @@ def test_add_and_abort_from_other_threads(toy_model, toy_config):
     t = threading.Thread(target=drive)
     t.start()
     for i in range(20):
-        eng.add_request(f"t{i}", [i + 1] * 5, SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+        # the requests aborted below are long, so that the driving thread cannot finish one between
+        # its add and its abort (a 4-token one did once, under load: finish reason "length")
+        n = 200 if i % 3 == 0 else 4
+        eng.add_request(f"t{i}", [i + 1] * 5, SamplingParams(max_tokens=n, ignore_eos=True, **GREEDY))
         if i % 3 == 0:
             eng.abort_request(f"t{i}")
     stop.set()
