@@ -319,6 +319,7 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     tilde = "~/" + str(snap.relative_to(tmp_path))
     home = resolve_engine_args({"speculative_config": {**hub, "model": tilde}})["speculative_config"]
     assert home["model"] == str(snap)   # ~ expanded before the engine sees it
+    assert parse_speculative_config({**hub, "model": tilde}).model == str(snap)   # and by the parser
 
     absent = {**hub, "model": "test-org/absent"}
     with pytest.raises(ModelNotFoundError,

@@ -292,6 +292,11 @@ def test_paged_draft_forward_computing_kv_only_off_the_logit_rows(tmp_path):
         torch.testing.assert_close(split.k[1], full.k[1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(split.v[1], full.v[1], rtol=1e-5, atol=1e-6)
     assert full.k[1].abs().sum() > 0
+    one = ragged_batch([seqs[0][:3].tolist()], [3], tables[:1], [1], 4)
+    with pytest.raises(ValueError, match="needs their query batch"):
+        draft.forward_paged(one, auxs[0][:3], split, 1, rope, kv_only_off_rows=True)
+    with pytest.raises(ValueError, match="needs kv_only_off_rows"):
+        draft.forward_paged(one, auxs[0][:3], split, 1, rope, query=one)
 
 
 def test_target_aux_hidden_states_are_transformers_hidden_states(tmp_path):

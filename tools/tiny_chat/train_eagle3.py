@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -124,7 +125,8 @@ def main() -> None:
         weights = tuple(float(w) for w in args.kind_weights.split(","))
     except ValueError:
         ap.error(f"--kind-weights {args.kind_weights!r}: comma-separated numbers, one per kind {data.KINDS}")
-    if len(weights) != len(data.KINDS) or min(weights) < 0 or sum(weights) <= 0:
+    if len(weights) != len(data.KINDS) or not all(map(math.isfinite, weights)) or min(weights) < 0 \
+            or sum(weights) <= 0:
         ap.error(f"--kind-weights: {len(weights)} weights for {len(data.KINDS)} kinds {data.KINDS}, "
                  "each >= 0, not all 0")
     torch.set_num_threads(args.threads)
@@ -148,7 +150,8 @@ def main() -> None:
     if cache.exists():
         was = json.loads(stamp.read_text()) if stamp.exists() else None
         if was != made_with:
-            ap.error(f"{cache} was made with {was}, not {made_with}: use another --out or delete it")
+            made = f"made with {was}" if was is not None else f"has no {stamp.name} (options unknown)"
+            ap.error(f"{cache} {made}, not {made_with}: use another --out or delete it")
         train, held = torch.load(cache, weights_only=False)
         log(f"data from {cache}")
     else:

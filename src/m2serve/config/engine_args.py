@@ -155,6 +155,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         if not (local / "config.json").is_file() and (local.exists() or not looks_like_hub_id(model)):
             raise ValueError(f"speculative_config.model={model!r}: not a directory with a config.json "
                              "(nor a hub id of the form org/name)")
+        if (local / "config.json").is_file():
+            model = str(local)   # ~ expanded
         return SpeculativeConfig(method, k, None, None, model)
     if value.get("model") is not None:
         raise ValueError("speculative_config.model: only method eagle3 takes a draft model")

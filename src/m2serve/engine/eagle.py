@@ -96,12 +96,13 @@ class Eagle3Drafter:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass (model/eagle3.py ``forward_paged``); (logits [N, Vd] f32, r2 [N, H]) at the
         last ``n_logits[b]`` (0 or 1) rows of each request. A pass with a span longer than a
-        verification's K + 1 rows (a prompt chunk) computes only K/V for the rows without logits."""
+        verification's K + 1 rows (a prompt chunk), or with no logits at all, computes only K/V for the
+        rows without logits."""
         batch = ragged_batch(new_tokens, ctx, tables, n_logits, kv.page_size, hidden.device,
                              buffers=self.buffers)
         query = None
-        split = max(len(t) for t in new_tokens) > self.num_speculative_tokens + 1
         keep = [b for b, n in enumerate(n_logits) if n]
+        split = not keep or max(len(t) for t in new_tokens) > self.num_speculative_tokens + 1
         if split and keep:
             query = ragged_batch([new_tokens[b][-1:] for b in keep], [ctx[b] for b in keep],
                                  [tables[b] for b in keep], [1] * len(keep), kv.page_size, hidden.device,

@@ -128,7 +128,16 @@ class Eagle3Draft(nn.Module):
         N = 0: nothing after the K/V write runs). Returns (logits [N, Vd] f32 over the DRAFT
         vocabulary at the logit rows; pre-norm hidden [N, H] at the same rows).
         """
-        step = StepContext.build(batch, kv.page_size, rope, hidden.dtype, None, kernel, lower_right)
+        n_rows = len(batch.host.logit_rows)
+        if query is not None and (not kv_only_off_rows or query.tokens.numel() != n_rows):
+            raise ValueError(f"forward_paged: a query batch of {query.tokens.numel()} rows needs "
+                             f"kv_only_off_rows and one row per logit row ({n_rows})")
+        if kv_only_off_rows and query is None and n_rows:
+            raise ValueError(f"forward_paged: kv_only_off_rows with {n_rows} logit rows needs their "
+                             "query batch")
+        # a K/V-only step never attends: no materialised masks for it (a lower-right bias is lazy)
+        step = StepContext.build(batch, kv.page_size, rope, hidden.dtype, None, kernel,
+                                 lower_right or kv_only_off_rows)
         at = step if query is None else StepContext.build(query, kv.page_size, rope, hidden.dtype, None,
                                                            kernel, lower_right)
         scale = 1.0 / math.sqrt(self.config.head_dim)

@@ -11,7 +11,8 @@ For planning without weights (:func:`resolve_config`), a hub id also resolves to
 config shipped in ``m2serve/checkpoints/hub_configs/<org>/<name>/config.json``.
 
 An EAGLE-3 draft named by hub id in ``speculative_config.model`` resolves the same way
-(:func:`resolve_engine_args`, called by ``LLM`` and torchrun's rank setup before ``EngineArgs``).
+(:func:`resolve_engine_args`, called by ``LLM``, torchrun's rank setup, and the CLI's option check
+and ``plan`` before ``EngineArgs``).
 """
 
 from __future__ import annotations
