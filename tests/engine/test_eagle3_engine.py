@@ -289,10 +289,11 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     a fake Hugging Face cache (the hub's models--org--name/snapshots/<rev> + refs/main layout, offline,
     no network), then the same greedy tokens as plain decoding with drafts accepted; a hub id in no
     cache is refused naming speculative_config.model, by LLM and by the CLI's check before loading."""
+    import huggingface_hub
     import huggingface_hub.constants
 
     from m2serve.config.engine_args import parse_speculative_config
-    from m2serve.serve.cli import build_parser, check_engine_options, resolve_options
+    from m2serve.serve.cli import build_parser, check_engine_options, resolve_options, run_plan
     from m2serve.serve.resolve import ModelNotFoundError, resolve_engine_args
 
     repo = tmp_path / "hf" / "models--test-org--draft"
@@ -337,6 +338,16 @@ def test_a_draft_named_by_hub_id_resolves_through_the_hf_cache(tmp_path, monkeyp
     assert "num_hidden_layers" in problem
     with pytest.raises(ValueError, match=r"speculative_config\.model='a/b/c': not a directory"):
         parse_speculative_config({**hub, "model": "a/b/c"})   # a path that does not exist, not a hub id
+    fetched = []   # `m2serve plan` fetches the draft's config.json alone (a stand-in hub records the call)
+
+    def snapshot_download(repo_id, **kw):
+        fetched.append((repo_id, kw.get("allow_patterns")))
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    opts["speculative_config"] = json.dumps(hub)
+    assert check_engine_options("plan", opts) is None and run_plan(opts) == 0
+    assert fetched == [("test-org/draft", ["config.json"])] * 2
 
 
 def test_greedy_eagle3_equals_plain_through_preemption(tmp_path):

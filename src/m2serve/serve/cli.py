@@ -595,7 +595,8 @@ def run_plan(opts: dict[str, Any]) -> int:
 
     cfg_path = resolve_config(opts.get("model"))
     config = MiniMaxM2Config.from_pretrained(cfg_path)
-    args = EngineArgs(model=str(cfg_path.parent), **resolve_engine_args(engine_args_from(opts)))
+    args = EngineArgs(model=str(cfg_path.parent),
+                      **resolve_engine_args(engine_args_from(opts), config_only=True))   # no weights
     print(f"model: {opts.get('model') or 'embedded default'} ({cfg_path})")
     plan = plan_memory(config, args, device_memory_gib=opts.get("device_memory_gib"))
     print(format_plan(plan))
@@ -647,7 +648,8 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     if command != "plan" and template is not None and not os.path.isfile(template):
         return f"--chat-template {template}: no such file"
     try:
-        engine_args = resolve_engine_args(engine_args_from(opts))   # an EAGLE-3 draft's hub id
+        engine_args = resolve_engine_args(engine_args_from(opts),   # an EAGLE-3 draft's hub id
+                                          config_only=command == "plan")
     except ModelNotFoundError as e:
         return f"--speculative-config: {e}"
     try:

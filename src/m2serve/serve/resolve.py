@@ -42,8 +42,10 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_model(model: str | None, what: str = "--model") -> Path:
-    """Resolve ``--model`` to a local checkpoint directory holding config.json and the weights.
+def resolve_model(model: str | None, what: str = "--model", config_only: bool = False) -> Path:
+    """Resolve ``--model`` to a local checkpoint directory holding config.json and the weights
+    (``config_only``: a hub id's snapshot need only hold config.json; a download fetches nothing
+    else — for planning).
 
     Raises ModelNotFoundError naming ``what`` (the option: ``--model`` or
     ``speculative_config.model``), the value and what was tried (local path, hub cache, and whether
@@ -60,8 +62,9 @@ def resolve_model(model: str | None, what: str = "--model") -> Path:
         )
     from huggingface_hub import snapshot_download
 
+    only = {"allow_patterns": ["config.json"]} if config_only else {}
     try:
-        return Path(snapshot_download(model, local_files_only=True))
+        return Path(snapshot_download(model, local_files_only=True, **only))
     except Exception as cached_err:  # noqa: BLE001 - huggingface_hub raises several types here
         if hub_offline():
             raise ModelNotFoundError(
@@ -70,7 +73,7 @@ def resolve_model(model: str | None, what: str = "--model") -> Path:
             ) from cached_err
     try:
         log.info("downloading %s from the Hugging Face hub", model)
-        return Path(snapshot_download(model))
+        return Path(snapshot_download(model, **only))
     except Exception as e:  # noqa: BLE001
         raise ModelNotFoundError(
             f"{what} {model!r}: could not download from the hub ({type(e).__name__}: "
@@ -78,20 +81,23 @@ def resolve_model(model: str | None, what: str = "--model") -> Path:
         ) from e
 
 
-def resolve_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+def resolve_engine_args(engine_args: dict[str, Any], config_only: bool = False) -> dict[str, Any]:
     """``engine_args`` with an EAGLE-3 draft's ``speculative_config.model`` (docs/serving.md §14)
     resolved as :func:`resolve_model` resolves ``--model``: a local directory (``~`` expanded) or a
     hub id ``org/name`` -> its snapshot in the hub cache (downloaded when online and missing).
     Anything else comes back unchanged: a bad ``speculative_config`` is left to whoever parses it
     next (the CLI's option check, the planner, the engine: ``parse_speculative_config``, whose error
-    names the field). Raises ModelNotFoundError naming ``speculative_config.model``."""
+    names the field). ``config_only``: the draft's config.json is all that is fetched (``plan``).
+    Raises ModelNotFoundError naming ``speculative_config.model``."""
     try:
         spec = parse_speculative_config(engine_args.get("speculative_config"))
     except ValueError:
         return engine_args
     if spec is None or spec.model is None:
         return engine_args
-    local = resolve_model(spec.model, "speculative_config.model")
+    local = resolve_model(spec.model, "speculative_config.model", config_only)
+    if str(local) != spec.model:
+        log.info("speculative_config.model %s: %s", spec.model, local)
     fields = {f: getattr(spec, f) for f in spec.__slots__ if getattr(spec, f) is not None}
     return {**engine_args, "speculative_config": {**fields, "model": str(local)}}
 
