@@ -80,6 +80,25 @@ def test_prefix_hit_shares_full_pages_and_refcounts():
     assert kv.find_cached_prefix([7, 1, 2, 3, 4, 5, 6, 7, 0])[0] == []
 
 
+def test_lookahead_hash_covers_the_token_after_the_page():
+    """With an EAGLE-3 draft (lookahead 1, docs/serving.md §14) a page's hash also covers the token
+    after it: registered only once that token is computed, reused only when it matches."""
+    S = 4
+    kv = KVCacheManager(num_pages=8, page_size=S, lookahead=1)
+    a = list(range(10))
+    assert kv.allocate("a", len(a))
+    kv.cache_full_pages("a", a, num_computed=8)    # token 8 (after page 2) not computed: page 2 waits
+    assert len(kv.cached) == 1 and kv.pages[1].hash is None
+    kv.cache_full_pages("a", a, num_computed=9)
+    assert len(kv.cached) == 2
+    h1 = hash_page(ROOT_HASH, a[:5])
+    assert kv.pages[0].hash == h1 and kv.pages[1].hash == hash_page(h1, a[4:9])
+    assert kv.find_cached_prefix(a)[0] == [0, 1]
+    assert kv.find_cached_prefix(list(range(8)) + [77, 78])[0] == [0]   # another token after page 2
+    assert kv.find_cached_prefix(list(range(9)))[0] == [0, 1]
+    assert kv.find_cached_prefix(list(range(8)))[0] == [0]
+
+
 def test_freed_cached_pages_stay_hittable_and_are_evicted_lru():
     S = 2
     kv = KVCacheManager(num_pages=6, page_size=S)

@@ -266,7 +266,7 @@ class LLMEngine:
         if eagle:
             drafter = _load_drafter(model, config, speculative, storage, args, device)  # type: ignore[arg-type]
         penalties = PenaltyState(config.vocab_size, device)   # rank 0 samples every replica's rows
-        schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching),
+        schedulers = [Scheduler(KVCacheManager(num_pages, S, args.enable_prefix_caching, int(eagle)),
                                 args.max_batch_input_tokens, args.max_batch_size, penalties, speculative)
                       for _ in range(replicas)]
         runner = ModelRunner(model, storage, device, buffers=StepBuffers(torch.device(device)),

@@ -65,7 +65,11 @@ class KVCacheManager:
     """Allocator of KV pages for requests (block tables, refcounts, prefix cache, LRU eviction).
 
     num_pages: P, pages in the pool; page_size: S tokens per page;
-    enable_prefix_caching: register full pages by hash and reuse them across requests.
+    enable_prefix_caching: register full pages by hash and reuse them across requests;
+    lookahead: tokens AFTER a page that its hash also covers (0; 1 with an EAGLE-3 draft, whose K/V
+    at position p are computed from token p + 1: a page is then registered once that token is
+    computed and reused only by a request whose token after the page is the same,
+    docs/serving.md §14).
 
     Requests are identified by ``request_id``; the manager keeps each one's block table and
     the hashes of its full pages. Methods never raise for lack of memory: ``allocate`` returns
@@ -75,6 +79,7 @@ class KVCacheManager:
     num_pages: int
     page_size: int
     enable_prefix_caching: bool = True
+    lookahead: int = 0
     pages: list[Page] = field(default_factory=list)
     free_queue: OrderedDict[int, None] = field(default_factory=OrderedDict)
     cached: dict[bytes, int] = field(default_factory=dict)
@@ -119,12 +124,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], []
-        S = self.page_size
+        S, a = self.page_size, self.lookahead
         hits: list[int] = []
         hashes: list[bytes] = []
         parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // S):
-            h = hash_page(parent, token_ids[i * S:(i + 1) * S])
+            if (i + 1) * S + a > len(token_ids):   # the tokens after the page are not known yet
+                break
+            h = hash_page(parent, token_ids[i * S:(i + 1) * S + a])
             page_id = self.cached.get(h)
             if page_id is None:
                 break
@@ -149,12 +156,12 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        S = self.page_size
+        S, a = self.page_size, self.lookahead
         table = self.block_tables[request_id]
         hashes = self.page_hashes.setdefault(request_id, [])
         parent = hashes[-1] if hashes else ROOT_HASH
-        for i in range(len(hashes), num_computed // S):
-            h = hash_page(parent, token_ids[i * S:(i + 1) * S])
+        for i in range(len(hashes), max(num_computed - a, 0) // S):   # the lookahead tokens computed too
+            h = hash_page(parent, token_ids[i * S:(i + 1) * S + a])
             hashes.append(h)
             page = self.pages[table[i]]
             if page.hash is None and h not in self.cached:
