@@ -152,11 +152,11 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
             raise ValueError("speculative_config.model: required for method eagle3 "
                              "(the draft's local directory or hub id)")
         local = Path(model).expanduser()
-        if not (local / "config.json").is_file() and (local.exists() or not looks_like_hub_id(model)):
-            raise ValueError(f"speculative_config.model={model!r}: not a directory with a config.json "
-                             "(nor a hub id of the form org/name)")
         if (local / "config.json").is_file():
             model = str(local)   # ~ expanded
+        elif local.exists() or not looks_like_hub_id(model):
+            raise ValueError(f"speculative_config.model={model!r}: not a directory with a config.json "
+                             "(nor a hub id of the form org/name)")
         return SpeculativeConfig(method, k, None, None, model)
     if value.get("model") is not None:
         raise ValueError("speculative_config.model: only method eagle3 takes a draft model")

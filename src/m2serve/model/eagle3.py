@@ -194,6 +194,7 @@ class Eagle3Draft(nn.Module):
             r2 = r2.index_select(0, rows)
         return F.linear(rms_norm(r2, w["norm.weight"], eps), w["lm_head.weight"]), r2
 
+
 def load_eagle3_draft(path: str | Path, hidden_size: int, vocab_size: int, num_hidden_layers: int,
                       target_embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> tuple[Eagle3Draft, tuple[int, ...]]:
