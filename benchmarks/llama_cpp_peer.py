@@ -57,9 +57,11 @@ source in ~15 minutes on 2 cores:
         [--prefill 512] [--formats BF16 Q8_0 MXFP4_MOE] [--quantize-unquantized fp8] [--cache DIR]
         [--llama-src DIR]
 
-On a CPU with AMX in a VM that does not enable AMX tiles, such a ``-DGGML_NATIVE=ON`` build dies
-with SIGILL in llama.cpp's AMX Q8_0 kernel (``tinygemm_kernel_amx``; seen on this machine); the
-script then says so and names the flags that leave AMX out (``NO_AMX``). A llama.cpp built apart
+On a CPU with AMX in a VM, such a ``-DGGML_NATIVE=ON`` build died with SIGILL in llama.cpp's AMX
+kernels: in ``tinygemm_kernel_amx`` on a guest that did not enable AMX tiles, and in
+``ggml_backend_amx_mul_mat`` (a ``tilezero``) on an Intel Xeon (Emerald Rapids) guest where they are
+enabled (oneDNN's AMX kernels run there, and the tile permission request succeeds); the script then
+says so and names the flags that leave AMX out (``NO_AMX``). A llama.cpp built apart
 (``cmake`` of the sdist's vendor/llama.cpp) is used through ``LLAMA_CPP_LIB_PATH=<dir of libllama.so>``.
 Without llama-cpp-python it prints why and exits 0. The checkpoints (3 encodings) and GGUFs take
 ~9 GB; they are built in a temp dir and removed at the end unless ``--cache DIR`` keeps them (the
@@ -378,9 +380,10 @@ class Worker:
         self.err.seek(0)
         tail = self.err.read()[-3000:]
         if rc == -signal.SIGILL:
-            raise RuntimeError(f"{self.name} died of an illegal instruction: a llama.cpp build with AMX "
-                               f"kernels on a machine that does not enable AMX tiles (seen in VMs); rebuild "
-                               f"llama-cpp-python with {NO_AMX}")
+            raise RuntimeError(f"{self.name} died of an illegal instruction: seen with a llama.cpp build "
+                               f"with AMX kernels in VMs (with and without AMX tiles enabled); rebuild "
+                               f"llama-cpp-python without AMX: {NO_AMX} pip install --no-cache-dir "
+                               f"--force-reinstall llama-cpp-python==0.3.36")
         raise RuntimeError(f"{self.name} exited with {rc}:\n{tail}")
 
     def ask(self, **req) -> dict:

@@ -48,8 +48,7 @@ def test_default_path_is_packed_and_banner_names_the_backend(monkeypatch, caplog
     assert len(grouped) == 4 * len(layers)  # prefill + 3 decode steps, one grouped call per layer
 
     line = banner(llm, {})
-    assert f"weights runtime (weight_dequant auto) | CPU linear backend: {backend.name} ({backend.reason})" \
-        in line
+    assert f"weights runtime (weight_dequant auto) | {backend.banner()}" in line
     assert backend.name.startswith("cpu-")
     assert any(backend.name in r.getMessage() and "weights runtime" in r.getMessage() for r in caplog.records)
 

@@ -15,6 +15,8 @@ Two checks per format, run once per ISA this CPU supports plus the scalar fallba
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,13 @@ from m2serve.kernels.ops import (
 )
 
 ISAS = build.supported_isas()
+
+
+def gemv_backend(isa: str) -> build.KernelBackend:
+    """The backend of ``isa`` with the GEMV row limit at ``GEMV_ROWS`` (16) for bf16 weights too: these
+    tests hold the GEMV paths of 1-16 rows to their bounds on any CPU (on one with AMX-BF16 the
+    process's backend sends 5+ bf16 rows of a bf16 weight to F.linear; tests/kernels/test_gemv_rows.py)."""
+    return dataclasses.replace(build.select_backend(isa), bf16_gemv_rows=GEMV_ROWS)
 DTYPES = [torch.float32, torch.bfloat16]
 FORMATS = list(WeightFormat)
 
@@ -101,7 +110,7 @@ SHAPES = {  # (N, K): block multiples, and TP-sliced expert widths (I = 1536 / t
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decoded_values_equal_the_formula_bit_for_bit(isa, fmt, dtype):
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     for n, k in SHAPES[fmt]:
         w = make_weight(fmt, n, k)
         want = w.dequantize(0, dtype)  # [N, K] formats/ oracle, one rounding to dtype
@@ -132,7 +141,7 @@ def _check_products(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_products_within_fp32_summation_bound(isa, fmt, dtype):
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     g = torch.Generator().manual_seed(1)
     for n, k in SHAPES[fmt]:
         w = make_weight(fmt, n, k, seed=n + k, top_e8m0=200)
@@ -148,7 +157,7 @@ def test_nan_codes_propagate_like_the_reference(isa):
     w.q.view(torch.uint8)[0, 5, 7] = 0x7F
     w.q.view(torch.uint8)[0, 9, 3] = 0xFF
     x = torch.randn(2, 128)
-    y = linear(x, w, build.select_backend(isa))
+    y = linear(x, w, gemv_backend(isa))
     assert y[:, [5, 9]].isnan().all() and not y[:, [0, 1, 2, 3, 4, 6, 7, 8]].isnan().any()
 
 
@@ -159,7 +168,7 @@ def test_grouped_linear_matches_a_per_expert_loop(isa, fmt):
     counts = [3, 0, 8, 40, 1]  # an empty expert, GEMV and at::mm sized groups
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
     x = torch.randn(sum(counts) + 2, 256).to(torch.bfloat16)  # 2 trailing rows past offsets[-1]
-    y = grouped_linear(x, offsets, w, build.select_backend(isa))
+    y = grouped_linear(x, offsets, w, gemv_backend(isa))
     assert y[-2:].eq(0).all()
     for e, (start, end) in enumerate(zip([0, *offsets.tolist()], offsets.tolist())):
         if end > start:
@@ -178,7 +187,7 @@ def test_grouped_expert_ffn_matches_dequantised_swiglu(isa, fmt):
     counts = [8, 2, 0, 20]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
     x = torch.randn(sum(counts), H).to(torch.bfloat16)
-    y = grouped_expert_ffn(x, offsets, w13, w2, build.select_backend(isa))
+    y = grouped_expert_ffn(x, offsets, w13, w2, gemv_backend(isa))
     ref, start = torch.zeros_like(x), 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
@@ -232,7 +241,7 @@ def test_fp8_scales_near_the_fp32_limit(isa, dtype):
     scale = torch.tensor([[1.5 * 2.0**121, 3.0]])
     w = PackedWeights.stack([PackedFP8(codes.view(torch.float8_e4m3fn), scale)])
     want = w.dequantize(0, dtype)
-    got = linear(torch.eye(256, dtype=dtype)[:GEMV_ROWS], w, build.select_backend(isa))
+    got = linear(torch.eye(256, dtype=dtype)[:GEMV_ROWS], w, gemv_backend(isa))
     torch.testing.assert_close(got, want[:, :GEMV_ROWS].T, rtol=0, atol=0)
 
 
@@ -255,7 +264,7 @@ def test_w13_from_separate_w1_w3_matches_two_linears(isa, fmt):
     counts = [2, 9, 30]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).int()
     x = torch.randn(sum(counts), H).to(torch.bfloat16)
-    y = grouped_expert_ffn(x, offsets, w13, w2, build.select_backend(isa))
+    y = grouped_expert_ffn(x, offsets, w13, w2, gemv_backend(isa))
     ref, start = torch.zeros_like(x), 0
     for e, end in enumerate(offsets.tolist()):
         xe = x[start:end]
@@ -291,7 +300,7 @@ def test_fp8_every_row_count_band_remainder_and_negative_scales(isa):
     q = _e4m3_codes(n, k, g).view(torch.float8_e4m3fn)
     scale = torch.tensor([[-0.75, 2.0**-3], [1.5 * 2.0**-130, -3.0 * 2.0**100]])
     w = PackedWeights.stack([PackedFP8(q, scale)])
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     want = w.dequantize(0, torch.bfloat16)
     got = linear(torch.eye(k, dtype=torch.bfloat16)[:GEMV_ROWS], w, backend)
     want_t = torch.where((want[:, :GEMV_ROWS].T.abs() < 2**-126) & (got == 0), 0, want[:, :GEMV_ROWS].T)
@@ -309,7 +318,7 @@ def test_bf16_weights_one_to_nine_rows_and_an_odd_last_row(isa):
     # batch-invariant mode relies on it, docs/model.md §7)
     g = torch.Generator().manual_seed(9)
     w = make_weight(WeightFormat.BF16, 131, 256, seed=9)
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     eye = torch.eye(256, dtype=torch.bfloat16)
     x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
     alone = [linear(x[i:i + 1], w, backend) for i in range(9)]
@@ -339,7 +348,7 @@ def test_fp8_rows_do_not_depend_on_the_row_count(isa, dtype):
     scale *= 1 + torch.rand(3, 3, generator=g)
     scale[1, :] = 2.0**125
     w = PackedWeights(WeightFormat.FP8_BLOCK, q[None], scale[None], None, 16, 16)
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     want = w.dequantize(0, dtype)
     eye = torch.eye(k, dtype=dtype)
     for c in range(0, k, 11):  # every column, through GEMV calls of up to 11 identity rows
@@ -375,7 +384,7 @@ def test_mxfp4_exponent_add_range_edges(isa):
     scale[3, 5], scale[6, 2] = 0, 254  # the subnormal scale and the largest, among fast groups
     codes[:, : k // 2] &= torch.where(scale.repeat_interleave(16, 1) >= 253, 0x33, 0xFF).to(torch.uint8)
     w = PackedWeights.stack([PackedFP4(FP4Scheme.MXFP4, codes, scale)])
-    backend = build.select_backend(isa)
+    backend = gemv_backend(isa)
     for dtype in DTYPES:
         want = w.dequantize(0, dtype)
         eye = torch.eye(k, dtype=dtype)

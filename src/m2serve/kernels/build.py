@@ -12,8 +12,11 @@ Environment: ``M2SERVE_CPU_ISA`` = ``avx512`` | ``avx2`` | ``scalar`` forces an 
 is the widest the CPU has); ``avx512f`` (AVX-512 F/BW/VL/DQ kernels without the AVX512_BF16 dot
 products and VBMI tables) and ``avx512bf16`` (without the VBMI tables) run the AVX-512 paths of a CPU
 that lacks those extensions on one that has them (docs/kernels.md §6); ``none`` disables the
-kernels (the previous dequantise + aten path, kept as a benchmark switch). ``M2SERVE_KERNEL_CACHE``
-moves the cache (default ``~/.cache/m2serve/kernels``).
+kernels (the previous dequantise + aten path, kept as a benchmark switch). ``M2SERVE_GEMV_ROWS``
+(a positive integer) overrides the row count up to which bf16 weights with bf16 activations stay on
+the GEMV path
+(:func:`bf16_gemv_rows`; a benchmark switch). ``M2SERVE_KERNEL_CACHE`` moves the cache (default
+``~/.cache/m2serve/kernels``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ LIBRARY = "m2serve_kernels"
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512f": 3, "avx512bf16": 4, "avx512": 2}
 ISA_ENV = "M2SERVE_CPU_ISA"
 CACHE_ENV = "M2SERVE_KERNEL_CACHE"
+GEMV_ROWS_ENV = "M2SERVE_GEMV_ROWS"
+#: Rows up to which an expert (or a bf16 linear) stays on the kernels' GEMV path, which reads each
+#: weight once for all its rows; an expert with more decodes tiles and runs at::mm, a bf16 linear
+#: with more runs F.linear (docs/kernels.md §6 "Where the GEMV stops").
+GEMV_ROWS = 16
+#: The same for bf16 weights with bf16 activations on a CPU whose oneDNN GEMM runs AMX-BF16 tiles:
+#: there at::mm beats the GEMV's AVX-512 BF16 dot products from 5 rows on (docs/kernels.md §6).
+GEMV_ROWS_AMX = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +56,28 @@ class KernelBackend:
 
     name: ``cpu-avx512`` | ``cpu-avx2`` | ``cpu-scalar`` (the C++ kernels) or ``pytorch``
     (dequantise + aten); isa: the kernels' ISA code (``ISA_CODES``), None for ``pytorch``;
-    reason: why this backend (for the start banner).
+    reason: why this backend (for the start banner); bf16_gemv_rows: the GEMV row limit for bf16
+    weights with bf16 activations (:func:`bf16_gemv_rows`; every other case uses ``GEMV_ROWS``).
     """
 
     name: str
     isa: int | None
     reason: str
+    bf16_gemv_rows: int = GEMV_ROWS
 
     @property
     def available(self) -> bool:
         return self.isa is not None
 
+    def gemv_rows(self, bf16_weight: bool, act_dtype: torch.dtype) -> int:
+        """Rows up to which a weight stays on the kernels' GEMV path: ``bf16_gemv_rows`` for a bf16
+        weight (ops.py ``WeightFormat.BF16``, which at::mm reads as it is) with bf16 activations,
+        else ``GEMV_ROWS`` (a packed format's tile decode costs more than AMX saves)."""
+        return self.bf16_gemv_rows if bf16_weight and act_dtype == torch.bfloat16 else GEMV_ROWS
+
     def banner(self) -> str:
-        return f"CPU linear backend: {self.name} ({self.reason})"
+        rows = f"; bf16 GEMV up to {self.bf16_gemv_rows} rows" if self.available else ""
+        return f"CPU linear backend: {self.name} ({self.reason}{rows})"
 
 
 def cache_dir() -> Path:
@@ -145,8 +165,34 @@ def kernel_backend() -> KernelBackend:
     return select_backend(os.environ.get(ISA_ENV, "").strip().lower())
 
 
+def amx_bf16_usable() -> bool:
+    """Whether bf16 GEMMs here run on AMX-BF16 tiles: the CPU has them (CPUID through ``torch.cpu``),
+    torch has oneDNN, and the OS lets this process use them (the ``arch_prctl`` permission request
+    torch makes for oneDNN)."""
+    try:
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        return (bool(caps.get("amx_bf16", False)) and torch.backends.mkldnn.is_available()
+                and bool(torch._C._cpu._init_amx()))
+    except (AttributeError, RuntimeError):  # a torch without these probes: assume no AMX
+        return False
+
+
+def bf16_gemv_rows(amx: bool | None = None) -> int:
+    """The GEMV row limit for bf16 weights with bf16 activations: ``$M2SERVE_GEMV_ROWS`` when set, else
+    ``GEMV_ROWS_AMX`` where ``amx`` (default :func:`amx_bf16_usable`), else ``GEMV_ROWS``.
+
+    Raises ValueError naming ``M2SERVE_GEMV_ROWS`` for a value that is not a positive integer."""
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{GEMV_ROWS_ENV}={raw!r}: use a positive integer (rows)")
+        return int(raw)
+    return GEMV_ROWS_AMX if (amx_bf16_usable() if amx is None else amx) else GEMV_ROWS
+
+
 def select_backend(requested: str) -> KernelBackend:
-    """Backend for an ``M2SERVE_CPU_ISA`` value ('' = the widest ISA the CPU has)."""
+    """Backend for an ``M2SERVE_CPU_ISA`` value ('' = the widest ISA the CPU has); its bf16 GEMV row
+    limit from :func:`bf16_gemv_rows`."""
     if requested not in ("", "none", *ISA_CODES):
         raise ValueError(f"{ISA_ENV}={requested!r}: use avx512, avx512bf16, avx512f, avx2, scalar or none "
                          f"(unset = widest)")
@@ -158,9 +204,10 @@ def select_backend(requested: str) -> KernelBackend:
     if requested:
         if not isa_supported(requested):
             return KernelBackend("pytorch", None, f"{ISA_ENV}={requested} but this CPU lacks it")
-        return KernelBackend(f"cpu-{requested}", ISA_CODES[requested], f"{ISA_ENV}={requested}")
+        return KernelBackend(f"cpu-{requested}", ISA_CODES[requested], f"{ISA_ENV}={requested}",
+                             bf16_gemv_rows())
     best = next(isa for isa in ("avx512", "avx2", "scalar") if isa_supported(isa))
-    return KernelBackend(f"cpu-{best}", ISA_CODES[best], "widest ISA this CPU supports")
+    return KernelBackend(f"cpu-{best}", ISA_CODES[best], "widest ISA this CPU supports", bf16_gemv_rows())
 
 
 def build_kernels_main() -> int:

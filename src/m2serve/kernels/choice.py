@@ -24,7 +24,7 @@ import torch
 
 from m2serve.config.engine_args import FP8_LINEAR_MODES
 from m2serve.formats.act_quant import ActivationScheme
-from m2serve.kernels.build import KernelBackend
+from m2serve.kernels.build import GEMV_ROWS, KernelBackend
 from m2serve.kernels.ops import W4A4_SCHEMES, WeightFormat, w4a4_path
 
 #: The module of the Triton FP8 linear, imported only when a module is given that choice
@@ -59,12 +59,15 @@ class KernelChoice:
     """One module's implementation. ``isa``: the CPU kernels' ISA code (build.py ``ISA_CODES``) for
     CPU_PACKED, the kernels/ops.py ``W4A4Path`` for CPU_W4A4, else None. ``mode``: the Triton FP8
     linear's ``w8a16`` / ``w8a8`` for TRITON, else
-    None. ``label``: what the start banner prints (e.g. ``cpu-avx512``, ``triton-w8a16``, ``torch``)."""
+    None. ``label``: what the start banner prints (e.g. ``cpu-avx512``, ``triton-w8a16``, ``torch``).
+    ``gemv_rows``: for CPU_PACKED, the rows up to which the kernels' GEMV path runs (build.py
+    ``KernelBackend.gemv_rows`` of the format and activation dtype); more go to a GEMM."""
 
     impl: LinearImpl
     isa: int | None = None
     label: str = "torch"
     mode: str | None = None
+    gemv_rows: int = GEMV_ROWS
 
 
 TORCH_CHOICE = KernelChoice(LinearImpl.TORCH)
@@ -103,7 +106,8 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
     """The implementation for weights of ``fmt`` held on ``device`` with ``act_dtype`` activations.
 
     CPU: the C++ kernels when ``backend`` is available, the activations are bf16 or fp32 and the
-    weight is one of ``WeightFormat`` (every packed format, and bf16), else the torch reference.
+    weight is one of ``WeightFormat`` (every packed format, and bf16), with the backend's GEMV row
+    limit for ``fmt`` and ``act_dtype``; else the torch reference.
     Experts (``grouped``) whose inputs are quantised (``act_scheme``, W4A4, docs/checkpoints.md §9)
     with the scheme of their FP4 format (ops.py ``W4A4_SCHEMES``): the FP4 x FP4 kernels
     (CPU_W4A4, the widest ``W4A4Path`` of ``backend``'s ISA, label e.g. ``cpu-w4a4-avx512_vnni``).
@@ -124,7 +128,8 @@ def choose_impl(device: torch.device | str, fmt: WeightFormat | None, act_dtype:
             path = w4a4_path(backend.isa)
             return KernelChoice(LinearImpl.CPU_W4A4, int(path), f"cpu-w4a4-{path.name.lower()}")
         if backend.available and act_dtype in CPU_KERNEL_DTYPES:
-            return KernelChoice(LinearImpl.CPU_PACKED, backend.isa, backend.name)
+            return KernelChoice(LinearImpl.CPU_PACKED, backend.isa, backend.name,
+                                gemv_rows=backend.gemv_rows(fmt is WeightFormat.BF16, act_dtype))
         return TORCH_CHOICE
     triton_ok = act_dtype == torch.bfloat16 and fmt in triton_formats(device, grouped)
     if device.type == "cuda" and triton_ok and grouped:

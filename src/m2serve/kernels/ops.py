@@ -34,10 +34,9 @@ from m2serve.formats.fp4 import (
     dequantize_nvfp4_modelopt,
 )
 from m2serve.formats.fp8 import PackedFP8, dequantize_fp8_block
-from m2serve.kernels.build import ISA_CODES, KernelBackend, kernel_backend
+from m2serve.kernels.build import GEMV_ROWS, ISA_CODES, KernelBackend, kernel_backend
 
 TILE_N = 16  # output rows per GEMV task: E x N/TILE_N tasks keep every thread streaming at 8 rows/expert
-GEMV_ROWS = 16  # an expert with more rows decodes tiles to the activation dtype and uses at::mm
 MM_TILE_N = 4096  # weight rows decoded per at::mm of a many-row expert (bounds the temporary tile)
 #: The C++ kernels take an FP8 ``block_k`` that is a multiple of this (packed_linear.cpp grouped_linear).
 KERNEL_K_STEP = 16
@@ -195,13 +194,14 @@ def rowwise_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights, isa: int,
-                       batch_invariant: bool = False) -> torch.Tensor:
+                       batch_invariant: bool = False, gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
     """:func:`grouped_linear` through the C++ op with ISA code ``isa`` (build.py ``ISA_CODES``), no
     backend query: for modules whose choice (kernels/choice.py) was made once after loading. x [R, K]
-    bf16/fp32 on CPU, offsets int32 [E] -> [R, N]; rows at or past offsets[-1] give 0.
+    bf16/fp32 on CPU, offsets int32 [E] -> [R, N]; rows at or past offsets[-1] give 0. An expert
+    with more than ``gemv_rows`` rows (the choice's ``gemv_rows``) decodes tiles and runs at::mm.
     ``batch_invariant``: every row on the kernels' GEMV path (module docstring)."""
     scale = w.scale if w.scale is not None else w.q.new_empty(0)
-    gemv_rows = max(GEMV_ROWS, x.shape[0]) if batch_invariant else GEMV_ROWS
+    gemv_rows = max(gemv_rows, x.shape[0]) if batch_invariant else gemv_rows
     return torch.ops.m2serve_kernels.grouped_linear(
         x.contiguous(), offsets.to(torch.int32), w.q, scale, w.scale_2, int(w.fmt), w.block_n, w.block_k,
         isa, TILE_N, gemv_rows, MM_TILE_N)
@@ -237,13 +237,15 @@ def grouped_linear(x: torch.Tensor, offsets: torch.Tensor, w: PackedWeights,
                          f"in_features {w.in_features}")
     backend = backend if backend is not None else kernel_backend()
     if kernels_apply(x.device, x.dtype, backend):
-        return cpu_grouped_linear(x, offsets, w, backend.isa, batch_invariant)
+        rows = backend.gemv_rows(w.fmt is WeightFormat.BF16, x.dtype)
+        return cpu_grouped_linear(x, offsets, w, backend.isa, batch_invariant, rows)
     return torch_grouped_linear(x, offsets, w, batch_invariant)
 
 
-def cpu_linear(x: torch.Tensor, w: PackedWeights, isa: int, batch_invariant: bool = False) -> torch.Tensor:
+def cpu_linear(x: torch.Tensor, w: PackedWeights, isa: int, batch_invariant: bool = False,
+               gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
     """x [..., K] act (bf16/fp32, CPU) through the single weight of ``w`` (E = 1) -> [..., N] act,
-    by the C++ op with ISA code ``isa``. A bf16 weight with more than GEMV_ROWS rows of bf16
+    by the C++ op with ISA code ``isa``. A bf16 weight with more than ``gemv_rows`` rows of bf16
     activations goes straight to ``F.linear`` (one multithreaded GEMM; the kernels would only tile
     the same GEMM), unless ``batch_invariant`` (module docstring). Raises ValueError naming both
     widths when x's K does not match the weights."""
@@ -251,11 +253,12 @@ def cpu_linear(x: torch.Tensor, w: PackedWeights, isa: int, batch_invariant: boo
         raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
                          f"in_features {w.in_features}")
     rows = x.reshape(-1, x.shape[-1])
-    if (w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > GEMV_ROWS
+    if (w.fmt is WeightFormat.BF16 and x.dtype == torch.bfloat16 and rows.shape[0] > gemv_rows
             and not batch_invariant):
         return F.linear(x, w.q[0])
     offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
-    return cpu_grouped_linear(rows, offsets, w, isa, batch_invariant).view(*x.shape[:-1], w.out_features)
+    y = cpu_grouped_linear(rows, offsets, w, isa, batch_invariant, gemv_rows)
+    return y.view(*x.shape[:-1], w.out_features)
 
 
 def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = None,
@@ -266,7 +269,8 @@ def linear(x: torch.Tensor, w: PackedWeights, backend: KernelBackend | None = No
     ``batch_invariant``). Raises ValueError as :func:`cpu_linear`."""
     backend = backend if backend is not None else kernel_backend()
     if kernels_apply(x.device, x.dtype, backend):
-        return cpu_linear(x, w, backend.isa, batch_invariant)
+        rows = backend.gemv_rows(w.fmt is WeightFormat.BF16, x.dtype)
+        return cpu_linear(x, w, backend.isa, batch_invariant, rows)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"activation width {x.shape[-1]} does not match the weights' "
                          f"in_features {w.in_features}")
@@ -286,10 +290,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, batch_invariant: bool = False
 
 
 def cpu_grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,
-                           packed_w2: PackedWeights, isa: int, batch_invariant: bool = False) -> torch.Tensor:
-    """:func:`grouped_expert_ffn` by the C++ op with ISA code ``isa`` (no backend query)."""
-    gate, up = cpu_grouped_linear(x_sorted, offsets, packed_w13, isa, batch_invariant).chunk(2, dim=-1)
-    return cpu_grouped_linear(F.silu(gate) * up, offsets, packed_w2, isa, batch_invariant)
+                           packed_w2: PackedWeights, isa: int, batch_invariant: bool = False,
+                           gemv_rows: int = GEMV_ROWS) -> torch.Tensor:
+    """:func:`grouped_expert_ffn` by the C++ op with ISA code ``isa`` and GEMV row limit
+    ``gemv_rows`` (no backend query)."""
+    gate, up = cpu_grouped_linear(x_sorted, offsets, packed_w13, isa, batch_invariant,
+                                  gemv_rows).chunk(2, dim=-1)
+    return cpu_grouped_linear(F.silu(gate) * up, offsets, packed_w2, isa, batch_invariant, gemv_rows)
 
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, packed_w13: PackedWeights,

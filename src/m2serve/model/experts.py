@@ -298,12 +298,12 @@ class MiniMaxM2Experts(nn.Module):
                                        self.act_scheme)
         quant = self.input_quant(offsets)
         if self.choice.impl is LinearImpl.CPU_PACKED:
-            isa, invariant = self.choice.isa, self.batch_invariant
+            isa, invariant, rows = self.choice.isa, self.batch_invariant, self.choice.gemv_rows
             if quant is None:
-                return cpu_grouped_expert_ffn(x, offsets, *self.kernel_weights, isa, invariant)
+                return cpu_grouped_expert_ffn(x, offsets, *self.kernel_weights, isa, invariant, rows)
             w13, w2 = self.kernel_weights
-            gate, up = cpu_grouped_linear(quant(x, 0), offsets, w13, isa, invariant).chunk(2, dim=-1)
-            return cpu_grouped_linear(quant(F.silu(gate) * up, 1), offsets, w2, isa, invariant)
+            gate, up = cpu_grouped_linear(quant(x, 0), offsets, w13, isa, invariant, rows).chunk(2, dim=-1)
+            return cpu_grouped_linear(quant(F.silu(gate) * up, 1), offsets, w2, isa, invariant, rows)
         if self.scheme is None:
             w13, w2 = self.w13, self.w2
         else:

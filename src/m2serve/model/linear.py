@@ -148,7 +148,7 @@ class Linear(nn.Module):
         if self.input_quant is not None:  # W4A4: quantise-dequantise the input first (§9)
             x = quantize_activations(x, *self.input_quant)
         if self._stored is not None:
-            return cpu_linear(x, self._stored, self.choice.isa, self.batch_invariant)
+            return cpu_linear(x, self._stored, self.choice.isa, self.batch_invariant, self.choice.gemv_rows)
         if self._triton is not None:
             return self._triton(x, self.weight_q, self.weight_scale_inv)
         return dense_linear(x, self.dense_weight(), self.batch_invariant)

@@ -1,0 +1,148 @@
+"""Where the kernels' GEMV path stops (docs/kernels.md §6 "Where the GEMV stops"): past
+``GEMV_ROWS`` (16) rows a bf16 linear runs ``F.linear`` and an expert decodes tiles for ``at::mm``;
+with bf16 activations on a CPU whose oneDNN runs AMX-BF16 tiles the limit is ``GEMV_ROWS_AMX`` (4).
+The limit is part of the backend (chosen once per process) and of each module's KernelChoice,
+never asked per call.
+
+Observed independently of the code under test: the AMX probe against the kernel's own CPU flags
+(``/proc/cpuinfo``, which Linux clears when it does not enable AMX state); which GEMM runs by a
+dispatch mode (ops called from Python) and the profiler (``aten::mm`` called inside the C++ op);
+the values against ``F.linear`` on the weights dequantised by formats/ (the spec formula).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from m2serve.formats.fp8 import PackedFP8
+from m2serve.kernels import build
+from m2serve.kernels import ops as ops_mod
+from m2serve.kernels.build import GEMV_ROWS, GEMV_ROWS_AMX, GEMV_ROWS_ENV, KernelBackend, kernel_backend
+from m2serve.kernels.choice import LinearImpl, choose_impl
+from m2serve.kernels.ops import PackedWeights, WeightFormat, cpu_grouped_linear, cpu_linear
+from m2serve.model.kernel_choice import choose_kernels
+from m2serve.model.load import load_model
+
+GEMM_OPS = ("aten.mm", "aten.addmm", "aten.linear")
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every aten op dispatched from Python while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_row_limit_rule(monkeypatch):
+    monkeypatch.delenv(GEMV_ROWS_ENV, raising=False)
+    assert (build.bf16_gemv_rows(amx=True), build.bf16_gemv_rows(amx=False)) == (4, 16)
+    monkeypatch.setenv(GEMV_ROWS_ENV, "8")
+    assert build.bf16_gemv_rows(amx=True) == build.bf16_gemv_rows(amx=False) == 8
+    for bad in ("0", "four", "-2"):
+        monkeypatch.setenv(GEMV_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=rf"{GEMV_ROWS_ENV}='{bad}': use a positive integer"):
+            build.bf16_gemv_rows()
+    # fp32 activations and packed formats keep 16 whatever the bf16 limit (AMX has no fp32 tiles; a
+    # packed weight's tile decode costs more than the tiles save)
+    backend = KernelBackend("cpu-avx512", build.ISA_CODES["avx512"], "test", bf16_gemv_rows=GEMV_ROWS_AMX)
+    assert backend.gemv_rows(True, torch.bfloat16) == 4
+    assert backend.gemv_rows(True, torch.float32) == GEMV_ROWS == 16
+    assert backend.gemv_rows(False, torch.bfloat16) == GEMV_ROWS
+    assert "bf16 GEMV up to 4 rows" in backend.banner()
+
+
+def test_amx_probe_follows_the_cpu_flags(monkeypatch):
+    cpuinfo = Path("/proc/cpuinfo")  # Linux, as this machine and CI
+    flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
+    assert build.amx_bf16_usable() == ("amx_bf16" in flags and torch.backends.mkldnn.is_available())
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": False})
+    assert build.amx_bf16_usable() is False  # the probe reads the CPUID answer, not a constant
+
+
+def test_each_choice_carries_the_limit_of_its_format_and_dtype():
+    amx = KernelBackend("cpu-avx512", build.ISA_CODES["avx512"], "test", bf16_gemv_rows=4)
+    for fmt, grouped in ((WeightFormat.BF16, False), (WeightFormat.BF16, True),
+                         (WeightFormat.FP8_BLOCK, False), (WeightFormat.MXFP4, True),
+                         (WeightFormat.NVFP4_MODELOPT, True)):
+        bf16 = choose_impl("cpu", fmt, torch.bfloat16, amx, grouped=grouped)
+        fp32 = choose_impl("cpu", fmt, torch.float32, amx, grouped=grouped)
+        assert bf16.impl is fp32.impl is LinearImpl.CPU_PACKED
+        # only a bf16 weight (read by at::mm as it is) with bf16 activations gets the AMX limit
+        assert (bf16.gemv_rows, fp32.gemv_rows) == ((4 if fmt is WeightFormat.BF16 else 16), 16)
+
+
+def _needs_kernels() -> int:
+    backend = kernel_backend()
+    assert backend.available, backend.banner()  # this machine and CI build the kernels
+    return backend.isa
+
+
+def test_bf16_linear_past_the_limit_runs_f_linear():
+    isa = _needs_kernels()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    packed = PackedWeights(WeightFormat.BF16, w[None])
+    want = F.linear(x.float(), w.float())
+    with OpNames() as past:
+        y_past = cpu_linear(x, packed, isa, gemv_rows=4)
+    with OpNames() as within:
+        y_within = cpu_linear(x, packed, isa, gemv_rows=16)
+    assert any(n in GEMM_OPS for n in past.names), past.names
+    assert not any(n in GEMM_OPS for n in within.names) and "m2serve_kernels.grouped_linear" in within.names
+    torch.testing.assert_close(y_past, F.linear(x, w), rtol=0, atol=0)  # it is F.linear
+    for y in (y_past, y_within):  # both within bf16 rounding of the exact fp32 products
+        torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_expert_past_the_limit_runs_at_mm_inside_the_op():
+    isa = _needs_kernels()
+    g = torch.Generator().manual_seed(1)
+    experts = [PackedFP8((torch.randn(128, 256, generator=g) * 64).to(torch.float8_e4m3fn),
+                         torch.rand(1, 2, generator=g) * 1e-3 + 1e-4) for _ in range(3)]
+    w = PackedWeights.stack(experts)
+    offsets = torch.tensor([2, 7, 9], dtype=torch.int32)  # 2, 5 and 2 rows
+    x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
+    want = ops_mod.torch_grouped_linear(x.float(), offsets, w)  # fp32 products of the formula's weights
+    for rows, mm in ((4, True), (16, False)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = cpu_grouped_linear(x, offsets, w, isa, gemv_rows=rows)
+        names = {e.name for e in prof.events()}
+        assert ("aten::mm" in names) is mm, (rows, sorted(names))
+        torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=2e-2)
+
+
+def test_modules_pass_their_choice_to_the_kernels(tiny_random_dir, monkeypatch):
+    _needs_kernels()
+    model = load_model(tiny_random_dir, dtype=torch.bfloat16)
+    amx = KernelBackend("cpu-avx512", build.ISA_CODES["avx512"], "test", bf16_gemv_rows=3)
+    choose_kernels(model, amx)
+    seen: list[int] = []
+    real = ops_mod.cpu_grouped_linear
+    import m2serve.model.experts as experts_mod
+
+    def spy(*a):
+        seen.append(a[5])
+        return real(*a)
+
+    monkeypatch.setattr(ops_mod, "cpu_grouped_linear", spy)
+    monkeypatch.setattr(experts_mod, "cpu_grouped_linear", spy)
+    cfg = model.config
+    x = torch.randn(2, cfg.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        for module in model.modules():
+            choice = getattr(module, "choice", None)
+            if choice is not None and choice.impl is LinearImpl.CPU_PACKED:
+                assert choice.gemv_rows == 3
+        model.model.layers[0].self_attn.q_proj(x)  # a linear: its choice's limit reaches the op
+    assert seen == [3]
