@@ -1,17 +1,23 @@
 """Where the kernels' GEMV path stops (docs/kernels.md §6 "Where the GEMV stops"): past
 ``GEMV_ROWS`` (16) rows a bf16 linear runs ``F.linear`` and an expert decodes tiles for ``at::mm``;
-with bf16 activations on a CPU whose oneDNN runs AMX-BF16 tiles the limit is ``GEMV_ROWS_AMX`` (4).
+for bf16 weights with bf16 activations on a CPU whose oneDNN runs AMX-BF16 tiles the limit is
+``GEMV_ROWS_AMX`` (4).
 The limit is part of the backend (chosen once per process) and of each module's KernelChoice,
 never asked per call.
 
 Observed independently of the code under test: the AMX probe against the kernel's own CPU flags
-(``/proc/cpuinfo``, which Linux clears when it does not enable AMX state); which GEMM runs by a
+(``/proc/cpuinfo``, which Linux clears when it does not enable AMX state) and against the GEMM
+oneDNN itself reports running (``ONEDNN_VERBOSE``) under its ISA caps; which GEMM runs by a
 dispatch mode (ops called from Python) and the profiler (``aten::mm`` called inside the C++ op);
 the values against ``F.linear`` on the weights dequantised by formats/ (the spec formula).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,14 +65,52 @@ def test_row_limit_rule(monkeypatch):
     assert backend.gemv_rows(True, torch.float32) == GEMV_ROWS == 16
     assert backend.gemv_rows(False, torch.bfloat16) == GEMV_ROWS
     assert "bf16 GEMV up to 4 rows" in backend.banner()
+    # the process's backend takes its limit from the rule, env override included
+    monkeypatch.delenv(GEMV_ROWS_ENV, raising=False)
+    assert build.select_backend("").bf16_gemv_rows == build.bf16_gemv_rows()
+    monkeypatch.setenv(GEMV_ROWS_ENV, "7")
+    assert build.select_backend("").bf16_gemv_rows == 7
 
 
 def test_amx_probe_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     cpuinfo = Path("/proc/cpuinfo")  # Linux, as this machine and CI
     flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
     assert build.amx_bf16_usable() == ("amx_bf16" in flags and torch.backends.mkldnn.is_available())
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": False})
     assert build.amx_bf16_usable() is False  # the probe reads the CPUID answer, not a constant
+
+
+def test_onednn_isa_cap_names():
+    assert build.onednn_isa_allows_amx({})
+    assert build.onednn_isa_allows_amx({"ONEDNN_MAX_CPU_ISA": "all"})
+    assert build.onednn_isa_allows_amx({"ONEDNN_MAX_CPU_ISA": "AVX10_1_512_AMX_FP16"})
+    assert not build.onednn_isa_allows_amx({"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"})
+    assert not build.onednn_isa_allows_amx({"DNNL_MAX_CPU_ISA": "AVX2"})
+
+
+_ONEDNN_PROBE = """
+import torch, torch.nn.functional as F
+from m2serve.kernels.build import amx_bf16_usable
+F.linear(torch.ones(64, 512, dtype=torch.bfloat16), torch.ones(512, 512, dtype=torch.bfloat16))
+print("usable", amx_bf16_usable())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["", "AVX512_CORE_BF16", "AVX512_CORE_AMX"])
+def test_amx_probe_agrees_with_the_gemm_onednn_runs(cap):
+    """oneDNN's verbose log names the ISA of the matmul it ran (``brg_matmul:avx10_1_512_amx`` or
+    ``brg_matmul:avx512_core_bf16``): the probe says AMX exactly when that name does, with oneDNN's ISA
+    capped or not (on a CPU without AMX both say no under every cap)."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "ONEDNN_MAX_CPU_ISA": cap, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    matmuls = [line.split(",")[6] for line in out.splitlines() if ",exec,cpu,matmul," in line]
+    assert matmuls, out[-2000:]  # the bf16 F.linear ran through oneDNN
+    usable = out.strip().splitlines()[-1] == "usable True"
+    assert usable == ("amx" in matmuls[0]), (cap, matmuls, usable)
 
 
 def test_each_choice_carries_the_limit_of_its_format_and_dtype():
@@ -125,8 +169,7 @@ def test_expert_past_the_limit_runs_at_mm_inside_the_op():
 def test_modules_pass_their_choice_to_the_kernels(tiny_random_dir, monkeypatch):
     _needs_kernels()
     model = load_model(tiny_random_dir, dtype=torch.bfloat16)
-    amx = KernelBackend("cpu-avx512", build.ISA_CODES["avx512"], "test", bf16_gemv_rows=3)
-    choose_kernels(model, amx)
+    choose_kernels(model, dataclasses.replace(kernel_backend(), bf16_gemv_rows=3))
     seen: list[int] = []
     real = ops_mod.cpu_grouped_linear
     import m2serve.model.experts as experts_mod
@@ -145,4 +188,6 @@ def test_modules_pass_their_choice_to_the_kernels(tiny_random_dir, monkeypatch):
             if choice is not None and choice.impl is LinearImpl.CPU_PACKED:
                 assert choice.gemv_rows == 3
         model.model.layers[0].self_attn.q_proj(x)  # a linear: its choice's limit reaches the op
-    assert seen == [3]
+        assert seen == [3]
+        model.model.layers[0].block_sparse_moe(x)  # the experts: w13 and w2, both with the limit
+    assert len(seen) >= 3 and set(seen) == {3}, seen

@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,14 +166,26 @@ def kernel_backend() -> KernelBackend:
     return select_backend(os.environ.get(ISA_ENV, "").strip().lower())
 
 
+def onednn_isa_allows_amx(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``) leaves
+    AMX on: unset, ``ALL`` / ``DEFAULT``, or a name containing ``AMX`` (``AVX512_CORE_AMX``,
+    ``AVX10_1_512_AMX_FP16``, ...; oneDNN's ``dnnl_cpu_isa_t`` names). A lower cap such as
+    ``AVX512_CORE_BF16`` keeps oneDNN's GEMMs on the vector units, as on a CPU without AMX."""
+    raw = (environ.get("ONEDNN_MAX_CPU_ISA") or environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return raw in ("", "ALL", "DEFAULT") or "AMX" in raw
+
+
 def amx_bf16_usable() -> bool:
     """Whether bf16 GEMMs here run on AMX-BF16 tiles: the CPU has them (CPUID through ``torch.cpu``),
-    torch has oneDNN, and the OS lets this process use them (the ``arch_prctl`` permission request
-    torch makes for oneDNN)."""
+    torch has oneDNN (and it is enabled), oneDNN's ISA cap allows them (:func:`onednn_isa_allows_amx`),
+    and the OS lets this process use them (the ``arch_prctl`` permission request torch makes for
+    oneDNN)."""
+    if not onednn_isa_allows_amx():
+        return False
     try:
         caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
         return (bool(caps.get("amx_bf16", False)) and torch.backends.mkldnn.is_available()
-                and bool(torch._C._cpu._init_amx()))
+                and torch.backends.mkldnn.enabled and bool(torch._C._cpu._init_amx()))
     except (AttributeError, RuntimeError):  # a torch without these probes: assume no AMX
         return False
 
@@ -184,7 +197,7 @@ def bf16_gemv_rows(amx: bool | None = None) -> int:
     Raises ValueError naming ``M2SERVE_GEMV_ROWS`` for a value that is not a positive integer."""
     raw = os.environ.get(GEMV_ROWS_ENV, "").strip()
     if raw:
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
             raise ValueError(f"{GEMV_ROWS_ENV}={raw!r}: use a positive integer (rows)")
         return int(raw)
     return GEMV_ROWS_AMX if (amx_bf16_usable() if amx is None else amx) else GEMV_ROWS

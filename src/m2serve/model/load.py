@@ -127,9 +127,10 @@ def weights_banner(args: EngineArgs, model: torch.nn.Module | None = None) -> st
     """The start banner's weights part: how quantised weights are held (``weight_dequant`` as given,
     and resolved) and the linear backend in use — on CPU the kernels' backend with its reason (the
     fallback reason when it is ``pytorch``), e.g. ``weights runtime (weight_dequant auto) | CPU linear
-    backend: cpu-avx512 (widest ISA this CPU supports)``. With a loaded ``model`` (one process) it
-    adds the implementation picked per module (model/kernel_choice.py ``KernelSummary.banner``);
-    serve/cli.py's banner adds the resident bytes (:func:`resident_weight_bytes`)."""
+    backend: cpu-avx512 (widest ISA this CPU supports; bf16 GEMV up to 4 rows)``. With a loaded
+    ``model`` (one process) it adds the implementation picked per module (model/kernel_choice.py
+    ``KernelSummary.banner``); serve/cli.py's banner adds the resident bytes
+    (:func:`resident_weight_bytes`)."""
     cpu = args.devices.partition(":")[0] == "cpu"
     mode = resolve_weight_dequant(args.weight_dequant, "cpu" if cpu else "cuda", getattr(torch, args.dtype))
     backend = kernel_backend().banner() if cpu else "GPU linear backend: chosen per module after loading"
