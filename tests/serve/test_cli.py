@@ -248,6 +248,23 @@ def test_bad_engine_values_are_usage_errors_before_the_port_binds(argv, env, mes
     assert f"m2serve serve: error: {message}" in err and "Traceback" not in err, err
 
 
+def test_a_refused_flag_fetches_no_draft_model(capsys, monkeypatch):
+    # an EAGLE-3 draft named by hub id is resolved (a download when online) only after every flag check
+    # passed: a bad --max-batch-size beside it is refused without touching the hub
+    from m2serve.serve.cli import main
+
+    for var in [k for k in os.environ if k.startswith("M2SERVE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setattr("m2serve.serve.resolve.resolve_model",
+                        lambda *a, **k: pytest.fail("draft resolved before the flag checks"))
+    monkeypatch.setattr("m2serve.serve.cli.bind_listen_socket", lambda *a: pytest.fail("port bound first"))
+    spec = '{"method": "eagle3", "num_speculative_tokens": 2, "model": "some-org/some-draft"}'
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "0", "--max-batch-size", "0", "--speculative-config", spec])
+    assert e.value.code == 2
+    assert "m2serve serve: error: --max-batch-size: max_batch_size=0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--devices", "cpu:3", "hi"], "--devices: Number of attention heads (8) must be divisible"),
     (["generate", "--devices", "cpu:2", "--ep-size", "4", "hi"],

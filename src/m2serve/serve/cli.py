@@ -631,7 +631,8 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     (``--max-batch-size: max_batch_size=0 must be ...``). A ``--model`` hub id whose config.json is
     neither cached nor shipped is left to the load (it may be downloaded); a path that does not exist
     is an error here. An EAGLE-3 draft named by hub id is resolved here (cache, else download) and
-    is an error when that fails; its config.json is checked against the target's here too. Raises
+    is an error when that fails, after every flag check passed (a refused flag fetches nothing); its
+    config.json is checked against the target's here too. Raises
     what reading config.json raises (ValueError/OSError: a runtime error)."""
     from m2serve.config.engine_args import parse_speculative_config, rank_devices
     from m2serve.config.model_config import MiniMaxM2Config
@@ -648,21 +649,22 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     if command != "plan" and template is not None and not os.path.isfile(template):
         return f"--chat-template {template}: no such file"
     try:
-        engine_args = resolve_engine_args(engine_args_from(opts),   # an EAGLE-3 draft's hub id
-                                          config_only=command == "plan")
-    except ModelNotFoundError as e:
-        return f"--speculative-config: {e}"
-    try:
         cfg_path = resolve_config(opts.get("model"))
     except ModelNotFoundError as e:
         return None if looks_like_hub_id(str(opts.get("model"))) else str(e)
     config = MiniMaxM2Config.from_pretrained(cfg_path)
-    args = EngineArgs(model=str(cfg_path.parent), **engine_args)
     world = torchrun_world_size()
-    try:
-        check_engine_args(config, args, world if world > 1 else None)
+    try:   # the flags first: a draft's hub id is parsed here, not fetched
+        check_engine_args(config, EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts)),
+                          world if world > 1 else None)
     except EngineArgError as e:
         return f"--{e.field.replace('_', '-')}: {e}"
+    try:
+        engine_args = resolve_engine_args(engine_args_from(opts),   # an EAGLE-3 draft's hub id
+                                          config_only=command == "plan")
+    except ModelNotFoundError as e:
+        return f"--speculative-config: {e}"
+    args = EngineArgs(model=str(cfg_path.parent), **engine_args)
     try:   # an EAGLE-3 draft that does not fit the target, or on several ranks (its config.json only)
         check_speculative_target(parse_speculative_config(args.speculative_config), config,
                                  world if world > 1 else len(rank_devices(args.devices)))
