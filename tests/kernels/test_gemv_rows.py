@@ -166,6 +166,30 @@ def test_expert_past_the_limit_runs_at_mm_inside_the_op():
         torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_at_mm_tiles_cover_every_output_column(dtype):
+    """The at::mm path in tiles of ``mm_tile_n`` weight rows (the whole expert, or 48 + 48 + 32, or
+    7-row tiles), one call after another through the op's kept tile buffer (large, then smaller):
+    every output column equals dequantise-then-F.linear (formats/, the spec formula) up to the
+    summation order, and the rows past offsets[-1] stay 0."""
+    isa = _needs_kernels()
+    g = torch.Generator().manual_seed(2)
+    experts = [PackedFP8((torch.randn(128, 256, generator=g) * 64).to(torch.float8_e4m3fn),
+                         torch.rand(1, 2, generator=g) * 1e-3 + 1e-4) for _ in range(3)]
+    w = PackedWeights.stack(experts)
+    offsets = torch.tensor([6, 6, 15], dtype=torch.int32)  # 6, 0 and 9 rows: both past the limit of 4
+    x = torch.randn(17, 256, generator=g).to(dtype)
+    want = ops_mod.torch_grouped_linear(x.float(), offsets, w)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype is torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    for mm_tile_n in (4096, 128, 48, 7):
+        y = torch.ops.m2serve_kernels.grouped_linear(
+            x, offsets, w.q, w.scale, w.scale_2, int(w.fmt), w.block_n, w.block_k, isa, ops_mod.TILE_N, 4,
+            mm_tile_n)
+        assert y.dtype is dtype and y.shape == (17, 128)
+        torch.testing.assert_close(y.float(), want, **tol, msg=lambda m, t=mm_tile_n: f"mm_tile_n {t}: {m}")
+        assert not y[15:].any()
+
+
 def test_modules_pass_their_choice_to_the_kernels(tiny_random_dir, monkeypatch):
     _needs_kernels()
     model = load_model(tiny_random_dir, dtype=torch.bfloat16)

@@ -1014,24 +1014,33 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   });
   // Experts with many rows: decode a tile of mm_tile_n weight rows to the activation dtype (values
   // already rounded; threads split over its rows), then one at::mm outside any parallel region so
-  // that it runs with all threads and the best GEMM (bf16 weights are used as they are).
+  // that it runs with all threads and the best GEMM (bf16 weights are used as they are). The tile
+  // lives in a buffer this thread keeps (it only grows, to at most mm_tile_n x K activation
+  // elements): a fresh one per expert would be page-faulted in on every call.
+  thread_local std::vector<uint8_t> tile_bytes;
   for (const Task& tk : gemm) {
     const int64_t rows = tk.r1 - tk.r0, nt = tk.n1 - tk.n0;
     at::Tensor tile;
     if (fmt == BF16 && w.round_bf16) {
       tile = q.select(0, tk.e).narrow(0, tk.n0, nt);
     } else {
-      tile = at::empty({nt, K}, x.options());
-      char* base = static_cast<char*>(tile.data_ptr());
+      const size_t need = size_t(nt * K) * x.element_size();
+      if (tile_bytes.size() < need) tile_bytes.resize(need);
+      tile = at::from_blob(tile_bytes.data(), {nt, K}, x.options());
+      char* base = reinterpret_cast<char*>(tile_bytes.data());
       at::parallel_for(tk.n0, tk.n1, fp8_table ? block_n : 16, [&](int64_t a, int64_t b) {
+        // per-thread scratch kept across calls, as in the GEMV tasks above
+        thread_local std::vector<uint8_t> tabs;
+        thread_local std::vector<float> buf, scratch;
         if (fp8_table) {
 #if M2_X86
-          std::vector<uint8_t> tabs(256 * (K / block_k));
+          if (tabs.size() < size_t(256 * (K / block_k))) tabs.resize(256 * (K / block_k));
           fp8_rows_to_bf16(w, tk.e, a, b, reinterpret_cast<uint16_t*>(base) + (a - tk.n0) * K, tabs.data());
 #endif
           return;
         }
-        std::vector<float> buf(K), scratch(K / 16 + 1);
+        if (buf.size() < size_t(K)) buf.resize(K);
+        if (scratch.size() < size_t(K / 16 + 1)) scratch.resize(K / 16 + 1);
         for (int64_t n = a; n < b; ++n) {
           decode(w, tk.e, n, buf.data(), scratch.data());
           if (w.round_bf16) {
@@ -1042,6 +1051,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
           }
         }
       });
+    }
+    if (x.scalar_type() == at::kFloat && nt == N) {  // whole rows of y32: the GEMM writes them
+      at::Tensor dst = y32.narrow(0, tk.r0, rows);
+      at::mm_out(dst, x.narrow(0, tk.r0, rows), tile.t());
+      continue;
     }
     at::Tensor part = at::mm(x.narrow(0, tk.r0, rows), tile.t());  // [rows, nt] act dtype
     y32.narrow(0, tk.r0, rows).narrow(1, tk.n0, nt).copy_(part);
