@@ -60,7 +60,7 @@ def test_uncompilable_grammar_names_the_field(compiler, make, field, reason):
 
 @pytest.mark.parametrize("make, field", [
     (lambda: tool_calls_spec([_tool("f", {"x": {"type": ["string", "integer"]}})]), "tool 'f' parameter 'x'"),
-    (lambda: tool_calls_spec([_tool("f", {"d": {"type": "string", "format": "date"}})]),
+    (lambda: tool_calls_spec([_tool("f", {"d": {"$ref": "#/$defs/Missing"}})]),  # types as string
      "tool 'f' parameter 'd'"),
     (lambda: tool_calls_spec([_tool("f", {})], name="g"), "tool_choice"),
     (lambda: tool_calls_spec([_tool("a>b", {})]), "tools[0]"),
@@ -220,6 +220,108 @@ def test_forced_call_accepts_the_calls_text_as_the_tokenizer_spells_it(compiler,
         constraint.accept_token(token)
     assert constraint.error is None
     assert tok.eos_token_id in _allowed(compiler, constraint)
+
+
+def _forced_call_ids(tok, text):
+    return tok.encode("\n") + [tok.tool_call_id] + tok.encode("\n" + text) + [tok.tool_call_end_id]
+
+
+def _accepts(compiler, constraint, ids) -> bool:
+    for token in ids:
+        if token not in _allowed(compiler, constraint):
+            return False
+        constraint.accept_token(token)
+    return constraint.error is None and compiler.tokenizer.eos_token_id in _allowed(compiler, constraint)
+
+
+def test_format_on_a_raw_string_parameter_is_an_annotation(compiler):
+    """Claude Code's WebFetch declares ``{"type": "string", "format": "uri"}``: a forced call compiles
+    (it was refused with 400 while ``tool_choice`` auto served the same tools) and the value is raw text,
+    checked by nothing but the raw-string rules."""
+    fetch = _tool("WebFetch", {"url": {"type": "string", "format": "uri"}}, ["url"])
+    for value, ok in (("https://example.com/a", True), ("not a uri", True), ("a</parameter>b", False)):
+        constraint = compiler.constraint(tool_calls_spec([fetch]), "off")
+        text = f'<invoke name="WebFetch">\n<parameter name="url">{value}</parameter>\n</invoke>\n'
+        assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text)) is ok, value
+
+
+def test_a_ref_parameter_is_json_of_its_target(compiler):
+    """pydantic writes a nested model's field as ``{"$ref": "#/$defs/Loc"}``: the forced call writes
+    the target's JSON (an object with ``city``), not raw text, and the parser reads it back as an object
+    (docs/parsers.md P14)."""
+    from m2serve.text.parser import parse_output
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}},
+        "type": "object", "properties": {"location": {"$ref": "#/$defs/Loc"}}, "required": ["location"]}}}
+    call = '<invoke name="get_weather">\n<parameter name="location">{}</parameter>\n</invoke>\n'
+    good, bad = call.format('{"city": "Paris"}'), call.format("Paris")
+    for text, ok in ((good, True), (bad, False)):
+        constraint = compiler.constraint(tool_calls_spec([tool]), "off")
+        assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text)) is ok, text
+    parsed = parse_output("<minimax:tool_call>\n" + good + "</minimax:tool_call>", tools=[tool])
+    want = [("get_weather", '{"location": {"city": "Paris"}}')]
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == want
+
+
+def test_no_value_end_regex_against_substring_search():
+    """The exclusion pattern, read by Python's ``re`` (``\\/`` is ``/`` there too), against plain
+    substring search over random strings of the value ends' own characters, and the edge cases."""
+    import random
+    import re
+
+    from m2serve.text import constraint as constraint_mod
+
+    words = ("</parameter>", "<parameter name=", "</invoke>")
+    rx = re.compile(constraint_mod._NO_VALUE_END)
+    cases = ["", "abc", "a<b", "</para", "</parameter", "</parameter >", "<<</invoke>", "</invokes>",
+             "< /invoke>", "<parameter name", "x\n</invoke>\ny", "<parameter name=", "a</parameter>"]
+    rnd = random.Random(0)
+    alphabet = "<>/parmetr nai=vok\n"
+    cases += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 40))) for _ in range(5000)]
+    for text in cases:
+        assert bool(rx.fullmatch(text)) == (not any(w in text for w in words)), text
+
+
+TODO = _tool("TodoWrite", {"todos": {"type": "array", "items": {
+    "type": "object", "properties": {"content": {"type": "string", "minLength": 1},
+                                     "status": {"type": "string", "enum": ["pending", "done"]}},
+    "required": ["content", "status"], "additionalProperties": False}},
+    "meta": {"type": "object"}}, ["todos"])
+
+
+@pytest.mark.parametrize("todos, meta, ok", [
+    ('[{"content": "a<b", "status": "done"}]', None, True),
+    ('[{"content": "x</parameter>", "status": "done"}]', None, False),
+    ('[{"content": "x</invoke>\n", "status": "done"}]', None, False),
+    ('[{"content": "<parameter name=", "status": "done"}]', None, False),
+    ('[{"content": "a", "status": "later"}]', None, False),  # the schema still holds
+    ('[]', '{"k": [1, {"d": "ok"}]}', True),
+    ('[]', '{"k": [1, {"d": "</invoke>"}]}', False),  # at any depth of a free value
+    ('[]', '{"a</parameter>": 1}', False),  # and in a free object's keys
+])
+def test_a_json_parameter_cannot_hold_a_value_end(compiler, todos, meta, ok):
+    """A forced call's JSON-valued parameter: strings and keys inside it never hold ``</parameter>``,
+    ``<parameter name=`` or ``</invoke>`` (P10 would end the value there: a TodoWrite call came back
+    with its array cut into a string)."""
+    text = f'<invoke name="TodoWrite">\n<parameter name="todos">{todos}</parameter>\n'
+    if meta is not None:
+        text += f'<parameter name="meta">{meta}</parameter>\n'
+    text += "</invoke>\n"
+    constraint = compiler.constraint(tool_calls_spec([TODO]), "off")
+    assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text)) is ok, text
+
+
+def test_a_recursive_parameter_schema_still_compiles(compiler):
+    """llguidance cannot intersect a recursive schema with the exclusion: it is used as given."""
+    tree = {"type": "function", "function": {"name": "t", "parameters": {
+        "$defs": {"N": {"type": "object",
+                        "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}}},
+        "type": "object", "properties": {"root": {"$ref": "#/$defs/N"}}, "required": ["root"]}}}
+    constraint = compiler.constraint(tool_calls_spec([tree]), "off")
+    text = '<invoke name="t">\n<parameter name="root">{"c": [{"c": []}]}</parameter>\n</invoke>\n'
+    assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text))
 
 
 def test_compiled_grammars_are_cached_per_spec(compiler):

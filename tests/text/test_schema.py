@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from m2serve.text.schema import allowed_types, coerce_value, string_rule
+from m2serve.text.schema import MAX_REF_HOPS, allowed_types, coerce_value, resolve_ref, string_rule
 
 
 @pytest.mark.parametrize("schema, want", [
@@ -20,6 +20,25 @@ from m2serve.text.schema import allowed_types, coerce_value, string_rule
 ])
 def test_allowed_types(schema, want):  # P14
     assert allowed_types(schema) == want
+
+
+def test_resolve_ref_follows_local_refs_only():  # P14: a $ref parameter types as its target
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}}
+    root = {"$defs": {"Loc": loc, "a/b": {"type": "integer"}, "Alias": {"$ref": "#/$defs/Loc"},
+                      "Self": {"$ref": "#/$defs/Self"}},
+            "definitions": {"N": {"type": "number"}}}
+    assert resolve_ref({"$ref": "#/$defs/Loc"}, root) == loc
+    aliased = resolve_ref({"$ref": "#/$defs/Alias", "description": "where"}, root)
+    assert aliased == {**loc, "description": "where"}
+    assert resolve_ref({"$ref": "#/$defs/a~1b"}, root) == {"type": "integer"}  # JSON Pointer escape
+    assert resolve_ref({"$ref": "#/definitions/N"}, root) == {"type": "number"}
+    for unresolved in ({"$ref": "#/$defs/Missing"}, {"$ref": "https://example.com/s.json"},
+                       {"$ref": "#/$defs/Self"}, {"type": "string"}, None):
+        out = resolve_ref(unresolved, root)
+        assert (out == unresolved) or out == {"$ref": "#/$defs/Self"}, unresolved
+    assert allowed_types(resolve_ref({"$ref": "#/$defs/Loc"}, root)) == {"object"}
+    assert allowed_types({"$ref": "#/$defs/Loc"}) == {"string"}  # unresolved: no type, P14's default
+    assert MAX_REF_HOPS >= 2
 
 
 def test_string_rule():  # P15

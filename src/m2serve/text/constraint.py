@@ -52,6 +52,7 @@ are the grammar's EOS; they are allowed only where the grammar may end.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -65,7 +66,7 @@ import llguidance
 import torch
 
 from m2serve.config.engine_args import MAX_SPECULATIVE_TOKENS
-from m2serve.text.schema import allowed_types
+from m2serve.text.schema import allowed_types, resolve_ref
 from m2serve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,56 @@ _REASONING_STARTS = ("inside", "may_open", "off")
 # the template sees its own format, and random logits cannot loop on whitespace.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_TEXT = "/(?s:.*)/"
-# Text a raw-string parameter value may never contain: each of these ends a value (P10).
-_VALUE_ENDS = r"/(?s:.*)(<\/parameter>|<parameter name=|<\/invoke>)(?s:.*)/"
+# Text a parameter value may never contain: each of these ends a value (P10), in a raw string as in a
+# string or key inside a JSON value. Every one starts with "<" and holds no other "<" (the regex below
+# relies on it).
+_VALUE_END_TEXTS = ("</parameter>", "<parameter name=", "</invoke>")
+
+
+def _rx_escape(text: str) -> str:
+    """``text`` for a regex (Rust syntax, inside a Lark ``/.../`` or a JSON Schema ``pattern``, and in a
+    character class): regex metacharacters, ``/`` and ``-`` backslashed; nothing else (Rust rejects
+    ``\\`` before a space, which Python's ``re.escape`` writes)."""
+    return "".join("\\" + ch if ch in "\\.^$*+?()[]{}|/-&~#" else ch for ch in text)
+
+
+_VALUE_ENDS = "/(?s:.*)(" + "|".join(_rx_escape(t) for t in _VALUE_END_TEXTS) + ")(?s:.*)/"
+
+
+def _without_regex(texts: Sequence[str]) -> str:
+    """An anchored regex (JSON Schema ``pattern``, no lookaround) for the strings that contain none of
+    ``texts``, each starting with ``<`` and holding no other ``<``. Such a string is a run of: a
+    character other than ``<``; or ``<`` + a proper prefix p of a text's rest + a character that is
+    neither ``<`` nor extends p; and it may end in ``<`` + p runs. A character that breaks a partial
+    match can begin no other match except a ``<`` (nothing else starts a text), so no state is lost."""
+    rests = [t[1:] for t in texts]
+    assert all(t.startswith("<") and "<" not in r for t, r in zip(texts, rests)), texts
+    prefixes = sorted({r[:i] for r in rests for i in range(len(r))})
+    broken, partial = [], []
+    for p in prefixes:
+        extend = sorted({r[len(p)] for r in rests if r.startswith(p) and len(r) > len(p)})
+        broken.append("<" + _rx_escape(p) + "[^<" + "".join(_rx_escape(c) for c in extend) + "]")
+        partial.append("<" + _rx_escape(p))
+    b, c = "|".join(broken), "|".join(partial)
+    return f"^([^<]|({c})*({b}))*({c})*$"
+
+
+# Any JSON value whose strings and object keys contain no value end, at every depth (a string matches
+# the pattern, an object's keys match it and its values are such values, so are an array's items).
+# A JSON-valued parameter's schema is intersected with it (_json_value), so a forced call cannot close
+# a parameter inside a JSON string (P10: "</invoke>" there ended the call and broke its value).
+_SAFE_NAME = "m2serve_no_value_end"
+_NO_VALUE_END = _without_regex(_VALUE_END_TEXTS)
+_SAFE_VALUE = {"pattern": _NO_VALUE_END, "additionalProperties": False,
+               "patternProperties": {_NO_VALUE_END: {"$ref": f"#/$defs/{_SAFE_NAME}"}},
+               "items": {"$ref": f"#/$defs/{_SAFE_NAME}"}}
 # Errors without the internal grammar text (which would name our rules, not the request's fields).
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 _STRING_KEYWORDS = {"type", "minLength", "maxLength", "enum", "const", "pattern",
                     "description", "title", "default", "examples", "$comment", "deprecated", "readOnly",
-                    "writeOnly"}  # the last eight are annotations
+                    "writeOnly", "format", "contentEncoding", "contentMediaType"}  # from "description"
+# on: annotations, not enforced on a raw value (JSON Schema 2020-12 treats "format" as an annotation
+# unless a validator opts in; Claude Code's WebFetch declares {"type": "string", "format": "uri"})
 
 #: Text ``tool_choice`` none forbids in the answer (``no_tool_call_spec``): the pieces of MiniMax's
 #: tool-call syntax (docs/parsers.md §3), so no call leaks as text under any tokenisation.
@@ -150,6 +194,39 @@ def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None 
                 doc[key] = defs_from[key]
     doc["x-guidance"] = {**_JSON_OPTIONS, **(doc.get("x-guidance") or {})}
     return "%json " + json.dumps(doc, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _intersects(doc_text: str) -> bool:
+    """Whether llguidance compiles the schema ``doc_text`` (it cannot intersect every schema with
+    _SAFE_VALUE: a recursive one exceeds its intersection depth)."""
+    try:
+        llguidance.JsonCompiler().compile(doc_text)
+    except (ValueError, KeyboardInterrupt, SystemExit):
+        return False
+    except BaseException:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) or alike
+        return False
+    return True
+
+
+def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any]) -> str:
+    """``%json`` text for a JSON-valued tool parameter: ``schema`` (with the tool's ``$defs`` /
+    ``definitions`` from ``root``) intersected with _SAFE_VALUE, so no string or key inside it holds a
+    value end (P10). A schema llguidance cannot intersect (a recursive one) is used as given and logged:
+    such a value may then hold a value end inside a string, and the parser would cut the call there."""
+    inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    doc: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        found = {**(root.get(key) or {}), **(schema.get(key) or {})}
+        if found:
+            doc[key] = found
+    doc["$defs"] = {**doc.get("$defs", {}), _SAFE_NAME: _SAFE_VALUE}
+    doc["allOf"] = [inner, {"$ref": f"#/$defs/{_SAFE_NAME}"}]
+    text = json.dumps(doc, ensure_ascii=False)
+    if _intersects(text):
+        return _json_schema(doc)
+    log.info("tool parameter schema kept without the value-end exclusion (llguidance cannot intersect it)")
+    return _json_schema(schema, root)
 
 
 def json_spec(schema: Mapping[str, Any] | None, field: str = "response_format") -> ConstraintSpec:
@@ -269,7 +346,8 @@ def _raw_string_terminal(schema: Mapping[str, Any], where: str) -> str:
     unsupported = sorted(set(branch) - _STRING_KEYWORDS)
     if unsupported:
         raise ValueError(f"{where}: keyword(s) {unsupported} are not supported on a raw-string tool "
-                         "parameter; supported: minLength, maxLength, enum, const, pattern")
+                         "parameter; supported: minLength, maxLength, enum, const, pattern (format and "
+                         "other annotations are accepted, not enforced)")
     parts = []
     values = ([branch["const"]] if "const" in branch else branch.get("enum"))
     if values is not None:
@@ -313,8 +391,7 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
         if ">" in key:
             raise ValueError(f"tool {name!r}: parameter name {key!r} contains '>', which the MiniMax "
                              "tool-call format cannot express (docs/parsers.md §3.7)")
-        if not isinstance(schema, Mapping):
-            schema = {}
+        schema = resolve_ref(schema, params) if isinstance(schema, Mapping) else {}
         where = f"tool {name!r} parameter {key!r}"
         types = allowed_types(schema)
         head = _lark_str(f'<parameter name="{key}">')
@@ -331,7 +408,7 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
             rules.append(f"v_{tag}_{j}[suffix={close}]: V_{tag}_{j}")
             rules.append(f"V_{tag}_{j}: {_raw_string_terminal(schema, where)}")
         else:
-            rules.append(f"p_{tag}_{j}: {head} {_json_schema(schema, params)} {close}")
+            rules.append(f"p_{tag}_{j}: {head} {_json_value(schema, params)} {close}")
         own = [r for r in rules if r.startswith((f"p_{tag}_{j}:", f"v_{tag}_{j}[", f"V_{tag}_{j}:"))]
         parts.append((where, f"start: p_{tag}_{j}\n" + "\n".join(own) + "\n"))
         seq.append(f"p_{tag}_{j}" + ("" if key in required else "?"))

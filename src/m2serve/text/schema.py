@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 # P14 type-name aliases.
@@ -65,6 +66,30 @@ def _collect_types(schema: Any, out: set[str]) -> None:
         if isinstance(branches, list):
             for branch in branches:
                 _collect_types(branch, out)
+
+
+#: Local ``$ref`` hops followed to find a parameter's schema; a longer chain (or a cycle) stays as written.
+MAX_REF_HOPS = 8
+_LOCAL_REF = re.compile(r"#/(\$defs|definitions)/([^/]+)")
+
+
+def resolve_ref(schema: Any, root: Any) -> Any:
+    """A parameter's schema with a local ``$ref`` followed (docs/parsers.md P14): ``#/$defs/NAME`` or
+    ``#/definitions/NAME`` looked up in ``root`` (the tool's ``parameters``; ``~1`` / ``~0`` are JSON
+    Pointer escapes), its target's keys updated by the reference's other keys (a ``description``
+    beside the ``$ref``), up to MAX_REF_HOPS times. pydantic writes a nested model's field as
+    ``{"$ref": "#/$defs/Model"}``, which has no ``type`` and would otherwise type as string. Anything
+    else (no ``$ref``, a remote or missing target, too many hops) comes back unchanged."""
+    for _ in range(MAX_REF_HOPS):
+        ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+        match = _LOCAL_REF.fullmatch(ref) if isinstance(ref, str) else None
+        defs = root.get(match.group(1)) if match and isinstance(root, Mapping) else None
+        name = match.group(2).replace("~1", "/").replace("~0", "~") if match else None
+        target = defs.get(name) if isinstance(defs, Mapping) else None
+        if not isinstance(target, Mapping):
+            return schema
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
 
 
 def allowed_types(schema: Any) -> frozenset[str]:
