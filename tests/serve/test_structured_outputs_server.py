@@ -194,3 +194,22 @@ def test_uncompilable_schema_is_a_400_naming_the_field_and_others_run_on(server,
     t.join(300)
     calls = good["r"].choices[0].message.tool_calls
     assert calls and all(c.function.name == "get_weather" for c in calls)
+
+
+def test_a_grammar_that_fails_while_decoding_is_a_400_not_an_empty_stop(server, oai):
+    """``a{100000}`` compiles, then llguidance's lexer gives up at the first step ("too many expressions
+    constructed"): answered as the engine ends it (stop, no content) it looked like an empty success.
+    It is a 400 naming the field, non-streamed, and the stream's error, streamed; the server goes on."""
+    body = {"structured_outputs": {"regex": "a{100000}"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body=body)
+    assert e.value.body["param"] == "structured_outputs.regex"
+    assert e.value.body["message"].startswith("structured_outputs.regex: the grammar failed during decoding")
+    with pytest.raises(openai.APIError) as e:
+        for _ in oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body=body,
+                                             stream=True):
+            pass
+    assert "the grammar failed during decoding" in str(e.value)
+    ok = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert ok.choices[0].message.content in ("yes", "no")

@@ -135,6 +135,15 @@ def test_forbidden_token_is_a_grammar_error_and_the_row_allows_only_end_of_turn(
     assert _allowed(compiler, constraint) == {tok.eos_token_id}
 
 
+def test_a_failure_names_the_field_and_the_reason(compiler):
+    constraint = compiler.constraint(regex_spec("[0-9]+"), "off")
+    assert constraint.failure() is None
+    constraint.accept_token(compiler.tokenizer.encode("x")[0])
+    failure = constraint.failure()
+    assert failure.startswith("structured_outputs.regex: the grammar failed during decoding (")
+    assert "| " not in failure  # no listing of the generated Lark text
+
+
 def test_end_of_turn_before_the_grammar_is_complete_is_an_error(compiler):
     constraint = compiler.constraint(regex_spec("[0-9]+"), "off")
     constraint.accept_token(compiler.tokenizer.eos_token_id)

@@ -177,6 +177,7 @@ class Submission:
     one_call: bool
     record: AccessRecord
     stops: tuple[str, ...] = ()
+    constraints: dict[str, TokenConstraint] = field(default_factory=dict)  # rid -> its constraint
     out: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (output, reasoning) tokens
     cached: int = 0
     collector: ChoiceCollector = field(init=False)
@@ -828,6 +829,7 @@ def submit(
     engine, q = ctx.engine, asyncio.Queue()
     rids: list[str] = []
     slots: dict[str, tuple[int, int]] = {}
+    constraints: dict[str, TokenConstraint] = {}
     retry = {"Retry-After": str(ctx.settings.retry_after_s)}
     if ctx.closing:
         raise APIError(503, "the server is shutting down; retry on another replica or after the restart",
@@ -838,6 +840,8 @@ def submit(
             engine.submit(r.request_id, r.prompt_token_ids, r.params, r.processor, q, constraint=r.constraint)
             rids.append(r.request_id)
             slots[r.request_id] = r.slot
+            if r.constraint is not None:
+                constraints[r.request_id] = r.constraint
     except QueueFullError as e:
         for rid in rids:
             engine.abort(rid)
@@ -849,7 +853,7 @@ def submit(
     record = access_record(request.scope)
     n_prompt = record.prompt_tokens = sum(len(ids) for ids in prompts)
     ctx.live[q] = base_id
-    return Submission(rids, q, slots, n_prompt, one_call, record, params.stop)
+    return Submission(rids, q, slots, n_prompt, one_call, record, params.stop, constraints)
 
 
 class ServerClosing(Exception):
@@ -882,6 +886,14 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(503, str(e), "server_error")
 
 
+def grammar_failure(sub: Submission, request_id: str) -> str | None:
+    """The 400 message of a choice whose grammar failed while it decoded (``GrammarConstraint.failure``:
+    a grammar that compiled but cannot go on), else None. The engine ends such a choice with "stop";
+    answered as that, it looked like an empty success (docs/constrained-decoding.md)."""
+    failure = getattr(sub.constraints.get(request_id), "failure", None)
+    return failure() if callable(failure) else None
+
+
 async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelta]:
     """The submission's deltas as they come, each choice's last one carrying the finished
     :class:`Choice` (docs/serving.md §10.1). An engine failure is raised as an APIError (the caller
@@ -889,6 +901,10 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
     try:
         async for d in ctx.engine.stream(sub.request_ids, sub.queue):
             sub._count(d.request_id, d)
+            failure = grammar_failure(sub, d.request_id) if d.finished else None
+            if failure is not None:
+                sub.record.error = failure
+                raise APIError(400, failure, param=_error_field(failure, "response_format"))
             cd = choice_delta(sub.slots, sub.one_call, d)
             sub.collector.add(cd)
             if d.finished:

@@ -629,7 +629,7 @@ class GrammarCompiler:
                                              not isinstance(reasoning_budget, int) or reasoning_budget < 0):
             raise ValueError(f"reasoning_budget={reasoning_budget!r} must be a non-negative integer or None")
         return GrammarConstraint(self, self.compile(spec, reasoning), reasoning, reasoning_budget,
-                                 spec.free_answer)
+                                 spec.free_answer, spec.field)
 
 
 class GrammarConstraint:
@@ -646,8 +646,9 @@ class GrammarConstraint:
     """
 
     def __init__(self, compiler: GrammarCompiler, matcher: llguidance.LLMatcher, reasoning: ReasoningStart,
-                 reasoning_budget: int | None, free_answer: bool = False) -> None:
+                 reasoning_budget: int | None, free_answer: bool = False, field: str = "grammar") -> None:
         self._compiler = compiler
+        self.field = field
         self._matcher = matcher
         self._reasoning_budget = reasoning_budget
         self._free_answer = free_answer
@@ -730,6 +731,15 @@ class GrammarConstraint:
             else:
                 self.reasoning_tokens += 1
         return True
+
+    def failure(self) -> str | None:
+        """None, or the grammar error as the request's 400 says it: ``"<field>: the grammar failed
+        during decoding (<llguidance's reason>)"`` (a grammar that compiled but cannot go on: llguidance's
+        lexer or parser limits, a rule that can never end)."""
+        if self.error is None:
+            return None
+        reason = _clean_error(self.error.splitlines()[0] if self.error.strip() else "unknown error")
+        return f"{self.field}: the grammar failed during decoding ({reason}); simplify it"
 
     def is_terminated(self) -> bool:
         """True once an end-of-turn id was accepted, or the grammar is in error."""
