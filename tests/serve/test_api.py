@@ -302,6 +302,11 @@ def test_error_bodies_name_the_problem(served):
         ({"messages": MESSAGES, "stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"messages": MESSAGES, "seed": 2**70}, "seed"),
         ({"messages": MESSAGES, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        # a union's error is the field, not pydantic's branch tag (was "stop.str"); a whole-request check
+        # names the field its message starts with (was null)
+        ({"messages": MESSAGES, "stop": 5}, "stop"),
+        ({"messages": MESSAGES, "tool_choice": 5}, "tool_choice"),
+        ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
     ):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)

@@ -208,3 +208,13 @@ def test_reasoning_budgets_documented():
         for effort, budget in REASONING_BUDGETS.items():
             shown = "no budget" if budget is None else f"{budget:,}"
             assert f"`{effort}` {shown}" in text, (doc.name, effort, shown)
+
+
+def test_responses_echo_their_metadata(client):
+    # OpenAI echoes a response's metadata as sent (it was always {}); more than 16 pairs is a 400
+    r = client.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 1,
+                                           "metadata": {"a": "b", "trace": "x1"}})
+    assert r.status_code == 200 and r.json()["metadata"] == {"a": "b", "trace": "x1"}, r.text
+    r = client.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 1,
+                                           "metadata": {str(i): "v" for i in range(17)}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text

@@ -32,6 +32,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -243,9 +244,30 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     parts, param = [], None
     for err in errs[:5]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = param or (".".join(loc) or None)
+        param = param or _error_param(loc, str(err.get("msg", "")))
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
     return error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param), request.scope)
+
+
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_MESSAGE_FIELD = re.compile(r"(?:Value error, )?([a-z_][a-z0-9_]*): ")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _error_param(loc: list[str], msg: str) -> str | None:
+    """The request field a validation error names: its location up to the first union-branch tag
+    pydantic appends (``stop.str``, ``stop.list[str]``, ``tool_choice.literal['none','auto']``, a model's
+    class name), so ``param`` is ``stop``; for a whole-request check (no location) the field its message
+    starts with (``"top_logprobs: ..."``); else None."""
+    kept = []
+    for part in loc:
+        if not (part.isdigit() or (_FIELD_NAME.fullmatch(part) and part not in _UNION_TAGS)):
+            break
+        kept.append(part)
+    if kept:
+        return ".".join(kept)
+    m = _MESSAGE_FIELD.match(msg)
+    return m.group(1) if m else None
 
 
 def _unparsable_body_message(cause: BaseException | None) -> str | None:

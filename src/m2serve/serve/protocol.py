@@ -166,7 +166,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise ValueError("top_logprobs: requires logprobs=true")
         return self
 
     def token_limit(self) -> int | None:
@@ -197,7 +197,7 @@ class TokenizeRequest(OpenAIModel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+            raise ValueError("prompt: give exactly one of 'prompt' or 'messages'")
         return self
 
 

@@ -135,7 +135,7 @@ def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any
                 results.append({"role": "tool", "tool_call_id": call_id,
                                 "content": ("Error: " + text) if error else text})
             else:
-                raise APIError(400, f"{at}: a {kind!r} block is not supported in a {m.role} message",
+                raise APIError(400, f"{at}: a {kind!r} block is not supported in the {m.role} role's message",
                                param=f"{at}.type")
         if m.role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

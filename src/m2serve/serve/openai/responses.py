@@ -22,9 +22,10 @@ Request -> :class:`ChatJob` (:func:`responses_job`):
   (docs/constrained-decoding.md).
 - ``include: ["reasoning.encrypted_content"]`` returns the reasoning sealed under the server key
   (serve/sealing.py) in each reasoning item. ``reasoning.effort`` is a reasoning budget
-  (``chat_pipeline.REASONING_BUDGETS``). ``reasoning.summary``, ``truncation``, ``prompt_cache_key``,
-  ``metadata``, ``user``, ``service_tier``, ``text.verbosity`` and unknown fields are accepted and
-  ignored. ``input: []`` is a 400; every item's fields are type-checked (a 400 naming
+  (``chat_pipeline.REASONING_BUDGETS``). ``metadata`` (up to 16 string pairs) is echoed in the
+  response. ``reasoning.summary``, ``truncation``, ``prompt_cache_key``, ``user``, ``service_tier``,
+  ``text.verbosity`` and unknown fields are accepted and ignored. ``input: []`` is a 400; every item's
+  fields are type-checked (a 400 naming
   ``input.<k>.<field>``).
 
 The finished choice of the pipeline -> the output items of the response (:func:`output_items`):
@@ -88,6 +89,7 @@ class ResponsesRequest(APIRequest):
     include: list[str] | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # effort: a reasoning budget; summary ... ignored
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # echoed (OpenAI: 16 pairs)
 
 
 @dataclass(slots=True)
@@ -503,7 +505,7 @@ class ResponseBuilder:
             "tools": r.tools or [],
             "top_p": r.top_p,
             "truncation": "disabled",
-            "metadata": {},
+            "metadata": dict(r.metadata or {}),
             "usage": None
             if u is None
             else {
