@@ -311,6 +311,18 @@ def test_error_bodies_name_the_problem(served):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
         assert field in r.json()["error"]["message"]
+    # a body that is not UTF-8 says so (was Starlette's "There was an error parsing the body"); NaN is
+    # not a number in range (was "Input should be less than or equal to 2")
+    hdr = {"content-type": "application/json"}
+    r = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\xff"}]}',
+                    headers=hdr)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "not valid UTF-8 (byte 0xff at offset 43)" in message, message
+    r = client.post("/v1/chat/completions", headers=hdr,
+                    content=b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}')
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "temperature", r.text
+    assert "finite number" in err["message"], r.text
 
 
 def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):

@@ -258,6 +258,9 @@ ANTHROPIC_TYPES = [  # (messages, the path the 400 names): were 500s or were acc
     (_turns(tool_result={"tool_use_id": "toolu_2"}), "messages.2.content.0.tool_use_id"),
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}],
      "messages.0.content.0.tool_use_id"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "redacted_thinking",
+                                                                          "data": 5}]}],
+     "messages.1.content.0.data"),
 ]
 FIELD_400 = [  # (route, body, the path the 400 names)
     *[(route, {"model": "m", "messages": msgs, **({"max_tokens": 2} if route == "/v1/messages" else {})},
@@ -273,6 +276,8 @@ FIELD_400 = [  # (route, body, the path the 400 names)
     (*_items({"type": "function_call_output", "call_id": 5, "output": "x"}), "input.0.call_id"),
     (*_resp(input=[]), "input"),
     (*_resp(tools=[{"type": "function", "name": "w", "parameters": "{}"}]), "tools.0.parameters"),
+    (*_resp(tools=[{"type": "function", "name": 5}]), "tools.0.name"),  # was "got type 'function'"
+    (*_resp(tools=[{"type": "function", "function": {"name": "w"}}]), "tools.0.name"),  # the chat shape
     (*_chat(logit_bias={" 5": 1}), "logit_bias"),
     (*_chat(logit_bias={"1_0": 1}), "logit_bias"),
     (*_cmpl(logit_bias={"+5": 1}), "logit_bias"),
@@ -284,6 +289,11 @@ FIELD_400 = [  # (route, body, the path the 400 names)
     (*_chat(stop="\ud800"), "stop"),
     (*_cmpl(stop=["ok", "a\udfffb"]), "stop"),
     (*_msgs(stop_sequences=["\ud800"]), "stop_sequences"),
+    # count_tokens refuses a tool choice /v1/messages refuses (it counted it, 200)
+    ("/v1/messages/count_tokens", {"model": "m", "messages": MESSAGES,
+                                   "tool_choice": {"type": "tool", "name": "x"},
+                                   "tools": [{"name": "w", "input_schema": {"type": "object"}}]},
+     "tool_choice"),
 ]
 
 

@@ -32,6 +32,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import math
 import re
 import secrets
 import sys
@@ -245,7 +246,10 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     for err in errs[:5]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = param or _error_param(loc, str(err.get("msg", "")))
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        value = err.get("input")
+        msg = ("Input should be a finite number" if isinstance(value, float) and not math.isfinite(value)
+               else err.get("msg"))  # NaN / Infinity: pydantic's message was the range bound they fail
+        parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
     return error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param), request.scope)
 
 
@@ -277,6 +281,9 @@ def _unparsable_body_message(cause: BaseException | None) -> str | None:
         return ("invalid request: the body is nested too deeply to parse (JSON arrays and objects nested "
                 f"beyond the parser's limit, Python's recursion limit of {sys.getrecursionlimit()} "
                 "levels); flatten it")
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"invalid request: the body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
+                f"offset {cause.start}); JSON text is UTF-8")
     if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
         return ("invalid request: the body has an integer literal longer than the parser's limit of "
                 f"{sys.get_int_max_str_digits()} digits")

@@ -116,7 +116,8 @@ def chat_messages(req: CountTokensRequest, sealer: Sealer) -> list[dict[str, Any
                                 "(--thinking-signing-key); using its text as reasoning anyway", at)
                 reasoning.append(text)
             elif kind == "redacted_thinking" and m.role == "assistant":
-                continue  # never produced by this server: nothing to recover
+                typed_field(raw, "data", str, at)  # checked as Anthropic checks it, then dropped:
+                continue  # never produced by this server, nothing to recover
             elif kind == "tool_use" and m.role == "assistant":
                 call_id, name = typed_field(raw, "id", str, at), typed_field(raw, "name", str, at)
                 args = json.dumps(typed_field(raw, "input", dict, at), ensure_ascii=False)
@@ -366,6 +367,10 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, i
     ctx: ServeContext = request.app.state.ctx
     ctx.check_model(req.model)
     messages, tools = chat_messages(req, ctx.sealer), chat_tools(req)
+    choice = req.tool_choice
+    if choice is not None and choice.type in ("any", "tool"):  # refused as /v1/messages refuses it
+        cp.spec_or_400(cp.ChatJob(messages=messages, tools=tools, tool_choice="required",
+                                  tool_name=choice.name if choice.type == "tool" else None))
 
     def work() -> list[int]:
         return cp.encode(ctx, cp.render_prompt(ctx, messages, tools), "messages", check_length=True,

@@ -257,7 +257,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     """Responses function tools as chat-completions function tools (the template's form)."""
     out = []
     for i, t in enumerate(tools or []):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+        if isinstance(t, dict) and t.get("type") == "function" and not isinstance(t.get("name"), str):
+            nested = " (the Responses API takes name, parameters ... at the tool's top level, not under " \
+                     "'function' as Chat Completions does)" if isinstance(t.get("function"), dict) else ""
+            raise APIError(400, f"tools.{i}.name: a function tool needs a string name, got "
+                                f"{json_type(t.get('name'))}{nested}", param=f"tools.{i}.name")
+        if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else json_type(t)
             raise APIError(
                 400,
