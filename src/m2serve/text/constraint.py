@@ -97,19 +97,30 @@ _VALUE_ENDS = "/(?s:.*)(" + "|".join(_rx_escape(t) for t in _VALUE_END_TEXTS) + 
 def _without_regex(texts: Sequence[str]) -> str:
     """An anchored regex (JSON Schema ``pattern``, no lookaround) for the strings that contain none of
     ``texts``, each starting with ``<`` and holding no other ``<``. Such a string is a run of: a
-    character other than ``<``; or ``<`` + a proper prefix p of a text's rest + a character that is
-    neither ``<`` nor extends p; and it may end in ``<`` + p runs. A character that breaks a partial
-    match can begin no other match except a ``<`` (nothing else starts a text), so no state is lost."""
+    character other than ``<``; or ``<`` + a partial text (a proper prefix of a text's rest, as a nested
+    optional group over the texts' trie) + a character that is neither ``<`` nor extends it; and it may
+    end in ``<`` + partial-text runs. A character that breaks a partial match can begin no other match
+    except a ``<`` (nothing else starts a text), so no state is lost."""
     rests = [t[1:] for t in texts]
     assert all(t.startswith("<") and "<" not in r for t, r in zip(texts, rests)), texts
-    prefixes = sorted({r[:i] for r in rests for i in range(len(r))})
-    broken, partial = [], []
-    for p in prefixes:
-        extend = sorted({r[len(p)] for r in rests if r.startswith(p) and len(r) > len(p)})
-        broken.append("<" + _rx_escape(p) + "[^<" + "".join(_rx_escape(c) for c in extend) + "]")
-        partial.append("<" + _rx_escape(p))
-    b, c = "|".join(broken), "|".join(partial)
-    return f"^([^<]|({c})*({b}))*({c})*$"
+
+    def kids(p: str) -> list[str]:
+        return sorted({r[len(p)] for r in rests if r.startswith(p) and len(r) > len(p)})
+
+    def inner(p: str) -> list[str]:  # the children that do not complete a text
+        return [c for c in kids(p) if p + c not in rests]
+
+    def partial(p: str) -> str:  # what may follow prefix p and still be a proper prefix (or nothing)
+        alts = [_rx_escape(c) + partial(p + c) for c in inner(p)]
+        return "(?:" + "|".join(alts) + ")?" if alts else ""
+
+    def broken(p: str) -> str:  # what may follow prefix p up to and including the character that breaks it
+        alts = ["[^<" + "".join(_rx_escape(c) for c in kids(p)) + "]"]
+        alts += [_rx_escape(c) + broken(p + c) for c in inner(p)]
+        return "(?:" + "|".join(alts) + ")"
+
+    c, b = "<" + partial(""), "<" + broken("")
+    return f"^(?:[^<]|(?:{c})*{b})*(?:{c})*$"
 
 
 # Any JSON value whose strings and object keys contain no value end, at every depth (a string matches
@@ -214,6 +225,8 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any]) -> str:
     ``definitions`` from ``root``) intersected with _SAFE_VALUE, so no string or key inside it holds a
     value end (P10). A schema llguidance cannot intersect (a recursive one) is used as given and logged:
     such a value may then hold a value end inside a string, and the parser would cut the call there."""
+    if not allowed_types(schema) & {"object", "array", "string"}:  # no string can occur in it
+        return _json_schema(schema, root)
     inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
     doc: dict[str, Any] = {}
     for key in ("$defs", "definitions"):
