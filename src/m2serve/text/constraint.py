@@ -52,7 +52,7 @@ are the grammar's EOS; they are allowed only where the grammar may end.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import logging
 import re
@@ -207,17 +207,28 @@ def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None 
     return "%json " + json.dumps(doc, ensure_ascii=False)
 
 
-@functools.lru_cache(maxsize=256)
+_INTERSECTS: dict[str, bool] = {}  # sha-256 of a schema's text -> whether llguidance compiles it
+_INTERSECTS_MAX = 1024  # entries kept (oldest dropped first): digests, not the texts
+
+
 def _intersects(doc_text: str) -> bool:
     """Whether llguidance compiles the schema ``doc_text`` (it cannot intersect every schema with
-    _SAFE_VALUE: a recursive one exceeds its intersection depth)."""
+    _SAFE_VALUE: a recursive one exceeds its intersection depth); remembered per text."""
+    key = hashlib.sha256(doc_text.encode()).hexdigest()
+    known = _INTERSECTS.get(key)
+    if known is not None:
+        return known
     try:
         llguidance.JsonCompiler().compile(doc_text)
-    except (ValueError, KeyboardInterrupt, SystemExit):
-        return False
-    except BaseException:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) or alike
-        return False
-    return True
+        known = True
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - ValueError, or a Rust panic (pyo3's PanicException) or alike
+        known = False
+    while len(_INTERSECTS) >= _INTERSECTS_MAX:
+        _INTERSECTS.pop(next(iter(_INTERSECTS)), None)
+    _INTERSECTS[key] = known
+    return known
 
 
 def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any]) -> str:
