@@ -323,6 +323,11 @@ def test_error_bodies_name_the_problem(served):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "temperature", r.text
     assert "finite number" in err["message"], r.text
+    r = client.post("/v1/chat/completions", headers=hdr,  # a string field: pydantic's own message stays
+                    content=b'{"messages": [{"role": "user", "content": "a"}], "model": NaN}')
+    err = r.json()["error"]
+    assert r.status_code == 400 and "valid string" in err["message"], r.text
+    assert "finite" not in err["message"], r.text
 
 
 def test_lone_surrogates_and_deep_nesting_are_400_not_500(served):

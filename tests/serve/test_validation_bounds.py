@@ -294,6 +294,13 @@ FIELD_400 = [  # (route, body, the path the 400 names)
                                    "tool_choice": {"type": "tool", "name": "x"},
                                    "tools": [{"name": "w", "input_schema": {"type": "object"}}]},
      "tool_choice"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": MESSAGES, "tool_choice": {"type": "tool"},
+                                   "tools": [{"name": "w", "input_schema": {"type": "object"}}]},
+     "tool_choice.name"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": MESSAGES, "tool_choice": {"type": "any"},
+                                   "tools": [{"name": "w", "input_schema": {"type": "object", "properties": {
+                                       "s": {"type": "string", "pattern": "(("}}}}]},
+     "tool 'w' parameter 's'"),
 ]
 
 

@@ -322,6 +322,41 @@ def test_a_json_parameter_cannot_hold_a_value_end(compiler, todos, meta, ok):
     assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text)) is ok, text
 
 
+def test_an_optional_model_parameter_is_json_with_the_exclusion(compiler):
+    """pydantic's ``x: Model | None`` is ``anyOf: [{"$ref": ...}, {"type": "null"}]``: typed through the
+    reference (P14), so the forced call writes JSON that cannot hold a value end, and the parser reads
+    an object back (it was a string, and the exclusion was skipped as for a null-only parameter)."""
+    from m2serve.text.parser import parse_output
+
+    tool = {"type": "function", "function": {"name": "go", "parameters": {
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}},
+        "type": "object", "properties": {"alt": {"anyOf": [{"$ref": "#/$defs/Loc"}, {"type": "null"}]}},
+        "required": ["alt"]}}}
+    call = '<invoke name="go">\n<parameter name="alt">{}</parameter>\n</invoke>\n'
+    for value, ok in (('{"city": "Rome"}', True), ("null", True), ('{"city": "a</invoke>b"}', False)):
+        constraint = compiler.constraint(tool_calls_spec([tool]), "off")
+        text = call.format(value)
+        assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text)) is ok, value
+    parsed = parse_output("<minimax:tool_call>\n" + call.format('{"city": "Rome"}') + "</minimax:tool_call>",
+                          tools=[tool])
+    assert [c.arguments for c in parsed.tool_calls] == ['{"alt": {"city": "Rome"}}']
+
+
+def test_the_exclusion_is_not_counted_in_the_grammar_limit():
+    """100 tools of two object parameters each: within MAX_GRAMMAR_BYTES as the request wrote them, so
+    a forced call is not refused for the text m2serve adds (about 2 KB per such parameter)."""
+    from m2serve.text.constraint import MAX_GRAMMAR_BYTES, spec_bytes
+
+    tools = [_tool(f"t{i}", {"a": {"type": "array", "items": {"type": "string"}}, "b": {"type": "object"}})
+             for i in range(100)]
+    spec = tool_calls_spec(tools)
+    assert spec_bytes(spec) > MAX_GRAMMAR_BYTES >= spec_bytes(spec) - spec.exempt_bytes
+    assert spec.exempt_bytes == spec_bytes(spec) - spec_bytes(spec.fallback)  # the exclusion's text only
+    compiler = make_compiler("tiny-random")
+    assert compiler.constraint(spec, "off") is not None  # not refused as too large
+
+
 def test_a_recursive_parameter_schema_still_compiles(compiler):
     """llguidance cannot intersect a recursive schema with the exclusion: it is used as given."""
     tree = {"type": "function", "function": {"name": "t", "parameters": {

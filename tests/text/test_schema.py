@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from m2serve.text.schema import MAX_REF_HOPS, allowed_types, coerce_value, resolve_ref, string_rule
+from m2serve.text.schema import (
+    MAX_REF_HOPS,
+    allowed_types,
+    coerce_value,
+    resolve_ref,
+    resolve_refs,
+    string_rule,
+)
 
 
 @pytest.mark.parametrize("schema, want", [
@@ -38,7 +45,16 @@ def test_resolve_ref_follows_local_refs_only():  # P14: a $ref parameter types a
         assert (out == unresolved) or out == {"$ref": "#/$defs/Self"}, unresolved
     assert allowed_types(resolve_ref({"$ref": "#/$defs/Loc"}, root)) == {"object"}
     assert allowed_types({"$ref": "#/$defs/Loc"}) == {"string"}  # unresolved: no type, P14's default
-    assert MAX_REF_HOPS >= 2
+    for hops, resolved in ((MAX_REF_HOPS, True), (MAX_REF_HOPS + 1, False)):  # a chain of `hops` refs
+        chain = {"$defs": {f"D{i}": {"$ref": f"#/$defs/D{i + 1}"} for i in range(hops - 1)}}
+        chain["$defs"][f"D{hops - 1}"] = {"type": "integer"}
+        out = resolve_ref({"$ref": "#/$defs/D0"}, chain)
+        assert (out == {"type": "integer"}) is resolved and ("$ref" in out) is not resolved, hops
+    # the branches of a union too (pydantic's Optional[Model]); properties inside are left as written
+    opt = {"anyOf": [{"$ref": "#/$defs/Loc"}, {"type": "null"}], "description": "d"}
+    assert resolve_refs(opt, root) == {"anyOf": [loc, {"type": "null"}], "description": "d"}
+    assert allowed_types(resolve_refs(opt, root)) == {"object", "null"}
+    assert allowed_types(opt) == {"null"}  # what the branch gave unresolved
 
 
 def test_string_rule():  # P15

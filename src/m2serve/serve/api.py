@@ -247,27 +247,28 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = param or _error_param(loc, str(err.get("msg", "")))
         value = err.get("input")
-        msg = ("Input should be a finite number" if isinstance(value, float) and not math.isfinite(value)
-               else err.get("msg"))  # NaN / Infinity: pydantic's message was the range bound they fail
+        bound = err.get("type") in _NUMBER_BOUNDS and isinstance(value, float) and not math.isfinite(value)
+        msg = "Input should be a finite number" if bound else err.get("msg")  # NaN / Infinity: pydantic
+        # named the range bound they fail
         parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
     return error_response(APIError(400, "invalid request: " + "; ".join(parts), param=param), request.scope)
 
 
+_NUMBER_BOUNDS = frozenset({"less_than", "less_than_equal", "greater_than", "greater_than_equal",
+                            "finite_number"})
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _MESSAGE_FIELD = re.compile(r"(?:Value error, )?([a-z_][a-z0-9_]*): ")
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def _error_param(loc: list[str], msg: str) -> str | None:
-    """The request field a validation error names: its location up to the first union-branch tag
-    pydantic appends (``stop.str``, ``stop.list[str]``, ``tool_choice.literal['none','auto']``, a model's
-    class name), so ``param`` is ``stop``; for a whole-request check (no location) the field its message
-    starts with (``"top_logprobs: ..."``); else None."""
-    kept = []
-    for part in loc:
-        if not (part.isdigit() or (_FIELD_NAME.fullmatch(part) and part not in _UNION_TAGS)):
-            break
-        kept.append(part)
+    """The request field a validation error names: its location without the union-branch tags pydantic
+    puts in it (``stop.str``, ``stop.list[str]``, ``tool_choice.literal['none','auto']``, a model's
+    class name: ``tool_choice.NamedToolChoice.function.name`` is ``tool_choice.function.name``); for a
+    whole-request check (no location) the field its message starts with (``"top_logprobs: ..."``);
+    else None."""
+    kept = [part for part in loc
+            if part.isdigit() or (_FIELD_NAME.fullmatch(part) and part not in _UNION_TAGS)]
     if kept:
         return ".".join(kept)
     m = _MESSAGE_FIELD.match(msg)

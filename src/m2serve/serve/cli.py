@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import m2serve
@@ -649,21 +650,26 @@ def check_engine_options(command: str, opts: dict[str, Any]) -> str | None:
     if command != "plan" and template is not None and not os.path.isfile(template):
         return f"--chat-template {template}: no such file"
     try:
-        cfg_path = resolve_config(opts.get("model"))
+        cfg_path: Path | None = resolve_config(opts.get("model"))
     except ModelNotFoundError as e:
-        return None if looks_like_hub_id(str(opts.get("model"))) else str(e)
-    config = MiniMaxM2Config.from_pretrained(cfg_path)
+        if not looks_like_hub_id(str(opts.get("model"))):
+            return str(e)
+        cfg_path = None   # left to the load (it may be downloaded); the draft is still resolved below
     world = torchrun_world_size()
-    try:   # the flags first: a draft's hub id is parsed here, not fetched
-        check_engine_args(config, EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts)),
-                          world if world > 1 else None)
-    except EngineArgError as e:
-        return f"--{e.field.replace('_', '-')}: {e}"
+    if cfg_path is not None:
+        config = MiniMaxM2Config.from_pretrained(cfg_path)
+        try:   # the flags first: a draft's hub id is parsed here, not fetched
+            check_engine_args(config, EngineArgs(model=str(cfg_path.parent), **engine_args_from(opts)),
+                              world if world > 1 else None)
+        except EngineArgError as e:
+            return f"--{e.field.replace('_', '-')}: {e}"
     try:
         engine_args = resolve_engine_args(engine_args_from(opts),   # an EAGLE-3 draft's hub id
                                           config_only=command == "plan")
     except ModelNotFoundError as e:
         return f"--speculative-config: {e}"
+    if cfg_path is None:
+        return None
     args = EngineArgs(model=str(cfg_path.parent), **engine_args)
     try:   # an EAGLE-3 draft that does not fit the target, or on several ranks (its config.json only)
         check_speculative_target(parse_speculative_config(args.speculative_config), config,

@@ -52,13 +52,12 @@ are the grammar's EOS; they are allowed only where the grammar may end.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,7 +65,7 @@ import llguidance
 import torch
 
 from m2serve.config.engine_args import MAX_SPECULATIVE_TOKENS
-from m2serve.text.schema import allowed_types, resolve_ref
+from m2serve.text.schema import allowed_types, resolve_refs
 from m2serve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -166,7 +165,10 @@ class ConstraintSpec:
     (plus helper rules); ``subgrammars`` are (name, Lark text) referenced as ``@name``; ``parts`` are
     (field, standalone Lark grammar) checked one by one when the whole does not compile, so the error
     names the part at fault (the tool); ``free_answer``: only the reasoning is constrained, the matcher
-    is not consulted once the answer starts (``free_spec``)."""
+    is not consulted once the answer starts (``free_spec``); ``exempt_bytes``: bytes of text m2serve
+    added on its own account (the value-end exclusion of forced calls), not counted against
+    MAX_GRAMMAR_BYTES; ``fallback``: the spec compiled instead when this one does not compile (the
+    same calls without that exclusion)."""
 
     key: str
     field: str
@@ -174,6 +176,8 @@ class ConstraintSpec:
     subgrammars: tuple[tuple[str, str], ...] = ()
     parts: tuple[tuple[str, str], ...] = ()
     free_answer: bool = False
+    exempt_bytes: int = 0
+    fallback: ConstraintSpec | None = None
 
 
 def _lark_str(text: str) -> str:
@@ -207,37 +211,14 @@ def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None 
     return "%json " + json.dumps(doc, ensure_ascii=False)
 
 
-_INTERSECTS: dict[str, bool] = {}  # sha-256 of a schema's text -> whether llguidance compiles it
-_INTERSECTS_MAX = 1024  # entries kept (oldest dropped first): digests, not the texts
-
-
-def _intersects(doc_text: str) -> bool:
-    """Whether llguidance compiles the schema ``doc_text`` (it cannot intersect every schema with
-    _SAFE_VALUE: a recursive one exceeds its intersection depth); remembered per text."""
-    key = hashlib.sha256(doc_text.encode()).hexdigest()
-    known = _INTERSECTS.get(key)
-    if known is not None:
-        return known
-    try:
-        llguidance.JsonCompiler().compile(doc_text)
-        known = True
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:  # noqa: BLE001 - ValueError, or a Rust panic (pyo3's PanicException) or alike
-        known = False
-    while len(_INTERSECTS) >= _INTERSECTS_MAX:
-        _INTERSECTS.pop(next(iter(_INTERSECTS)), None)
-    _INTERSECTS[key] = known
-    return known
-
-
-def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any]) -> str:
-    """``%json`` text for a JSON-valued tool parameter: ``schema`` (with the tool's ``$defs`` /
-    ``definitions`` from ``root``) intersected with _SAFE_VALUE, so no string or key inside it holds a
-    value end (P10). A schema llguidance cannot intersect (a recursive one) is used as given and logged:
-    such a value may then hold a value end inside a string, and the parser would cut the call there."""
-    if not allowed_types(schema) & {"object", "array", "string"}:  # no string can occur in it
-        return _json_schema(schema, root)
+def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: bool) -> tuple[str, int]:
+    """``%json`` text for a JSON-valued tool parameter, and the bytes the exclusion added: ``schema``
+    (with the tool's ``$defs`` / ``definitions`` from ``root``), with ``exclude`` intersected with
+    _SAFE_VALUE so that no string or key inside it holds a value end (P10). A parameter that can hold
+    no string (integer, number, boolean, null) needs no exclusion."""
+    plain = _json_schema(schema, root)
+    if not exclude or not allowed_types(schema) & {"object", "array", "string"}:
+        return plain, 0
     inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
     doc: dict[str, Any] = {}
     for key in ("$defs", "definitions"):
@@ -246,11 +227,8 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any]) -> str:
             doc[key] = found
     doc["$defs"] = {**doc.get("$defs", {}), _SAFE_NAME: _SAFE_VALUE}
     doc["allOf"] = [inner, {"$ref": f"#/$defs/{_SAFE_NAME}"}]
-    text = json.dumps(doc, ensure_ascii=False)
-    if _intersects(text):
-        return _json_schema(doc)
-    log.info("tool parameter schema kept without the value-end exclusion (llguidance cannot intersect it)")
-    return _json_schema(schema, root)
+    text = _json_schema(doc)
+    return text, max(len(text.encode()) - len(plain.encode()), 0)
 
 
 def json_spec(schema: Mapping[str, Any] | None, field: str = "response_format") -> ConstraintSpec:
@@ -325,7 +303,7 @@ def no_tool_call_spec() -> ConstraintSpec:
     with every special token, since text terminals never match special tokens) and none of
     ``NO_TOOL_CALL_TEXT`` spelt with ordinary tokens. Forbidding the tag alone was not enough: a model
     that wants to call a tool then writes the call's body as text (``>\n<invoke name="get_weather">``)."""
-    banned = "|".join(re.escape(t).replace("/", "\\/") for t in NO_TOOL_CALL_TEXT)
+    banned = "|".join(_rx_escape(t) for t in NO_TOOL_CALL_TEXT)
     return ConstraintSpec("none", "tool_choice",
                           f"body: FREE_TEXT\nFREE_TEXT: {_ANY_TEXT} & ~/(?s:.*)({banned})(?s:.*)/\n")
 
@@ -400,9 +378,11 @@ def _raw_string_terminal(schema: Mapping[str, Any], where: str) -> str:
     return " & ".join(parts)
 
 
-def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """Lark rules for one ``<invoke>`` of tool ``name`` (rule ``inv_{tag}``), and a standalone grammar
-    per parameter (field, Lark) to name the parameter at fault in errors."""
+def _invoke_rules(name: str, params: Mapping[str, Any], tag: str, exclude: bool = True
+                  ) -> tuple[list[str], list[tuple[str, str]], int]:
+    """Lark rules for one ``<invoke>`` of tool ``name`` (rule ``inv_{tag}``), a standalone grammar per
+    parameter (field, Lark) to name the parameter at fault in errors, and the bytes the value-end
+    exclusion added (``exclude``, :func:`_json_value`)."""
     props = params.get("properties") or {}
     if not isinstance(props, Mapping):
         raise ValueError(f"tool {name!r}: parameters.properties must be an object")
@@ -410,12 +390,12 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
     if not isinstance(required, list) or any(r not in props for r in required):
         raise ValueError(f"tool {name!r}: parameters.required must list declared properties, "
                          f"got {required!r}")
-    rules, seq, parts = [], [], []
+    rules, seq, parts, added = [], [], [], 0
     for j, (key, schema) in enumerate(props.items()):
         if ">" in key:
             raise ValueError(f"tool {name!r}: parameter name {key!r} contains '>', which the MiniMax "
                              "tool-call format cannot express (docs/parsers.md §3.7)")
-        schema = resolve_ref(schema, params) if isinstance(schema, Mapping) else {}
+        schema = resolve_refs(schema, params) if isinstance(schema, Mapping) else {}
         where = f"tool {name!r} parameter {key!r}"
         types = allowed_types(schema)
         head = _lark_str(f'<parameter name="{key}">')
@@ -432,13 +412,15 @@ def _invoke_rules(name: str, params: Mapping[str, Any], tag: str) -> tuple[list[
             rules.append(f"v_{tag}_{j}[suffix={close}]: V_{tag}_{j}")
             rules.append(f"V_{tag}_{j}: {_raw_string_terminal(schema, where)}")
         else:
-            rules.append(f"p_{tag}_{j}: {head} {_json_value(schema, params)} {close}")
+            value, extra = _json_value(schema, params, exclude)
+            rules.append(f"p_{tag}_{j}: {head} {value} {close}")
+            added += extra
         own = [r for r in rules if r.startswith((f"p_{tag}_{j}:", f"v_{tag}_{j}[", f"V_{tag}_{j}:"))]
         parts.append((where, f"start: p_{tag}_{j}\n" + "\n".join(own) + "\n"))
         seq.append(f"p_{tag}_{j}" + ("" if key in required else "?"))
     open_tag, close_tag = _lark_str(f'<invoke name="{name}">\n'), _lark_str("</invoke>\n")
     rules.insert(0, f"inv_{tag}: {open_tag} {' '.join(seq)} {close_tag}")
-    return rules, parts
+    return rules, parts, added
 
 
 def max_tool_calls(n_tools: int, name: str | None = None, parallel_tool_calls: bool = True,
@@ -482,16 +464,26 @@ def tool_calls_spec(tools: Sequence[Any], name: str | None = None, parallel_tool
         if not functions:
             raise ValueError(f"tool_choice: function {name!r} is not one of the request's tools")
         functions = functions[:1]
-    rules, parts = [], []
-    for i, (fname, params) in enumerate(functions):
-        tool_rules, param_parts = _invoke_rules(fname, params, str(i))
-        rules += tool_rules
-        parts += param_parts
-    invoke = " | ".join(f"inv_{i}" for i in range(len(functions)))
-    body = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{{1,{cap}}} <[TC_END]>\n"
-    text = body + f"invoke: {invoke}\n" + "\n".join(rules) + "\n"
     key = json.dumps([name, cap, [[f, p] for f, p in functions]], ensure_ascii=False)
-    return ConstraintSpec(f"tools:{key}", "tool_choice" if name else "tools", text, parts=tuple(parts))
+    field = "tool_choice" if name else "tools"
+    invoke = " | ".join(f"inv_{i}" for i in range(len(functions)))
+    head = f"body: \"\\n\"? <[TC]> \"\\n\" invoke{{1,{cap}}} <[TC_END]>\ninvoke: {invoke}\n"
+    texts, plain_parts, added = [], [], 0
+    for exclude in (False, True):
+        rules = []
+        for i, (fname, params) in enumerate(functions):
+            tool_rules, param_parts, extra = _invoke_rules(fname, params, str(i), exclude)
+            rules += tool_rules
+            if exclude:
+                added += extra
+            else:
+                plain_parts += param_parts   # errors name the request's own schema, not the exclusion
+        texts.append(head + "\n".join(rules) + "\n")
+    plain = ConstraintSpec(f"tools-plain:{key}", field, texts[0], parts=tuple(plain_parts))
+    if not added:
+        return replace(plain, key=f"tools:{key}")
+    return ConstraintSpec(f"tools:{key}", field, texts[1], parts=tuple(plain_parts), exempt_bytes=added,
+                          fallback=plain)
 
 
 def _clean_error(message: str) -> str:
@@ -600,15 +592,15 @@ class GrammarCompiler:
         if reasoning not in _REASONING_STARTS:
             raise ValueError(f"reasoning={reasoning!r}: expected one of {_REASONING_STARTS}")
         size = spec_bytes(spec)
-        if size > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"{spec.field}: the grammar is {size} bytes, more than the limit of "
-                             f"{MAX_GRAMMAR_BYTES} bytes")
+        if size - spec.exempt_bytes > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"{spec.field}: the grammar is {size - spec.exempt_bytes} bytes, more than the "
+                             f"limit of {MAX_GRAMMAR_BYTES} bytes")
         key = (spec.key, reasoning)
         cached = self._cache.get(key)
         matcher = cached[0] if cached is not None else None
         if matcher is None:
             try:
-                matcher = self._compile_new(spec, reasoning)
+                matcher = self._compile_with_fallback(spec, reasoning)
             except (ValueError, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - a Rust panic (pyo3's PanicException) or alike
@@ -622,6 +614,18 @@ class GrammarCompiler:
                 self._cache[key] = (matcher, size)
                 self.cache_bytes += size
         return matcher.deep_copy()
+
+    def _compile_with_fallback(self, spec: ConstraintSpec, reasoning: ReasoningStart) -> llguidance.LLMatcher:
+        """:meth:`_compile_new`, then ``spec.fallback`` when ``spec`` does not compile (llguidance cannot
+        intersect every schema with the value-end exclusion: a recursive one exceeds its intersection
+        depth); the fallback's error, naming the request's own schema, when neither does."""
+        try:
+            return self._compile_new(spec, reasoning)
+        except ValueError as e:
+            if spec.fallback is None:
+                raise
+            log.info("%s: compiled without the value-end exclusion (%s)", spec.field, str(e)[:200])
+            return self._compile_new(spec.fallback, reasoning)
 
     def _compile_new(self, spec: ConstraintSpec, reasoning: ReasoningStart) -> llguidance.LLMatcher:
         """Check and compile ``spec`` (ValueError naming the field, or its part, at fault)."""

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from m2serve.text.schema import coerce_value, is_string_only, resolve_ref
+from m2serve.text.schema import coerce_value, is_string_only, resolve_refs
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class StreamingParser:
                 params = fn.get("parameters")
                 props = params.get("properties") if isinstance(params, Mapping) else None
                 props = props if isinstance(props, Mapping) else {}
-                self._tools.setdefault(fn["name"], {k: resolve_ref(v, params) for k, v in props.items()})
+                self._tools.setdefault(fn["name"], {k: resolve_refs(v, params) for k, v in props.items()})
         self._tools_on = bool(self._tools)
         reasoning = starts_in_reasoning(prompt_tail)
         self._state = _State.REASONING if reasoning else _State.CONTENT

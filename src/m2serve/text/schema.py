@@ -92,6 +92,25 @@ def resolve_ref(schema: Any, root: Any) -> Any:
     return schema
 
 
+#: Nesting of anyOf / oneOf / allOf through which :func:`resolve_refs` follows references.
+MAX_REF_DEPTH = 8
+
+
+def resolve_refs(schema: Any, root: Any, depth: int = 0) -> Any:
+    """:func:`resolve_ref` on a parameter's schema and, recursively, on the branches of its ``anyOf`` /
+    ``oneOf`` / ``allOf`` (pydantic writes ``x: Model | None`` as ``anyOf: [{"$ref": ...}, {"type":
+    "null"}]``), to MAX_REF_DEPTH levels: what P14 types the value by. Properties and items inside are
+    left as written."""
+    schema = resolve_ref(schema, root)
+    if not isinstance(schema, Mapping) or depth >= MAX_REF_DEPTH:
+        return schema
+    out = dict(schema)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [resolve_refs(b, root, depth + 1) for b in out[key]]
+    return out
+
+
 def allowed_types(schema: Any) -> frozenset[str]:
     """P14: the set of JSON type names a parameter schema allows.
 

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -50,6 +51,28 @@
 #endif
 
 namespace {
+
+// A buffer that only grows, 64-byte aligned (a cache line, and what at::empty gives): the decode
+// tile of the at::mm path, kept per calling thread so that no call page-faults a fresh one.
+struct AlignedBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  AlignedBuffer() = default;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer() { std::free(data); }
+  void* get(size_t need) {
+    if (need > bytes) {
+      const size_t size = (need + 63) / 64 * 64;
+      void* fresh = std::aligned_alloc(64, size);
+      TORCH_CHECK(fresh != nullptr, "grouped_linear: cannot allocate a ", size, "-byte decode tile");
+      std::free(data);
+      data = fresh;
+      bytes = size;
+    }
+    return data;
+  }
+};
 
 enum Fmt : int64_t { BF16 = 0, FP8_BLOCK = 1, NVFP4_MODELOPT = 2, NVFP4_CT = 3, MXFP4 = 4 };
 // AVX512F / AVX512BF16: the AVX-512 kernels without the CPU's extra paths (no BF16 dot products and no
@@ -1017,17 +1040,15 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& offsets, const 
   // that it runs with all threads and the best GEMM (bf16 weights are used as they are). The tile
   // lives in a buffer this thread keeps (it only grows, to at most mm_tile_n x K activation
   // elements): a fresh one per expert would be page-faulted in on every call.
-  thread_local std::vector<uint8_t> tile_bytes;
+  thread_local AlignedBuffer tile_bytes;
   for (const Task& tk : gemm) {
     const int64_t rows = tk.r1 - tk.r0, nt = tk.n1 - tk.n0;
     at::Tensor tile;
     if (fmt == BF16 && w.round_bf16) {
       tile = q.select(0, tk.e).narrow(0, tk.n0, nt);
     } else {
-      const size_t need = size_t(nt * K) * x.element_size();
-      if (tile_bytes.size() < need) tile_bytes.resize(need);
-      tile = at::from_blob(tile_bytes.data(), {nt, K}, x.options());
-      char* base = reinterpret_cast<char*>(tile_bytes.data());
+      char* base = static_cast<char*>(tile_bytes.get(size_t(nt * K) * x.element_size()));
+      tile = at::from_blob(base, {nt, K}, x.options());
       at::parallel_for(tk.n0, tk.n1, fp8_table ? block_n : 16, [&](int64_t a, int64_t b) {
         // per-thread scratch kept across calls, as in the GEMV tasks above
         thread_local std::vector<uint8_t> tabs;

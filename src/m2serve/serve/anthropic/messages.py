@@ -164,12 +164,22 @@ def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, bool]:
-    """The chat job of a Messages request and whether thinking blocks are returned."""
+def tool_choice_fields(req: CountTokensRequest) -> dict[str, Any]:
+    """A request's ``tool_choice`` as the chat job's ``tool_choice``, ``tool_name`` and ``one_call``
+    (``any`` -> required, ``tool`` -> that one tool, ``none``, else auto). Raises APIError 400 naming
+    ``tool_choice.name`` for a ``tool`` choice without a name."""
     choice = req.tool_choice
     if choice is not None and choice.type == "tool" and not choice.name:
         raise APIError(400, "tool_choice.name: a 'tool' choice needs the tool's name",
                        param="tool_choice.name")
+    return {"tool_choice": {"none": "none", "any": "required"}.get(choice.type, "auto") if choice else "auto",
+            "tool_name": choice.name if choice is not None and choice.type == "tool" else None,
+            "one_call": bool(choice is not None and choice.disable_parallel_tool_use)}
+
+
+def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, bool]:
+    """The chat job of a Messages request and whether thinking blocks are returned."""
+    choice_fields = tool_choice_fields(req)
     fmt = (req.output_config or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise APIError(400, "output_config.format must be an object", param="output_config.format")
@@ -186,13 +196,11 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     job = cp.ChatJob(
         messages=chat_messages(req, ctx.sealer),
         tools=chat_tools(req),
-        tool_choice={"none": "none", "any": "required"}.get(choice.type, "auto") if choice else "auto",
-        tool_name=choice.name if choice is not None and choice.type == "tool" else None,
+        **choice_fields,
         output=output,
         reasoning_budget=budget,
         params=params,
         reasoning_split=True,
-        one_call=bool(choice is not None and choice.disable_parallel_tool_use),
         max_tokens_is_cap=True,
     )
     return job, thinking is None or thinking.type != "disabled"
@@ -367,12 +375,11 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, i
     ctx: ServeContext = request.app.state.ctx
     ctx.check_model(req.model)
     messages, tools = chat_messages(req, ctx.sealer), chat_tools(req)
-    choice = req.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):  # refused as /v1/messages refuses it
-        cp.spec_or_400(cp.ChatJob(messages=messages, tools=tools, tool_choice="required",
-                                  tool_name=choice.name if choice.type == "tool" else None))
+    job = cp.ChatJob(messages=messages, tools=tools, **tool_choice_fields(req))
 
     def work() -> list[int]:
+        # the tool choice refused as /v1/messages refuses it (its grammar compiled, off the event loop)
+        cp.constraint_factory(ctx, cp.spec_or_400(job), "inside", None)
         return cp.encode(ctx, cp.render_prompt(ctx, messages, tools), "messages", check_length=True,
                          tools=tools)
 
