@@ -357,6 +357,32 @@ def test_the_exclusion_is_not_counted_in_the_grammar_limit():
     assert compiler.constraint(spec, "off") is not None  # not refused as too large
 
 
+def test_only_the_parameter_llguidance_cannot_intersect_goes_without_the_exclusion(compiler):
+    """A recursive schema (or one with patternProperties) is found without compiling and written as
+    given; the other parameters of the same request keep the exclusion (a compile failure of the whole
+    grammar would drop it for every parameter)."""
+    from m2serve.text.constraint import _intersectable
+
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}}
+    root = {"$defs": {
+        "Loc": loc, "Twice": {"properties": {"a": {"$ref": "#/$defs/Loc"}, "b": {"$ref": "#/$defs/Loc"}}},
+        "N": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}}}},
+        "A": {"properties": {"b": {"$ref": "#/$defs/B"}}}, "B": {"properties": {"a": {"$ref": "#/$defs/A"}}},
+        "P": {"type": "object", "patternProperties": {"^x": {}}}}}
+    for schema, ok in (({"$ref": "#/$defs/Loc"}, True), ({"$ref": "#/$defs/Twice"}, True),
+                       ({"$ref": "#/$defs/N"}, False), ({"$ref": "#/$defs/A"}, False),
+                       ({"$ref": "#/$defs/P"}, False), ({"properties": {"x": {"$ref": "#"}}}, False),
+                       ({"type": "array", "items": {"type": "string"}}, True)):
+        assert _intersectable(schema, root) is ok, schema
+    tree = {"type": "function", "function": {"name": "t", "parameters": {
+        "$defs": {"N": root["$defs"]["N"]}, "type": "object", "properties": {"root": {"$ref": "#/$defs/N"}}}}}
+    spec = tool_calls_spec([tree, TODO])
+    text = ('<invoke name="TodoWrite">\n<parameter name="todos">[{"content": "x</invoke>", "status": "done"}]'
+            '</parameter>\n</invoke>\n')
+    ids = _forced_call_ids(compiler.tokenizer, text)
+    assert not _accepts(compiler, compiler.constraint(spec, "off"), ids)
+
+
 def test_a_recursive_parameter_schema_still_compiles(compiler):
     """llguidance cannot intersect a recursive schema with the exclusion: it is used as given."""
     tree = {"type": "function", "function": {"name": "t", "parameters": {

@@ -65,7 +65,7 @@ import llguidance
 import torch
 
 from m2serve.config.engine_args import MAX_SPECULATIVE_TOKENS
-from m2serve.text.schema import allowed_types, resolve_refs
+from m2serve.text.schema import allowed_types, local_ref, resolve_refs
 from m2serve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,56 @@ def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None 
     return "%json " + json.dumps(doc, ensure_ascii=False)
 
 
+def _intersectable(schema: Mapping[str, Any], root: Mapping[str, Any]) -> bool:
+    """False for the schemas llguidance cannot intersect with _SAFE_VALUE, found without compiling:
+    ``patternProperties`` anywhere in the schema or the definitions it reaches, or a cycle of local
+    references (a recursive schema exceeds llguidance's intersection depth). Walked without recursion."""
+    state: dict[tuple[str, str], int] = {}  # definition -> 1 on the current path, 2 done
+
+    def refs_and_flags(node: Any) -> tuple[list[tuple[str, str]], bool]:
+        refs, pattern_props, todo = [], False, [node]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, Mapping):
+                pattern_props |= "patternProperties" in item
+                where = local_ref(item.get("$ref"))
+                if where is not None or item.get("$ref") == "#":
+                    refs.append(where or ("", "#"))
+                todo += [v for k, v in item.items() if k not in ("$defs", "definitions")]
+            elif isinstance(item, list):
+                todo += item
+        return refs, pattern_props
+
+    refs, bad = refs_and_flags(schema)
+    for start in refs:  # a depth-first walk from each reference: (definition, its remaining references)
+        if start[1] == "#":
+            return False  # the root itself: recursive
+        if state.get(start) == 2:
+            continue
+        state[start] = 1
+        defs = root.get(start[0]) if isinstance(root.get(start[0]), Mapping) else {}
+        inner, flag = refs_and_flags(defs.get(start[1], {}))
+        bad |= flag
+        stack = [(start, iter(inner))]
+        while stack and not bad:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                continue
+            if nxt[1] == "#" or state.get(nxt) == 1:
+                return False
+            if state.get(nxt) == 2:
+                continue
+            state[nxt] = 1
+            defs = root.get(nxt[0]) if isinstance(root.get(nxt[0]), Mapping) else {}
+            inner, flag = refs_and_flags(defs.get(nxt[1], {}))
+            bad |= flag
+            stack.append((nxt, iter(inner)))
+    return not bad
+
+
 def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: bool) -> tuple[str, int]:
     """``%json`` text for a JSON-valued tool parameter, and the bytes the exclusion added: ``schema``
     (with the tool's ``$defs`` / ``definitions`` from ``root``), with ``exclude`` intersected with
@@ -218,6 +268,10 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: boo
     no string (integer, number, boolean, null) needs no exclusion."""
     plain = _json_schema(schema, root)
     if not exclude or not allowed_types(schema) & {"object", "array", "string"}:
+        return plain, 0
+    if not _intersectable(schema, root):  # this parameter as written; the others keep the exclusion
+        log.info("a tool parameter schema kept without the value-end exclusion (recursive, or with "
+                 "patternProperties: llguidance cannot intersect it)")
         return plain, 0
     inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
     doc: dict[str, Any] = {}

@@ -73,6 +73,14 @@ MAX_REF_HOPS = 8
 _LOCAL_REF = re.compile(r"#/(\$defs|definitions)/([^/]+)")
 
 
+def local_ref(ref: Any) -> tuple[str, str] | None:
+    """(``$defs`` or ``definitions``, NAME) of a local reference ``#/$defs/NAME`` (JSON Pointer
+    escapes ``~1`` / ``~0`` undone), else None (a remote reference, ``#``, a deeper pointer, not a
+    string)."""
+    match = _LOCAL_REF.fullmatch(ref) if isinstance(ref, str) else None
+    return (match.group(1), match.group(2).replace("~1", "/").replace("~0", "~")) if match else None
+
+
 def resolve_ref(schema: Any, root: Any) -> Any:
     """A parameter's schema with a local ``$ref`` followed (docs/parsers.md P14): ``#/$defs/NAME`` or
     ``#/definitions/NAME`` looked up in ``root`` (the tool's ``parameters``; ``~1`` / ``~0`` are JSON
@@ -81,11 +89,9 @@ def resolve_ref(schema: Any, root: Any) -> Any:
     ``{"$ref": "#/$defs/Model"}``, which has no ``type`` and would otherwise type as string. Anything
     else (no ``$ref``, a remote or missing target, too many hops) comes back unchanged."""
     for _ in range(MAX_REF_HOPS):
-        ref = schema.get("$ref") if isinstance(schema, Mapping) else None
-        match = _LOCAL_REF.fullmatch(ref) if isinstance(ref, str) else None
-        defs = root.get(match.group(1)) if match and isinstance(root, Mapping) else None
-        name = match.group(2).replace("~1", "/").replace("~0", "~") if match else None
-        target = defs.get(name) if isinstance(defs, Mapping) else None
+        where = local_ref(schema.get("$ref")) if isinstance(schema, Mapping) else None
+        defs = root.get(where[0]) if where and isinstance(root, Mapping) else None
+        target = defs.get(where[1]) if isinstance(defs, Mapping) else None
         if not isinstance(target, Mapping):
             return schema
         schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
