@@ -232,32 +232,24 @@ def _intersectable(schema: Mapping[str, Any], root: Mapping[str, Any]) -> bool:
         return refs, pattern_props
 
     refs, bad = refs_and_flags(schema)
-    for start in refs:  # a depth-first walk from each reference: (definition, its remaining references)
-        if start[1] == "#":
-            return False  # the root itself: recursive
-        if state.get(start) == 2:
-            continue
-        state[start] = 1
-        defs = root.get(start[0]) if isinstance(root.get(start[0]), Mapping) else {}
-        inner, flag = refs_and_flags(defs.get(start[1], {}))
-        bad |= flag
-        stack = [(start, iter(inner))]
-        while stack and not bad:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
+    stack: list[tuple[Any, Any]] = [(None, iter(refs))]  # depth-first: (definition, references left)
+    while stack and not bad:
+        node, left = stack[-1]
+        nxt = next(left, None)
+        if nxt is None:
+            if node is not None:
                 state[node] = 2
-                stack.pop()
-                continue
-            if nxt[1] == "#" or state.get(nxt) == 1:
-                return False
-            if state.get(nxt) == 2:
-                continue
-            state[nxt] = 1
-            defs = root.get(nxt[0]) if isinstance(root.get(nxt[0]), Mapping) else {}
-            inner, flag = refs_and_flags(defs.get(nxt[1], {}))
-            bad |= flag
-            stack.append((nxt, iter(inner)))
+            stack.pop()
+            continue
+        if nxt[1] == "#" or state.get(nxt) == 1:
+            return False  # the root itself, or a definition on the current path: recursive
+        if state.get(nxt) == 2:
+            continue
+        state[nxt] = 1
+        defs = root.get(nxt[0]) if isinstance(root.get(nxt[0]), Mapping) else {}
+        inner, flag = refs_and_flags(defs.get(nxt[1], {}))
+        bad |= flag
+        stack.append((nxt, iter(inner)))
     return not bad
 
 
