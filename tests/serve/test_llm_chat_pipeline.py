@@ -83,6 +83,18 @@ def test_chat_json_schema_response_format_validates(llm):
     assert not llm.has_unfinished_requests()
 
 
+def test_a_grammar_that_fails_while_decoding_raises_like_the_servers_400(llm):
+    """``a{100000}`` compiles, then llguidance's lexer gives up at the first step: the engine ends the
+    choice with "stop" and no text, which the offline API returned as an empty success. It raises the
+    server's 400 message, naming the field, with the other request of the batch aborted; the LLM goes on."""
+    fail = {"regex": "a{100000}"}
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: the grammar failed during decoding"):
+        llm.chat([QUESTION, QUESTION], GREEDY, structured_outputs=fail)
+    assert not llm.has_unfinished_requests()
+    ok = llm.chat(QUESTION, GREEDY, structured_outputs={"choice": ["yes", "no"]}).outputs[0]
+    assert ok.content in ("yes", "no") and ok.finish_reason == "stop"
+
+
 def test_chat_goes_through_the_pipeline(llm, monkeypatch):
     # LLM.chat builds the ChatJob and prepares it with the pipeline's prepare_blocking, whose
     # render_template is the one renderer: a marked rendering shows up in the offline result

@@ -886,11 +886,12 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(503, str(e), "server_error")
 
 
-def grammar_failure(sub: Submission, request_id: str) -> str | None:
+def grammar_failure(constraint: TokenConstraint | None) -> str | None:
     """The 400 message of a choice whose grammar failed while it decoded (``GrammarConstraint.failure``:
     a grammar that compiled but cannot go on), else None. The engine ends such a choice with "stop";
-    answered as that, it looked like an empty success (docs/constrained-decoding.md)."""
-    failure = getattr(sub.constraints.get(request_id), "failure", None)
+    answered as that, it looked like an empty success (docs/constrained-decoding.md). The server
+    answers it as a 400 (or its stream's error event), the offline ``LLM`` raises it as a ValueError."""
+    failure = getattr(constraint, "failure", None)
     return failure() if callable(failure) else None
 
 
@@ -901,7 +902,7 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
     try:
         async for d in ctx.engine.stream(sub.request_ids, sub.queue):
             sub._count(d.request_id, d)
-            failure = grammar_failure(sub, d.request_id) if d.finished else None
+            failure = grammar_failure(sub.constraints.get(d.request_id)) if d.finished else None
             if failure is not None:
                 sub.record.error = failure
                 raise APIError(400, failure, param=_error_field(failure, "response_format"))

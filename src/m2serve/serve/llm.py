@@ -310,7 +310,8 @@ class LLM:
 
         Raises ValueError naming the field and the fix for what the server answers with a 400: a
         template error, a prompt longer than the context (engine/request.py prompt_length_error),
-        ``max_tokens`` beyond the room left, a format that does not compile, a bad tool_choice.
+        ``max_tokens`` beyond the room left, a format that does not compile or fails while decoding
+        (raised when that choice ends; the batch's other requests are aborted), a bad tool_choice.
         """
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
@@ -384,9 +385,13 @@ class LLM:
                 for r in run.requests:
                     self.add_request(r.request_id, r.prompt_token_ids, r.params, r.processor, r.constraint)
                     owner[r.request_id] = run
+            constraints = {r.request_id: r.constraint for run in runs for r in run.requests}
             while self.has_unfinished_requests():
                 for d in self.step():
                     run = owner[d.request_id]
+                    failure = cp.grammar_failure(constraints[d.request_id]) if d.finished else None
+                    if failure is not None:
+                        raise ValueError(failure)
                     run.collector.add(cp.choice_delta(run.collector.slots, run.one_call, d))
                     if d.finished:
                         run.pending -= 1
