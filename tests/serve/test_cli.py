@@ -187,9 +187,33 @@ def test_help_shows_the_effective_defaults(capsys):
                         ("--kv-cache-format", engine.kv_cache_format),
                         ("--port", SERVE_DEFAULTS["port"]),
                         ("--max-request-bytes", SERVE_DEFAULTS["max_request_bytes"])]:
-        after = text.split(flag, 1)[1].split(" --", 1)[0]
+        after = text.split(flag, 1)[1]
+        after = re.sub(r"^ [A-Z_]+(, --[a-z-]+ [A-Z_]+)*", "", after).split(" --", 1)[0]   # vLLM aliases
         assert f"(default: {value})" in after, (flag, after)
     assert parser.parse_args(["serve"]).port is None
+
+
+def test_vllm_flag_names_are_aliases_of_the_max_flags():
+    # a vLLM command line for MiniMax-M2 (its recipe's flags) runs as written: each vLLM name sets the
+    # MAX flag of the same meaning, and --enable-auto-tool-choice / --trust-remote-code are accepted
+    from m2serve.serve.cli import build_parser, resolve_options
+
+    parser = build_parser()
+    vllm = ["serve", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+            "--gpu-memory-utilization", "0.8", "--block-size", "16", "--tool-call-parser", "minimax_m2",
+            "--reasoning-parser", "minimax_m2_append_think", "--enable-auto-tool-choice",
+            "--trust-remote-code"]
+    opts = resolve_options(parser.parse_args(vllm), parser, {})
+    assert {k: opts[k] for k in ("max_length", "max_batch_size", "max_batch_input_tokens",
+                                 "device_memory_utilization", "kv_cache_page_size", "tool_parser",
+                                 "reasoning_parser")} == {
+        "max_length": 512, "max_batch_size": 4, "max_batch_input_tokens": 256,
+        "device_memory_utilization": 0.8, "kv_cache_page_size": 16, "tool_parser": "minimax_m2",
+        "reasoning_parser": "minimax_m2_append_think"}
+    plan = resolve_options(parser.parse_args(["plan", "--max-num-seqs", "3"]), parser, {})
+    assert plan["max_batch_size"] == 3
+    with pytest.raises(SystemExit):   # the alias keeps the flag's choices
+        parser.parse_args(["serve", "--tool-call-parser", "hermes"])
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "binary"])

@@ -1,6 +1,9 @@
 """The ``m2serve`` console script: ``serve``, ``generate`` and ``plan``.
 
-Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...). Every option can
+Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...); where a vLLM flag means
+the same, its name is an alias (``--max-model-len`` for ``--max-length``, ``--tool-call-parser``,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--block-size``), and
+vLLM's ``--enable-auto-tool-choice`` and ``--trust-remote-code`` are accepted and change nothing. Every option can
 also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
 and from a recipe (``--config-file``, recipe.py). Precedence: CLI > environment > recipe >
 defaults. With no model, ``serve`` and ``generate`` use the embedded default checkpoint.
@@ -98,6 +101,8 @@ UNSET_MEANING: dict[str, str] = {
     "sampling_seed": "unseeded",
     "device_memory_gib": "measured free memory",
     "speculative_config": "off",
+    "enable_auto_tool_choice": "off",
+    "trust_remote_code": "off",
 }
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
 
@@ -121,11 +126,12 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     a("--ep-size", type=int, help="expert-parallel ranks the MoE experts are split over")
     a("--ep-use-allreduce", action=argparse.BooleanOptionalAction, default=None,
       help="combine the experts' outputs with one all-reduce instead of all-to-all")
-    a("--max-batch-input-tokens", type=int, help="tokens per step, prefill chunks and decodes together")
-    a("--max-length", type=int, help="max context in tokens")
-    a("--device-memory-utilization", type=float,
+    a("--max-batch-input-tokens", "--max-num-batched-tokens", type=int,
+      help="tokens per step, prefill chunks and decodes together")
+    a("--max-length", "--max-model-len", type=int, help="max context in tokens")
+    a("--device-memory-utilization", "--gpu-memory-utilization", type=float,
       help="GPU: fraction of device memory the planner may use (weights, activations, KV pages)")
-    a("--kv-cache-page-size", type=int, help="tokens per KV cache page")
+    a("--kv-cache-page-size", "--block-size", type=int, help="tokens per KV cache page")
     a("--kv-cache-format", choices=list(KV_CACHE_FORMATS), help="KV cache element format")
     a("--kv-cache-memory-gib", type=float,
       help="CPU: GiB of KV pages per rank")
@@ -150,12 +156,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--served-model-name", help="the model name the APIs answer to and report")
     a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
-    a("--max-batch-size", type=int, help="max running requests")
+    a("--max-batch-size", "--max-num-seqs", type=int, help="max running requests")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse the KV pages of a prompt prefix already computed")
     a("--num-kv-pages", type=int, help="override the planner's KV page count")
     a("--chat-template", help="a Jinja chat template file overriding the checkpoint's")
-    a("--tool-parser", choices=["minimax_m2", "none"], help="how tool calls are read from the output")
+    a("--tool-parser", "--tool-call-parser", choices=["minimax_m2", "none"],
+      help="how tool calls are read from the output")
+    a("--enable-auto-tool-choice", action="store_true", default=None,
+      help="accepted for vLLM command lines, changes nothing: a request with tools may always call them "
+           "(tool_choice auto), and the tool parser reads the calls")
+    a("--trust-remote-code", action="store_true", default=None,
+      help="accepted for vLLM command lines, changes nothing: m2serve runs no code from a checkpoint")
     a("--strict-tool-format", action=argparse.BooleanOptionalAction, default=None,
       help="refuse to start when the chat template writes tool calls the tool parser cannot read")
     a("--reasoning-parser", choices=["minimax_m2", "minimax_m2_append_think", "none"],
@@ -216,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sub(sub, "build-kernels", "build the packed-weight CPU kernels now (else: on first use)")
     pl = _sub(sub, "plan", "memory plan from config.json alone (no weights)")
     _add_deployment_flags(pl)
-    pl.add_argument("--max-batch-size", type=int, help="max running requests")
+    pl.add_argument("--max-batch-size", "--max-num-seqs", type=int, help="max running requests")
     pl.add_argument("--device-memory-gib", type=float, help="plan for devices with this much memory")
     engine_defaults = {f.name: f.default for f in fields(EngineArgs)}
     for sp, defaults in ((s, SERVE_DEFAULTS), (g, GENERATE_DEFAULTS), (pl, PLAN_DEFAULTS)):
