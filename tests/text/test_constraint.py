@@ -394,6 +394,24 @@ def test_a_recursive_parameter_schema_still_compiles(compiler):
     assert _accepts(compiler, constraint, _forced_call_ids(compiler.tokenizer, text))
 
 
+@pytest.mark.parametrize("own_extra", [{}, {"patternProperties": {"^x": {"type": "integer"}}}])
+def test_a_parameter_with_its_own_defs_still_reaches_the_tools_defs(compiler, own_extra):
+    """A parameter schema with its own ``$defs`` that also names one of the tool's: both sets are there
+    when the value is written, with the exclusion and without it (patternProperties: as given). The
+    plain path used to drop the tool's ``$defs`` when the parameter had its own, so the reference did
+    not resolve and every forced call of the request failed to compile."""
+    tool = {"type": "function", "function": {"name": "t", "parameters": {
+        "$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object", "required": ["p"], "properties": {"p": {
+            "type": "object", "$defs": {"Own": {"type": "integer"}}, **own_extra, "required": ["n", "u"],
+            "properties": {"n": {"$ref": "#/$defs/Own"}, "u": {"$ref": "#/$defs/Unit"}}}}}}}
+    call = '<invoke name="t">\n<parameter name="p">{}</parameter>\n</invoke>\n'
+    for value, ok in (('{"n": 3, "u": "c"}', True), ('{"n": 3, "u": "k"}', False),
+                      ('{"n": "3", "u": "f"}', False)):
+        constraint = compiler.constraint(tool_calls_spec([tool]), "off")
+        ids = _forced_call_ids(compiler.tokenizer, call.format(value))
+        assert _accepts(compiler, constraint, ids) is ok, value
+
+
 def test_compiled_grammars_are_cached_per_spec(compiler):
     spec = json_spec({"type": "object", "properties": {"k": {"type": "integer"}}})
     compiler.compile(spec, "inside")

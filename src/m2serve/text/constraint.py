@@ -200,13 +200,24 @@ def _regex_literal(text: str) -> str:
     return "/" + "".join(out) + "/"
 
 
-def _json_schema(schema: Mapping[str, Any], defs_from: Mapping[str, Any] | None = None) -> str:
-    """``%json`` text for ``schema`` with the template's JSON style (and the root's ``$defs``)."""
+def _with_defs(schema: Mapping[str, Any], root: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` with the definitions of the tool's ``root`` schema its local references may name:
+    ``$defs`` / ``definitions`` of both, the schema's own winning a name both define."""
     doc = dict(schema)
-    if defs_from is not None:
-        for key in ("$defs", "definitions"):
-            if key in defs_from and key not in doc:
-                doc[key] = defs_from[key]
+    for key in ("$defs", "definitions"):
+        found = {**(_mapping(root.get(key))), **(_mapping(schema.get(key)))}
+        if found:
+            doc[key] = found
+    return doc
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _json_schema(schema: Mapping[str, Any]) -> str:
+    """``%json`` text for ``schema`` with the template's JSON style."""
+    doc = dict(schema)
     doc["x-guidance"] = {**_JSON_OPTIONS, **(doc.get("x-guidance") or {})}
     return "%json " + json.dumps(doc, ensure_ascii=False)
 
@@ -258,7 +269,8 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: boo
     (with the tool's ``$defs`` / ``definitions`` from ``root``), with ``exclude`` intersected with
     _SAFE_VALUE so that no string or key inside it holds a value end (P10). A parameter that can hold
     no string (integer, number, boolean, null) needs no exclusion."""
-    plain = _json_schema(schema, root)
+    full = _with_defs(schema, root)
+    plain = _json_schema(full)
     if not exclude or not allowed_types(schema) & {"object", "array", "string"}:
         return plain, 0
     if not _intersectable(schema, root):  # this parameter as written; the others keep the exclusion
@@ -266,11 +278,7 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: boo
                  "patternProperties: llguidance cannot intersect it)")
         return plain, 0
     inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
-    doc: dict[str, Any] = {}
-    for key in ("$defs", "definitions"):
-        found = {**(root.get(key) or {}), **(schema.get(key) or {})}
-        if found:
-            doc[key] = found
+    doc = {k: v for k, v in full.items() if k in ("$defs", "definitions")}
     doc["$defs"] = {**doc.get("$defs", {}), _SAFE_NAME: _SAFE_VALUE}
     doc["allOf"] = [inner, {"$ref": f"#/$defs/{_SAFE_NAME}"}]
     text = _json_schema(doc)
