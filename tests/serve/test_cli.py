@@ -216,6 +216,21 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
         parser.parse_args(["serve", "--tool-call-parser", "hermes"])
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["serve", "--tensor-parallel-size", "4"], "vLLM's --tensor-parallel-size: ranks are placed with --devices"),
+    (["generate", "--kv-cache-dtype=fp8"], "vLLM's --kv-cache-dtype: use --kv-cache-format"),
+    (["serve", "-dp", "2", "--enable-expert-parallel"], "vLLM's --enable-expert-parallel: use --ep-size N"),
+])
+def test_a_vllm_flag_without_an_alias_says_what_to_use(argv, hint, capsys):
+    from m2serve.serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"m2serve {argv[0]}: error: unrecognized arguments: " in err
+    assert hint in err
+
+
 @pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
 def test_unreadable_prompts_file_is_a_one_line_error(kind, tmp_path, capsys, monkeypatch):
     # adversarial: --prompts-file that is missing, a directory or not UTF-8 is exit 2 with a line naming

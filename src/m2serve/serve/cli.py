@@ -105,6 +105,21 @@ UNSET_MEANING: dict[str, str] = {
     "trust_remote_code": "off",
 }
 _ENGINE_FIELDS = {f.name for f in fields(EngineArgs)}
+# vLLM flags with no m2serve flag of the same meaning (those with one are aliases): what to use
+# instead, added to the "unrecognized arguments" usage error.
+_TP_HINT = ("ranks are placed with --devices (gpu:0,1,2,3 for four GPUs, cpu:N on CPU), the experts split "
+            "with --ep-size, attention replicated with --data-parallel-degree (docs/parallelism.md)")
+_DP_HINT = "use --data-parallel-degree with --devices (docs/parallelism.md)"
+VLLM_HINTS: dict[str, str] = {
+    "--tensor-parallel-size": _TP_HINT,
+    "-tp": _TP_HINT,
+    "--data-parallel-size": _DP_HINT,
+    "-dp": _DP_HINT,
+    "--enable-expert-parallel": "use --ep-size N (the ranks the experts are split over)",
+    "--kv-cache-dtype": "use --kv-cache-format {bfloat16,float32,float8_e4m3fn}",
+    "--quantization": "the checkpoint's own format is read from its config.json; "
+                      "--quantize-unquantized fp8 quantises its bf16 linears",
+}
 
 
 def _bool(text: str) -> bool:
@@ -701,7 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = next(a for a in parser._actions
                           if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
     if unknown:
-        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hints = [f"vLLM's {flag}: {VLLM_HINTS[flag]}" for flag in dict.fromkeys(a.split("=")[0] for a in unknown)
+                 if flag in VLLM_HINTS]
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {h}" for h in hints))
     if ns.command == "build-kernels":
         from m2serve.kernels.build import build_kernels_main
         return build_kernels_main()
