@@ -97,7 +97,30 @@ def test_messages_tool_use_stream_assembles_to_the_same_message(claude):
         final = stream.get_final_message()
     assert {"message_start", "content_block_start", "content_block_delta", "content_block_stop",
             "message_delta", "message_stop"} <= kinds
-    assert _without_ids(final.model_dump()) == _without_ids(msg.model_dump())
+    # the same message; the usage differs only in how much of the prompt the cache served (the stream
+    # came second, so its prompt's pages were cached)
+    assert _without_ids(final.model_dump(exclude={"usage"})) == _without_ids(msg.model_dump(exclude={"usage"}))
+    total = [u.input_tokens + u.cache_read_input_tokens for u in (final.usage, msg.usage)]
+    assert total[0] == total[1] and final.usage.output_tokens == msg.usage.output_tokens
+
+
+def test_a_streamed_message_reports_the_prefix_cache_as_the_non_streamed_one(claude):
+    """A prompt whose pages are cached: the streamed message's usage (message_start, and the cumulative
+    message_delta the SDK's accumulator keeps) splits it into input_tokens and cache_read_input_tokens
+    as the non-streamed message does; message_start used to go out before the prefill and counted every
+    prompt token as uncached input (Claude Code streams, so it saw no cache reads)."""
+    system = "You answer questions about the weather. " * 40   # ~ 300 tokens: many whole 16-token pages
+    kwargs = dict(model=MODEL, max_tokens=8, system=system, messages=[{"role": "user", "content": QUESTION}])
+    claude.messages.create(**kwargs)   # the prompt's pages now cached
+    plain = claude.messages.create(**kwargs).usage
+    assert plain.cache_read_input_tokens > 0 and plain.input_tokens > 0
+    with claude.messages.stream(**kwargs) as stream:
+        start = next(e for e in stream if e.type == "message_start").message.usage
+        final = stream.get_final_message().usage
+    for usage in (start, final):
+        assert (usage.input_tokens, usage.cache_read_input_tokens) == \
+            (plain.input_tokens, plain.cache_read_input_tokens)
+    assert final.output_tokens == plain.output_tokens
 
 
 def test_messages_tool_result_loop_answers_with_the_value(claude, server):

@@ -308,7 +308,8 @@ class MessageStream:
     def finish(self, choice: cp.Choice, usage: cp.TokenUsage) -> list[tuple[str, dict]]:
         """Close the last block and end the message with the finished choice's stop reason."""
         delta = {"stop_reason": stop_reason(choice), "stop_sequence": choice.stop_sequence}
-        end = {"type": "message_delta", "delta": delta, "usage": {"output_tokens": usage.output}}
+        # cumulative counts, all of them (the SDKs' accumulators overwrite the message_start values)
+        end = {"type": "message_delta", "delta": delta, "usage": message_usage(usage)}
         return self._close() + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
 
     def _event(self, delta: dict) -> tuple[str, dict]:
@@ -357,11 +358,16 @@ async def create_message(req: MessagesRequest, request: Request) -> Response:
 
 
 async def _stream(ctx: ServeContext, sub: cp.Submission, events: MessageStream) -> AsyncIterator[str]:
-    for ev in events.start(sub.usage()):
-        yield sse(ev[1], ev[0])
+    """The SSE events of one streamed message. ``message_start`` goes out with the first delta, after
+    the prompt's prefill: only then is the prefix-cache hit known, so its usage splits the prompt into
+    ``input_tokens`` and ``cache_read_input_tokens`` as the non-streamed message does (sent before,
+    it counted every prompt token as uncached input)."""
+    started = False
     try:
         async for d in cp.stream(ctx, sub):
-            out = events.feed(d)
+            out = [] if started else events.start(sub.usage())
+            started = True
+            out += events.feed(d)
             if d.choice is not None:
                 out += events.finish(d.choice, sub.usage())
             for ev in out:
