@@ -271,6 +271,21 @@ def test_tiny_chat_reasoning_cap_ends_an_open_ended_reasoning(oai, claude, llm, 
     assert [b.type for b in msg.content][0] == "thinking"
 
 
+def test_claude_codes_thinking_budget_beyond_the_context_is_a_cap(claude):
+    # Claude Code asks max_tokens 32000 with thinking.budget_tokens 31999; on a shorter context both are
+    # caps clamped to it (the budget was a 400 naming it while max_tokens was clamped)
+    msg = claude.messages.create(model=MODEL, max_tokens=32000,
+                                 thinking={"type": "enabled", "budget_tokens": 31999},
+                                 messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+                                 tools=[{"name": "get_weather", "description": "Get the weather for a city",
+                                         "input_schema": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}])
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["thinking", "tool_use"]
+    with pytest.raises(anthropic.BadRequestError):   # the field's own bound stays a 400
+        claude.messages.create(model=MODEL, max_tokens=8, thinking={"type": "enabled", "budget_tokens": 0},
+                               messages=[{"role": "user", "content": "hi"}])
+
+
 def test_readme_structured_outputs_example(oai):
     # the README's example, as written there (issue 26 item 8: an example tiny-chat can do)
     from typing import Literal

@@ -22,8 +22,9 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
   ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens
-  (at most the context; OpenAI's reasoning effort levels map to the same budgets,
-  ``chat_pipeline.REASONING_BUDGETS``).
+  (a cap like ``max_tokens``: a budget beyond the context is clamped to it, so Claude Code's
+  ``max_tokens`` 32000 with ``budget_tokens`` 31999 runs on a shorter context; OpenAI's reasoning
+  effort levels map to the same budgets, ``chat_pipeline.REASONING_BUDGETS``).
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``): the text after the reasoning
   is JSON matching the schema; ``output_config.effort``, ``metadata``, ``cache_control`` and unknown
   fields are ignored.
@@ -186,9 +187,9 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
     output = cp.output_format(fmt.get("type"), fmt.get("schema"), "output_config.format") if fmt else None
     thinking = req.thinking
     budget = thinking.budget_tokens if thinking is not None and thinking.type != "disabled" else None
-    if budget is not None and budget > ctx.caps.max_length:
-        raise APIError(400, f"thinking.budget_tokens: {budget} is more than the model's context of "
-                            f"{ctx.caps.max_length} tokens", param="thinking.budget_tokens")
+    if budget is not None and budget > ctx.caps.max_length:   # a cap, as max_tokens is: never reached
+        log.debug("thinking.budget_tokens %d clamped to the %d-token context", budget, ctx.caps.max_length)
+        budget = ctx.caps.max_length
     params = cp.sampling_params(
         ctx, {"stop": "stop_sequences"}, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_tokens, stop=tuple(s for s in req.stop_sequences or () if s),
