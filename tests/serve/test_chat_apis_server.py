@@ -347,3 +347,44 @@ def test_access_log_one_line_per_request_and_errors_with_message(server, claude)
     ok = re.findall(r"POST /v1/messages 200 [\d.]+ ms prompt_tokens=(\d+) completion_tokens=(\d+)", log)
     assert ok and all(int(p) > 0 and int(c) > 0 for p, c in ok)
     assert re.search(r"WARNING m2serve.access: POST /v1/messages 400 [\d.]+ ms .*error=.*tool_choice", log)
+
+
+# --------------------------------------------------------------------------- continuing the last message
+
+REPEAT = "Repeat after me: the sky is blue"
+PREFILL = [{"role": "user", "content": REPEAT}, {"role": "assistant", "content": "the sky"}]
+
+
+def test_messages_prefilled_assistant_turn_is_continued(claude):
+    """A last assistant message is Anthropic's prefill: the reply continues its text (no new turn, so no
+    thinking block: the prompt does not end in <think>), and the content is the continuation only;
+    count_tokens counts the same prompt. Before, the prefill was rendered as a finished turn and a new
+    one started with its own reasoning."""
+    msg = claude.messages.create(model=MODEL, max_tokens=16, messages=PREFILL, extra_body={"temperature": 0})
+    assert [b.type for b in msg.content] == ["text"] and msg.stop_reason == "end_turn"
+    assert "blue" in msg.content[0].text and "the sky" not in msg.content[0].text
+    counted = claude.messages.count_tokens(model=MODEL, messages=PREFILL).input_tokens
+    assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
+def test_chat_continue_final_message_as_vllm(oai, server):
+    """vLLM's continue_final_message (add_generation_prompt off unless sent): the same continuation, the
+    same prompt as /tokenize renders; both flags true, or a last message that is not the assistant's, is
+    a 400 naming the field."""
+    r = oai.chat.completions.create(model=MODEL, messages=PREFILL, temperature=0, max_tokens=16,
+                                    extra_body={"continue_final_message": True})
+    message = r.choices[0].message
+    assert "blue" in message.content and "the sky" not in message.content
+    assert getattr(message, "reasoning_content", None) is None
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    tok = httpx.post(server.url + "/tokenize", headers=auth,
+                     json={"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False})
+    assert tok.json()["count"] == r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=4,
+                                    extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    assert e.value.body["param"] == "continue_final_message", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=PREFILL[:1], max_tokens=4,
+                                    extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "messages" and "only an assistant message" in e.value.body["message"]

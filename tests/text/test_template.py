@@ -5,6 +5,7 @@ sandbox environment), message normalisation, errors naming the message index, an
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -214,3 +215,47 @@ def test_content_lists_joined_for_string_templates(template):  # issue 16 item 1
     assert normalize_messages([{"role": "assistant"}]) == [{"role": "assistant", "content": ""}]
     with pytest.raises(TemplateError, match=r"messages\[0\]\.content\[0\].*image_url"):
         ChatTemplate(OFFICIAL_STYLE).render([{"role": "tool", "content": [{"type": "image_url"}]}])
+
+
+@pytest.mark.parametrize("final", [
+    {"role": "assistant", "content": "The weather in"},
+    {"role": "assistant", "content": "Paris"},   # also earlier in the conversation: the last one is cut
+    {"role": "assistant", "content": "  Paris is  "},   # the template strips it: the prompt keeps its text
+    {"role": "assistant", "content": "Paris", "reasoning_content": "Say the city."},
+    {"role": "assistant", "content": [{"type": "text", "text": "Par"}, {"type": "text", "text": "is"}]},
+])
+def test_continue_final_message_as_transformers_does(template, hf_tokenizer, final):
+    """vLLM's ``continue_final_message`` (and Anthropic's prefilled assistant turn): the prompt ends right
+    after the last assistant message's content, no end of turn, no generation prompt. The oracle is
+    transformers' own ``apply_chat_template(continue_final_message=True)``."""
+    msgs = [{"role": "user", "content": "Paris?"}, final]
+    want = hf_tokenizer.apply_chat_template(normalize_messages(msgs), tokenize=False, continue_final_message=True)
+    assert template.render(msgs, continue_final_message=True) == want
+    assert template.render(msgs, add_generation_prompt=True, continue_final_message=True) == want
+
+
+def test_continue_final_message_with_empty_content_opens_the_turn(template):
+    # transformers cannot find an empty content in the rendering; the marker can: the prompt ends
+    # with the assistant header and nothing after it (hand-derived from the template text)
+    out = template.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
+                          continue_final_message=True)
+    assert out.endswith("]~b]user\nq[e~[\n]~b]ai\n")
+
+
+@pytest.mark.parametrize("msgs, message", [
+    ([{"role": "user", "content": "q"}], "messages[0]: only an assistant message can be continued"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages[1]: an assistant message to be continued holds text only"),
+])
+def test_what_cannot_be_continued_is_named(template, msgs, message):
+    with pytest.raises(TemplateError, match=re.escape(message)):
+        template.render(msgs, TOOLS, continue_final_message=True)
+
+
+def test_a_template_that_rewrites_the_content_cannot_be_continued():
+    # the content is written upper-cased: no place in the prompt holds it as given
+    tpl = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}</{{ m.role }}>{% endfor %}")
+    with pytest.raises(TemplateError, match="does not write this assistant message's content"):
+        tpl.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                   continue_final_message=True)

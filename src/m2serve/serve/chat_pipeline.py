@@ -121,7 +121,10 @@ class ChatJob:
     ``max_output_tokens``), named in errors;
     max_tokens_is_cap: ``params.max_tokens`` is a cap clamped to the room left in the context
     (Anthropic's required ``max_tokens``, :func:`clamp_max_tokens`) instead of a 400 when prompt +
-    max_tokens exceed it (the OpenAI routes, as vLLM answers).
+    max_tokens exceed it (the OpenAI routes, as vLLM answers);
+    add_generation_prompt: end the prompt with the template's assistant header (vLLM's field);
+    continue_final_message: the reply continues the last (assistant) message instead of starting a
+    new turn (vLLM's field; Anthropic's prefilled assistant turn), see :func:`render_template`.
     """
 
     messages: list[dict[str, Any]]
@@ -139,6 +142,8 @@ class ChatJob:
     messages_param: str = "messages"
     max_tokens_param: str = "max_tokens"
     max_tokens_is_cap: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(slots=True)
@@ -535,10 +540,13 @@ def render_template(
     tools: Sequence[dict[str, Any]] | None = None,
     kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text of a conversation under ``llm``'s chat template (docs/parsers.md §2); OpenAI's
-    ``developer`` role is rendered as ``system`` (the system role of newer models). Raises the text
-    layer's TemplateError for an invalid history and for ``kwargs`` naming a reserved variable."""
+    ``developer`` role is rendered as ``system`` (the system role of newer models);
+    ``continue_final_message``: the prompt ends inside the final (assistant) message, right after its
+    content (text/template.py ``ChatTemplate.render``). Raises the text layer's TemplateError for an
+    invalid history and for ``kwargs`` naming a reserved variable."""
     clash = sorted(set(kwargs or {}) & set(RESERVED_TEMPLATE_VARIABLES))  # before they clash with render's
     if clash:
         raise TemplateError(f"chat_template_kwargs may not set {', '.join(clash)} "
@@ -548,7 +556,8 @@ def render_template(
         if m.get("role") == "developer":
             m["role"] = "system"
     return llm.template.render(msgs, tools=list(tools) if tools else None,
-                               add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, **(kwargs or {}))
 
 
 def render_prompt(
@@ -558,10 +567,11 @@ def render_prompt(
     kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     messages_param: str = "messages",
+    continue_final_message: bool = False,
 ) -> str:
     """:func:`render_template` with template errors as 400s."""
     try:
-        return render_template(ctx.llm, messages, tools, kwargs, add_generation_prompt)
+        return render_template(ctx.llm, messages, tools, kwargs, add_generation_prompt, continue_final_message)
     except TemplateError as e:  # raise_exception, bad history: the request's fault
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else messages_param
         raise APIError(400, f"chat template error: {e}", param=param) from e
@@ -751,8 +761,8 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     ``none`` (tools rendered, calls not parsed). Raises APIError (400 naming the field)."""
     llm = ctx.llm
     spec = spec_or_400(job)
-    prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs,
-                           messages_param=job.messages_param)
+    prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs, job.add_generation_prompt,
+                           job.messages_param, job.continue_final_message)
     ids = encode(ctx, prompt, job.messages_param, check_length=True, tools=job.tools)
     params = chat_params(llm, job.params, prompt, job.reasoning_budget)
     reasoning = "inside" if params.start_in_reasoning else "may_open"

@@ -181,14 +181,17 @@ class LLM:
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """Render a conversation with the checkpoint's template (docs/parsers.md §2), as the chat
-        pipeline does (chat_pipeline.render_template).
+        pipeline does (chat_pipeline.render_template; ``continue_final_message``: the prompt ends right
+        after the last, assistant, message's content).
 
         Raises the text layer's TemplateError (the server answers 400) for invalid messages and
         for chat_template_kwargs that would replace render's own arguments.
         """
-        return cp.render_template(self, messages, tools, chat_template_kwargs, add_generation_prompt)
+        return cp.render_template(self, messages, tools, chat_template_kwargs, add_generation_prompt,
+                                  continue_final_message)
 
     def new_processor(
         self, request_id: str, params: SamplingParams, parser: Any = None, skip_special_tokens: bool = True
@@ -285,6 +288,8 @@ class LLM:
         response_format: dict[str, Any] | None = None,
         structured_outputs: dict[str, Any] | None = None,
         reasoning_budget: int | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> RequestResult | list[RequestResult]:
         """Chat completion for one conversation (returns one result) or a list of them (a list).
 
@@ -306,7 +311,9 @@ class LLM:
         ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``;
         structured_outputs: vLLM's ``{"json" | "regex" | "choice" | "grammar": ...}`` (one of the two);
         reasoning_budget: the most reasoning tokens before ``</think>`` is forced
-        (docs/constrained-decoding.md).
+        (docs/constrained-decoding.md); add_generation_prompt / continue_final_message: vLLM's
+        (``continue_final_message``: the reply continues the last message, an assistant's, whose text
+        the outputs do not repeat; ``add_generation_prompt`` is then ignored).
 
         Raises ValueError naming the field and the fix for what the server answers with a 400: a
         template error, a prompt longer than the context (engine/request.py prompt_length_error),
@@ -329,6 +336,8 @@ class LLM:
                 one_call=not parallel_tool_calls,
                 chat_template_kwargs=chat_template_kwargs,
                 reasoning_budget=reasoning_budget,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
             try:
                 job.output = cp.chat_output(response_format, structured_outputs)

@@ -162,11 +162,24 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_split: bool | None = None
     thinking_temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     reasoning_effort: str | None = None  # a reasoning budget: chat_pipeline.REASONING_BUDGETS
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_without_generation_prompt(self) -> ChatCompletionRequest:
+        """vLLM's rule: a continued final message gets no generation prompt. Left unset, the generation
+        prompt is off with ``continue_final_message``; both sent true is a 400."""
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message: cannot be true with add_generation_prompt true "
+                                 "(the reply continues the last message; no new turn is opened)")
+            self.add_generation_prompt = False
         return self
 
     def token_limit(self) -> int | None:
@@ -192,6 +205,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -30,6 +30,9 @@ from m2serve.text.tokenizer import token_text
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                "unk_token")
 _REASONING_ALIASES = ("reasoning", "thinking")
+# Stands in for the content of a message to be continued while its place in the rendering is found
+# (ChatTemplate._continued): letters only, which no template strips or escapes.
+_CONTINUE_MARK = "M2SERVEcontinueHEREq7Zx"
 
 
 class TemplateError(ValueError):
@@ -130,11 +133,16 @@ class ChatTemplate:
         return cls(p.read_text(encoding="utf-8"), bos_token, eos_token, unk_token, origin=str(p))
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = True, **chat_template_kwargs: Any) -> str:
+               add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **chat_template_kwargs: Any) -> str:
         """Render a conversation to the prompt text (before tokenisation).
 
         messages: OpenAI-style dicts; tools: OpenAI tool dicts or None; chat_template_kwargs become
-        template variables (they may not replace the reserved ones). Raises TemplateError.
+        template variables (they may not replace the reserved ones); continue_final_message: the last
+        message is the assistant's, and the prompt ends right after its content, so that the reply
+        continues it (vLLM's ``continue_final_message``, Anthropic's prefilled assistant turn;
+        docs/parsers.md §2, "Continuing the final message"); ``add_generation_prompt`` is then
+        ignored. Raises TemplateError.
         """
         bad = sorted(set(chat_template_kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
         if bad:
@@ -144,6 +152,8 @@ class ChatTemplate:
         tool_list = _normalize_tools(tools)
         variables = {**self.tokens, **chat_template_kwargs, "tools": tool_list}
         try:
+            if continue_final_message:
+                return self._continued(msgs, variables)
             return self._render(msgs, add_generation_prompt, variables)
         except TemplateError as exc:
             if exc.message_index is None:  # find the first message that makes the template fail
@@ -163,6 +173,31 @@ class ChatTemplate:
             raise TemplateError(f"chat template error: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             raise TemplateError(f"chat template error: {type(exc).__name__}: {exc}") from None
+
+    def _continued(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> str:
+        """The conversation rendered without a generation prompt and cut right after the final
+        assistant message's content. Where that content ends is found by rendering it once more with
+        the content replaced by a marker: the text before the marker and the text after it must frame
+        the real rendering (so the template writes the content as given, whatever it is, even empty,
+        or repeated earlier in the conversation); the prompt is the real rendering less that suffix."""
+        n = len(msgs)
+        last = msgs[-1] if msgs else {}
+        if last.get("role") != "assistant":
+            raise TemplateError(f"messages[{n - 1}]: only an assistant message can be continued "
+                                f"(continue_final_message, or a prefilled assistant turn); this one is "
+                                f"{last.get('role')!r}", n - 1)
+        if last.get("tool_calls"):
+            raise TemplateError(f"messages[{n - 1}]: an assistant message to be continued holds text only; "
+                                "this one has tool calls", n - 1)
+        real = self._render(msgs, False, variables)
+        marked = self._render([*msgs[:-1], {**last, "content": _CONTINUE_MARK}], False, variables)
+        at = marked.rfind(_CONTINUE_MARK)
+        prefix, suffix = marked[:max(at, 0)], marked[at + len(_CONTINUE_MARK):]
+        if at < 0 or len(real) < len(prefix) + len(suffix) or not (real.startswith(prefix)
+                                                                     and real.endswith(suffix)):
+            raise TemplateError(f"messages[{n - 1}]: the chat template does not write this assistant "
+                                "message's content where a continuation could start", n - 1)
+        return real[:len(real) - len(suffix)]
 
     def _failing_index(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> int | None:
         """Index of the first message whose prefix fails to render (error path only), or None if the

@@ -19,6 +19,8 @@ Request -> :class:`ChatJob` (:func:`messages_job`):
   generated), ``any`` (1 to N calls of the declared tools, N = their number), ``tool`` (one call of
   that tool); ``disable_parallel_tool_use`` -> exactly one tool_use (docs/constrained-decoding.md,
   "Tool-call cap").
+- a last message of role ``assistant`` is a prefilled response: the reply continues its text (no new
+  turn; the returned content is the continuation), as the Messages API does.
 - ``thinking``: ``enabled`` / ``adaptive`` / ``between_tools`` / absent return the reasoning as thinking
   blocks (M2 always reasons: its template opens ``<think>``); ``disabled`` drops them.
   ``budget_tokens`` is the reasoning budget: ``</think>`` is forced after that many reasoning tokens
@@ -178,6 +180,13 @@ def tool_choice_fields(req: CountTokensRequest) -> dict[str, Any]:
             "one_call": bool(choice is not None and choice.disable_parallel_tool_use)}
 
 
+def prefilled(messages: list[dict[str, Any]]) -> bool:
+    """True when the conversation ends with an assistant message: Anthropic's prefilled response,
+    which the reply continues (the prompt ends right after that message's text; the returned content
+    is the continuation only, as the Messages API returns it)."""
+    return bool(messages) and messages[-1].get("role") == "assistant"
+
+
 def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, bool]:
     """The chat job of a Messages request and whether thinking blocks are returned."""
     choice_fields = tool_choice_fields(req)
@@ -194,8 +203,9 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
         ctx, {"stop": "stop_sequences"}, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         max_tokens=req.max_tokens, stop=tuple(s for s in req.stop_sequences or () if s),
     )
+    messages = chat_messages(req, ctx.sealer)
     job = cp.ChatJob(
-        messages=chat_messages(req, ctx.sealer),
+        messages=messages,
         tools=chat_tools(req),
         **choice_fields,
         output=output,
@@ -203,6 +213,7 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
         params=params,
         reasoning_split=True,
         max_tokens_is_cap=True,
+        continue_final_message=prefilled(messages),
     )
     return job, thinking is None or thinking.type != "disabled"
 
@@ -387,7 +398,7 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, i
     def work() -> list[int]:
         # the tool choice refused as /v1/messages refuses it (its grammar compiled, off the event loop)
         cp.constraint_factory(ctx, cp.spec_or_400(job), "inside", None)
-        return cp.encode(ctx, cp.render_prompt(ctx, messages, tools), "messages", check_length=True,
-                         tools=tools)
+        prompt = cp.render_prompt(ctx, messages, tools, continue_final_message=prefilled(messages))
+        return cp.encode(ctx, prompt, "messages", check_length=True, tools=tools)
 
     return {"input_tokens": len(await run_in_threadpool(work))}

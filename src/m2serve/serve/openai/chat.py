@@ -39,6 +39,8 @@ def chat_job(ctx: ServeContext, req: P.ChatCompletionRequest) -> cp.ChatJob:
         chat_template_kwargs=req.chat_template_kwargs,
         skip_special_tokens=req.skip_special_tokens,
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
     )
 
 

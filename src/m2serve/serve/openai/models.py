@@ -40,7 +40,8 @@ async def tokenize(req: P.TokenizeRequest, request: Request) -> dict[str, Any]:
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = [m.model_dump(exclude_unset=True) for m in req.messages]
-            text = cp.render_prompt(ctx, messages, tools, req.chat_template_kwargs, req.add_generation_prompt)
+            text = cp.render_prompt(ctx, messages, tools, req.chat_template_kwargs, req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message)
             return cp.encode(ctx, text, "messages", check_length=True, tools=tools)
         return cp.encode(ctx, req.prompt or "", "prompt", check_length=True)
 
