@@ -50,7 +50,8 @@ def test_help_text_prints_the_defaults(command):
 
 
 @pytest.mark.parametrize("command, flag", [("serve", "--prot"), ("generate", "--max-tokns"),
-                                           ("plan", "--bogus")])
+                                           ("plan", "--bogus"),
+                                           ("generate", "--max-token")])  # a prefix is no abbreviation
 def test_mistyped_flag_prints_its_subcommand_usage(command, flag):
     r = subprocess.run([EXE, command, flag, "8001"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2

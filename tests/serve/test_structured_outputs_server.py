@@ -169,6 +169,21 @@ def test_vllm_structured_outputs_on_chat_and_completions(oai):
     r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert r.choices[0].message.content in ("yes", "no", "maybe")
+    # vLLM's json_object kind, with its whitespace option (accepted, no effect): the constraint of
+    # response_format json_object (any JSON object; tiny-chat's greedy one outruns 256 tokens)
+    short = GREEDY
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **short, extra_body={
+        "structured_outputs": {"json_object": True, "disable_any_whitespace": True}})
+    same = oai.chat.completions.create(model=MODEL, messages=QUESTION, **short,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    assert r.choices[0].message.content == same.choices[0].message.content
+    # a mistyped kind is named, not "give exactly one of ..."
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
+                                    extra_body={"structured_outputs": {"regexp": "a"}})
+    assert e.value.body["param"] == "structured_outputs.regexp", e.value.body
+    assert e.value.body["message"].startswith("structured_outputs.regexp: not a structured-output kind")
 
 
 @pytest.mark.parametrize("schema, reason", [(BAD_PATTERN, "does not compile"), (BAD_SCHEMA, "not")])

@@ -443,17 +443,38 @@ def output_format(kind: str | None, value: Any, field_name: str) -> OutputFormat
                    param=f"{field_name}.type")
 
 
+# vLLM's structured_outputs options that tune its own backends' JSON whitespace and fallback: accepted,
+# no effect (JSON follows the chat template's style, docs/constrained-decoding.md).
+_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                       "whitespace_pattern")
+
+
 def structured_outputs(value: Any) -> OutputFormat | None:
     """vLLM's ``structured_outputs`` extension: exactly one of ``json`` (a schema, or a JSON string of
-    one), ``regex``, ``choice``, ``grammar`` (Lark); 400 naming the field otherwise."""
+    one), ``regex``, ``choice``, ``grammar`` (Lark), ``json_object: true`` (any JSON object); vLLM's
+    whitespace / fallback options accepted and ignored. A 400 naming the field otherwise, an unknown
+    key by name."""
     if value is None:
         return None
+    if not isinstance(value, dict):
+        raise APIError(400, "structured_outputs: must be an object", param="structured_outputs")
     kinds = ("json", "regex", "choice", "grammar")
-    given = [k for k in kinds if isinstance(value, dict) and value.get(k) is not None]
+    unknown = [k for k in value if k not in (*kinds, "json_object", *_STRUCTURED_OPTIONS)]
+    if unknown:
+        raise APIError(400, f"structured_outputs.{unknown[0]}: not a structured-output kind; give exactly "
+                            "one of json, regex, choice, grammar, json_object", param=f"structured_outputs.{unknown[0]}")
+    given = [k for k in kinds if value.get(k) is not None]
+    if value.get("json_object") is not None and value["json_object"] is not False:
+        if value["json_object"] is not True:
+            raise APIError(400, "structured_outputs.json_object: must be true or false",
+                           param="structured_outputs.json_object")
+        given.append("json_object")
     if len(given) != 1:
-        raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar",
-                       param="structured_outputs")
+        raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                            "json_object", param="structured_outputs")
     key = given[0]
+    if key == "json_object":
+        return OutputFormat("json", None, "structured_outputs.json_object")
     v = value[key]
     if key == "json" and isinstance(v, str):
         try:

@@ -200,12 +200,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
     """A subcommand whose one line shows in ``m2serve --help`` and atop its own ``--help``."""
-    return sub.add_parser(name, help=text, description=text)
+    return sub.add_parser(name, help=text, description=text, allow_abbrev=False)  # a prefix is a mistype
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree. Defaults are None so that unset flags fall through to env/recipe/defaults."""
-    parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving")
+    parser = argparse.ArgumentParser(prog="m2serve", description="MiniMax-M2 inference and serving",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"m2serve {m2serve.__version__}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(s)
     s.add_argument("--host", help="address to listen on")
     s.add_argument("--port", type=int, help="port to listen on (0 = any free port)")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also M2SERVE_API_KEY)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic "
+                   "clients) on the API routes; /health, /version, /metrics stay open (also M2SERVE_API_KEY)")
     s.add_argument("--max-queue-size", type=int, help="max requests waiting for admission (beyond: 503)")
     s.add_argument("--grace-period", type=float, help="seconds in-flight requests get after SIGTERM")
     s.add_argument("--max-request-bytes", type=int, help="largest request body accepted (beyond: 413)")
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 = greedy")
     g.add_argument("--top-p", type=float, help="nucleus sampling: smallest token set with this probability")
     g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (0 = all)")
-    g.add_argument("--seed", type=int, dest="sampling_seed", help="sampling seed")
+    g.add_argument("--seed", type=int, dest="sampling_seed", metavar="SEED", help="sampling seed")
     g.add_argument(
         "--chat", action="store_true", default=None, help="wrap each prompt as a user chat message"
     )
