@@ -5,3 +5,17 @@ and config <- text <- serve. See README.md for the map.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    """``from m2serve import LLM, SamplingParams`` (vLLM's import shape), loaded on first use: importing
+    the package alone loads no torch."""
+    if name == "LLM":
+        from m2serve.serve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from m2serve.engine.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'm2serve' has no attribute {name!r}")

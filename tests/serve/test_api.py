@@ -408,6 +408,22 @@ def test_rejected_tool_calls_counter_exported_before_first_rejection():
     assert 'm2serve_tool_calls_rejected_total{reason="undeclared"} 0.0' in text
 
 
+def test_vllm_gauge_names_carry_the_engine_snapshot():
+    # vLLM dashboards read vllm:num_requests_running / _waiting and vllm:kv_cache_usage_perc (0..1):
+    # 3 running, 2 waiting, 30 of 120 pages held (the rest free or cached) -> 0.25
+    from m2serve.engine.core import EngineStats
+    from m2serve.serve.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.set_engine(EngineStats(running=3, waiting=2, kv_pages_total=120, kv_pages_used=30, kv_pages_free=70,
+                             kv_page_size=16, prefix_cache_queries=0, prefix_cache_hits=0,
+                             prefix_cache_requests=0, prefix_cache_requests_hit=0, chunked_prefill_steps=0,
+                             preemptions=0, generated_tokens=0, steps=0))
+    lines = set(m.render().decode().splitlines())
+    assert {"vllm:num_requests_running 3.0", "vllm:num_requests_waiting 2.0",
+            "vllm:kv_cache_usage_perc 0.25"} <= lines
+
+
 # --------------------------------------------------------------------------- request-size limits
 
 

@@ -323,7 +323,7 @@ def test_banner_and_version(server):
     for part in (
         f"m2serve {MODEL}",
         "encoding dense",
-        "mode DP_EP",
+        "devices cpu (one rank) |",   # no parallel mode named for one rank
         "pages x 16 tokens",
         "max context",
         server.url + "/v1",

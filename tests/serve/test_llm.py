@@ -133,3 +133,29 @@ def test_chat_template_override(tiny_random_dir, tmp_path):
         str(tiny_random_dir), chat_template=str(t), dtype="float32", num_kv_pages=16, kv_cache_page_size=16
     )
     assert other.render_chat([{"role": "user", "content": "hi"}]) == "]~!b[CUSTOM|user:hi|ai:"
+
+
+@pytest.mark.slow  # a subprocess loading tiny-chat
+def test_readme_python_api_block_runs_as_written(tmp_path):
+    """The README's **Python API** block, run as a user pastes it (a fresh interpreter): it imports
+    ``from m2serve import LLM, SamplingParams`` (vLLM's shape, loaded lazily: ``import m2serve`` alone
+    loads no torch) and its printed tool call and JSON are what its comments say."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"\*\*Python API\*\*:\n\n```python\n(.*?)```", readme, re.S).group(1)
+    assert block.startswith("from m2serve import LLM, SamplingParams")
+    script = tmp_path / "api.py"
+    script.write_text("import sys, m2serve\nassert 'torch' not in sys.modules\n" + block, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.splitlines()
+    assert "name='get_weather'" in out[0] and "arguments='{\"city\": \"Paris\"}'" in out[-2]
+    picked = json.loads(out[-1])
+    assert picked["city"] in ("Paris", "London", "Tokyo") and isinstance(picked["sunny"], bool)

@@ -418,7 +418,7 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     spec = getattr(llm.engine, "speculative", None)
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
-        f"devices {llm.args.devices} mode {mode.value} | threads {torch.get_num_threads()} intra-op "
+        f"devices {llm.args.devices} {f'mode {mode.value}' if world > 1 else '(one rank)'} | threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "

@@ -36,7 +36,9 @@ class ServerMetrics:
       (drafts verified: one per request and step with a draft), ``vllm:spec_decode_num_draft_tokens_total``
       (tokens drafted), ``vllm:spec_decode_num_accepted_tokens_total`` (drafted tokens accepted) and
       ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`` (accepted at draft position
-      ``position``, 0-based); all 0 with speculation off.
+      ``position``, 0-based); all 0 with speculation off;
+    - vLLM's gauges ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (pages
+      held / all pages, 0..1), the same values as m2serve's.
     """
 
     def __init__(self) -> None:
@@ -63,6 +65,15 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # vLLM's gauge names too (v1 PrometheusStatLogger; no model_name label), for its dashboards
+        self.vllm_gauges = {
+            "running": Gauge("vllm:num_requests_running", "Number of requests in model execution batches",
+                             registry=r),
+            "waiting": Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed",
+                             registry=r),
+            "kv_usage": Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                              registry=r),
+        }
         self.running = Gauge("m2serve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("m2serve_num_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("m2serve_kv_pages_used", "KV cache pages held by requests", registry=r)
@@ -147,6 +158,9 @@ class ServerMetrics:
             self._per_pos[i] = value
         self.running.set(g.running)
         self.waiting.set(g.waiting)
+        for name, value in (("running", g.running), ("waiting", g.waiting),
+                            ("kv_usage", g.kv_pages_used / g.kv_pages_total if g.kv_pages_total else 0.0)):
+            self.vllm_gauges[name].set(value)
         self.kv_used.set(g.kv_pages_used)
         self.kv_free.set(g.kv_pages_free)
         for i, rep in enumerate(g.replicas):

@@ -300,8 +300,8 @@ def responses_job(ctx: ServeContext, req: ResponsesRequest) -> tuple[cp.ChatJob,
         if stored is None:
             raise APIError(
                 404,
-                f"previous_response_id {req.previous_response_id!r} is unknown or was evicted "
-                f"(the server keeps the last {_KEPT}, in memory); "
+                f"previous_response_id {req.previous_response_id!r} is unknown, was created with "
+                f"store: false, or was evicted (the server keeps the last {_KEPT} stored, in memory); "
                 "send the whole conversation as input instead",
                 "not_found_error",
                 "previous_response_id",
@@ -629,8 +629,8 @@ def _stored(ctx: ServeContext, response_id: str) -> StoredResponse:
     if stored is None:
         raise APIError(
             404,
-            f"response {response_id!r} is unknown or was evicted (the server keeps the last "
-            f"{_KEPT}, in memory)",
+            f"response {response_id!r} is unknown, was created with store: false, or was evicted (the "
+            f"server keeps the last {_KEPT} stored, in memory)",
             "not_found_error",
             "response_id",
         )
