@@ -41,6 +41,21 @@ def test_generate_text_is_decode_of_ids(llm):
     assert again[0].outputs[0].token_ids == results[0].outputs[0].token_ids
 
 
+def test_generate_takes_structured_outputs_as_completions_does(llm):
+    # random weights, sampled: only the constraint can make every completion match (Python's re is the
+    # independent check); a bad pattern raises the server's 400 message, naming the field
+    import re
+
+    pattern = r"[a-z]{2,5}-[0-9]{2}"
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in range(4)]
+    results = llm.generate(["The code is"] * 4, params, structured_outputs={"regex": pattern})
+    for r in results:
+        assert re.fullmatch(pattern, r.outputs[0].text), r.outputs[0].text
+        assert r.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex"):
+        llm.generate(["x"], structured_outputs={"regex": "(unclosed"})
+
+
 def test_stop_string_split_across_tokens_is_never_emitted(llm):
     # spec §1 + issue 4 "stop strings never appear in output": pick a stop string that straddles two tokens
     prompt = "Once upon a time"

@@ -256,21 +256,32 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        structured_outputs: dict[str, Any] | None = None,
     ) -> list[RequestResult]:
         """Complete prompts (strings or token-id lists); returns results in prompt order.
 
         ``sampling_params`` None = the checkpoint's generation_config defaults; one per prompt or
-        one for all. Raw text out, no parser (like /v1/completions).
+        one for all. Raw text out, no parser (like /v1/completions). ``structured_outputs``: vLLM's
+        ``{"json" | "regex" | "choice" | "grammar": ..., "json_object": true}`` constrains every
+        completion from its first token, as /v1/completions does (docs/constrained-decoding.md).
+        Raises ValueError with the server's 400 message for a format that does not compile or fails
+        while decoding.
         """
         items = _prompt_list(prompts)
         plist = _params_list(sampling_params, len(items))
         ctx = cp.TextContext.of(self)
+        try:
+            spec = cp.spec_or_400(cp.ChatJob([], output=cp.structured_outputs(structured_outputs)))
+            new_constraint = cp.constraint_factory(ctx, spec, "off", None)
+        except APIError as e:
+            raise _value_error(e) from e
         runs = []
         for prompt, params in zip(items, plist):
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"req-{next(self._ids)}"
             text = prompt if isinstance(prompt, str) else None
-            requests = list(cp.engine_requests(ctx, rid, [ids], params))
+            requests = list(cp.engine_requests(ctx, rid, [ids], params, new_constraint=new_constraint))
             runs.append(_Run(RequestResult(rid, text, ids, []), requests, stops=params.stop))
         return self._run(ctx, runs, use_tqdm)
 
