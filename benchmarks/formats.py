@@ -129,8 +129,9 @@ def build_fp4(src: Path, out: Path, encoding: str) -> Path:
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quant
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, tmp / f)
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
     tmp.rename(out)
     return out
 
