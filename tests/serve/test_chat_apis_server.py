@@ -365,6 +365,18 @@ def test_messages_prefilled_assistant_turn_is_continued(claude):
     assert "blue" in msg.content[0].text and "the sky" not in msg.content[0].text
     counted = claude.messages.count_tokens(model=MODEL, messages=PREFILL).input_tokens
     assert counted == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    # prefills the Messages API refuses, named by the client's own message index (a system prompt is
+    # not a message): a tool_use block, text ending in whitespace
+    call = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}]
+    for messages in (call, [PREFILL[0], {"role": "assistant", "content": "the "}]):
+        kwargs = dict(model=MODEL, system="Be brief.", messages=messages, tools=[ANTHROPIC_TOOL])
+        with pytest.raises(anthropic.BadRequestError) as created:
+            claude.messages.create(max_tokens=8, **kwargs)
+        with pytest.raises(anthropic.BadRequestError) as counted:
+            claude.messages.count_tokens(**kwargs)
+        for e in (created, counted):
+            assert e.value.body["error"]["message"].startswith("messages.1"), e.value.body
 
 
 def test_chat_continue_final_message_as_vllm(oai, server):
@@ -380,6 +392,9 @@ def test_chat_continue_final_message_as_vllm(oai, server):
     tok = httpx.post(server.url + "/tokenize", headers=auth,
                      json={"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False})
     assert tok.json()["count"] == r.usage.prompt_tokens
+    both = httpx.post(server.url + "/tokenize", headers=auth,
+                      json={"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=4,
                                     extra_body={"continue_final_message": True, "add_generation_prompt": True})

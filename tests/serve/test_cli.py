@@ -194,16 +194,17 @@ def test_help_shows_the_effective_defaults(capsys):
 
 
 def test_vllm_flag_names_are_aliases_of_the_max_flags():
-    # a vLLM command line for MiniMax-M2 (its recipe's flags) runs as written: each vLLM name sets the
+    # the flags of vLLM's MiniMax-M2 recipe that have an m2serve equivalent: each vLLM name sets the
     # MAX flag of the same meaning, and --enable-auto-tool-choice / --trust-remote-code are accepted
     from m2serve.serve.cli import build_parser, resolve_options
 
     parser = build_parser()
-    vllm = ["serve", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    vllm = ["serve", "MiniMaxAI/MiniMax-M2", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
             "--gpu-memory-utilization", "0.8", "--block-size", "16", "--tool-call-parser", "minimax_m2",
             "--reasoning-parser", "minimax_m2_append_think", "--enable-auto-tool-choice",
             "--trust-remote-code"]
     opts = resolve_options(parser.parse_args(vllm), parser, {})
+    assert opts["model"] == "MiniMaxAI/MiniMax-M2"   # `serve MODEL`, vLLM's shape
     assert {k: opts[k] for k in ("max_length", "max_batch_size", "max_batch_input_tokens",
                                  "device_memory_utilization", "kv_cache_page_size", "tool_parser",
                                  "reasoning_parser")} == {
@@ -212,6 +213,15 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
         "reasoning_parser": "minimax_m2_append_think"}
     plan = resolve_options(parser.parse_args(["plan", "--max-num-seqs", "3"]), parser, {})
     assert plan["max_batch_size"] == 3
+    # the environment under either name (M2SERVE_<FLAG>), the flag's own name first
+    env = resolve_options(parser.parse_args(["serve"]), parser, {"M2SERVE_MAX_MODEL_LEN": "999",
+                                                                 "M2SERVE_TOOL_CALL_PARSER": "none"})
+    assert (env["max_length"], env["tool_parser"]) == (999, "none")
+    both = resolve_options(parser.parse_args(["serve"]), parser, {"M2SERVE_MAX_MODEL_LEN": "999",
+                                                                  "M2SERVE_MAX_LENGTH": "777"})
+    assert both["max_length"] == 777
+    with pytest.raises(ValueError, match="M2SERVE_MAX_NUM_SEQS='x'"):
+        resolve_options(parser.parse_args(["serve"]), parser, {"M2SERVE_MAX_NUM_SEQS": "x"})
     with pytest.raises(SystemExit):   # the alias keeps the flag's choices
         parser.parse_args(["serve", "--tool-call-parser", "hermes"])
 

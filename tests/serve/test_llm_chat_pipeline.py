@@ -198,3 +198,28 @@ def test_collected_result_returns_only_closed_calls(cut):
     assert out.history_message()["tool_calls"] == [
         {"id": out.tool_calls[0].id, "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+def test_a_prefill_of_reasoning_goes_on_as_reasoning(llm):
+    """docs/parsers.md P1 for a continued message: a prefill that opens <think> without closing it
+    continues the reasoning (the parser starts in REASONING, the sampler counts reasoning tokens), so
+    the model's </think> ends it and the answer is content; a prefill of answer text stays content."""
+    repeat = {"role": "user", "content": "Repeat after me: the sky is blue"}
+    thinking = llm.chat([repeat, {"role": "assistant", "content": "<think>\nThe user wants"}], GREEDY,
+                        continue_final_message=True).outputs[0]
+    assert thinking.reasoning and thinking.num_reasoning_tokens > 0
+    assert "</think>" not in (thinking.content or "") and "<think>" not in thinking.reasoning
+    answer = llm.chat([repeat, {"role": "assistant", "content": "the sky"}], GREEDY,
+                      continue_final_message=True).outputs[0]
+    assert answer.reasoning is None and answer.num_reasoning_tokens == 0 and answer.content
+
+
+def test_a_continued_message_refuses_a_structured_output_or_forced_call(llm):
+    # the grammar would start a new JSON value after the continued text: a 400 naming the field
+    conv = [{"role": "user", "content": "Pick a city."}, {"role": "assistant", "content": '{"city": "'}]
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    with pytest.raises(ValueError, match=r"^response_format cannot be combined with continuing"):
+        llm.chat(conv, GREEDY, response_format=fmt, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"^tool_choice cannot be combined with continuing"):
+        llm.chat(conv, GREEDY, tools=[WEATHER], tool_choice="required", continue_final_message=True)
+    assert llm.chat(conv, GREEDY, response_format=fmt).outputs[0].content is not None   # a new turn: fine

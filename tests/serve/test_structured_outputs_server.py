@@ -171,10 +171,9 @@ def test_vllm_structured_outputs_on_chat_and_completions(oai):
     assert r.choices[0].message.content in ("yes", "no", "maybe")
     # vLLM's json_object kind, with its whitespace option (accepted, no effect): the constraint of
     # response_format json_object (any JSON object; tiny-chat's greedy one outruns 256 tokens)
-    short = GREEDY
-    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **short, extra_body={
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={
         "structured_outputs": {"json_object": True, "disable_any_whitespace": True}})
-    same = oai.chat.completions.create(model=MODEL, messages=QUESTION, **short,
+    same = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")
     assert r.choices[0].message.content == same.choices[0].message.content
@@ -183,7 +182,16 @@ def test_vllm_structured_outputs_on_chat_and_completions(oai):
         oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
                                     extra_body={"structured_outputs": {"regexp": "a"}})
     assert e.value.body["param"] == "structured_outputs.regexp", e.value.body
-    assert e.value.body["message"].startswith("structured_outputs.regexp: not a structured-output kind")
+    assert e.value.body["message"].startswith("structured_outputs.regexp: unknown or not supported")
+    # vLLM's whole StructuredOutputsParams object, its unused fields null: accepted
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={"structured_outputs": {
+        "choice": ["yes", "no"], "json": None, "regex": None, "structural_tag": None,
+        "disable_additional_properties": False}})
+    assert r.choices[0].message.content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as e:   # an option that would change the schema: not ignored
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={
+            "structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}})
+    assert e.value.body["param"] == "structured_outputs.disable_additional_properties"
 
 
 @pytest.mark.parametrize("schema, reason", [(BAD_PATTERN, "does not compile"), (BAD_SCHEMA, "not")])

@@ -398,8 +398,8 @@ def test_a_recursive_parameter_schema_still_compiles(compiler):
 def test_a_parameter_with_its_own_defs_still_reaches_the_tools_defs(compiler, own_extra):
     """A parameter schema with its own ``$defs`` that also names one of the tool's: both sets are there
     when the value is written, with the exclusion and without it (patternProperties: as given). The
-    plain path used to drop the tool's ``$defs`` when the parameter had its own, so the reference did
-    not resolve and every forced call of the request failed to compile."""
+    plain path (the patternProperties case) used to drop the tool's ``$defs`` when the parameter had
+    its own, so the reference did not resolve and every forced call of the request failed to compile."""
     tool = {"type": "function", "function": {"name": "t", "parameters": {
         "$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object", "required": ["p"], "properties": {"p": {
             "type": "object", "$defs": {"Own": {"type": "integer"}}, **own_extra, "required": ["n", "u"],
@@ -410,6 +410,18 @@ def test_a_parameter_with_its_own_defs_still_reaches_the_tools_defs(compiler, ow
         constraint = compiler.constraint(tool_calls_spec([tool]), "off")
         ids = _forced_call_ids(compiler.tokenizer, call.format(value))
         assert _accepts(compiler, constraint, ids) is ok, value
+
+
+def test_a_recursive_definition_in_the_parameters_own_defs_is_found():
+    # the walk follows references into the parameter's own $defs as well as the tool's: a cycle there is
+    # written as given (no exclusion added), as one in the tool's $defs is
+    from m2serve.text.constraint import _json_value
+
+    own = {"type": "object", "properties": {"c": {"$ref": "#/$defs/N"}},
+           "$defs": {"N": {"type": "object", "properties": {"c": {"$ref": "#/$defs/N"}}}}}
+    assert _json_value(own, {}, exclude=True)[1] == 0
+    flat = {"type": "object", "properties": {"c": {"$ref": "#/$defs/L"}}, "$defs": {"L": {"type": "string"}}}
+    assert _json_value(flat, {}, exclude=True)[1] > 0
 
 
 def test_compiled_grammars_are_cached_per_spec(compiler):

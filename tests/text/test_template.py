@@ -235,8 +235,8 @@ def test_continue_final_message_as_transformers_does(template, hf_tokenizer, fin
 
 
 def test_continue_final_message_with_empty_content_opens_the_turn(template):
-    # transformers cannot find an empty content in the rendering; the marker can: the prompt ends
-    # with the assistant header and nothing after it (hand-derived from the template text)
+    # an empty content: the marker places it right after the assistant header, newline included
+    # (hand-derived from the template text; transformers' search for "" cuts before that newline)
     out = template.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}],
                           continue_final_message=True)
     assert out.endswith("]~b]user\nq[e~[\n]~b]ai\n")

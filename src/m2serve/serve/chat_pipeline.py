@@ -65,7 +65,7 @@ from m2serve.text.constraint import (
     regex_spec,
     tool_calls_spec,
 )
-from m2serve.text.parser import StreamingParser, ToolCallDelta, starts_in_reasoning
+from m2serve.text.parser import StreamingParser, ToolCallDelta, opens_reasoning, starts_in_reasoning
 from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, TemplateError
 
 log = logging.getLogger(__name__)
@@ -443,10 +443,9 @@ def output_format(kind: str | None, value: Any, field_name: str) -> OutputFormat
                    param=f"{field_name}.type")
 
 
-# vLLM's structured_outputs options that tune its own backends' JSON whitespace and fallback: accepted,
-# no effect (JSON follows the chat template's style, docs/constrained-decoding.md).
-_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                       "whitespace_pattern")
+# vLLM's structured_outputs options that tune its backends' JSON whitespace and fallback: accepted, no
+# effect (JSON follows the chat template's style, docs/constrained-decoding.md, "structured_outputs").
+_STRUCTURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "whitespace_pattern")
 
 
 def structured_outputs(value: Any) -> OutputFormat | None:
@@ -458,11 +457,17 @@ def structured_outputs(value: Any) -> OutputFormat | None:
         return None
     if not isinstance(value, dict):
         raise APIError(400, "structured_outputs: must be an object", param="structured_outputs")
+    value = {k: v for k, v in value.items() if v is not None}   # vLLM's full object sends nulls
     kinds = ("json", "regex", "choice", "grammar")
-    unknown = [k for k in value if k not in (*kinds, "json_object", *_STRUCTURED_OPTIONS)]
+    if value.get("disable_additional_properties") is True:
+        raise APIError(400, "structured_outputs.disable_additional_properties: not supported; write "
+                            '"additionalProperties": false in the schema', param="structured_outputs."
+                            "disable_additional_properties")
+    unknown = [k for k in value if k not in (*kinds, "json_object", "disable_additional_properties",
+                                             *_STRUCTURED_OPTIONS)]
     if unknown:
-        raise APIError(400, f"structured_outputs.{unknown[0]}: not a structured-output kind; give exactly "
-                            "one of json, regex, choice, grammar, json_object", param=f"structured_outputs.{unknown[0]}")
+        raise APIError(400, f"structured_outputs.{unknown[0]}: unknown or not supported; give exactly one of "
+                            "json, regex, choice, grammar, json_object", param=f"structured_outputs.{unknown[0]}")
     given = [k for k in kinds if value.get(k) is not None]
     if value.get("json_object") is not None and value["json_object"] is not False:
         if value["json_object"] is not True:
@@ -502,9 +507,15 @@ def chat_output(response_format: dict[str, Any] | None, structured: Any) -> Outp
 
 def constraint_spec(job: ChatJob) -> ConstraintSpec | None:
     """The grammar a job's output must follow (docs/constrained-decoding.md), or None. A structured
-    output format wins over ``tool_choice`` auto / none; with ``required`` or a named tool it is a 400.
+    output format wins over ``tool_choice`` auto / none; with ``required`` or a named tool it is a 400,
+    and so is either with a continued final message (the grammar would start after the continued text).
     Raises ValueError naming the field for a malformed format or tool."""
     calls = job.tool_choice == "required" or job.tool_name is not None
+    if job.continue_final_message and (job.output is not None or calls):
+        field_name = job.output.field if job.output is not None else "tool_choice"
+        raise APIError(400, f"{field_name} cannot be combined with continuing the final assistant message "
+                            "(continue_final_message, or a prefilled assistant turn): the constraint would "
+                            "start a new value after the continued text; drop one of them", param=field_name)
     if job.output is not None:
         if calls:
             raise APIError(400, f"{job.output.field} cannot be combined with a required or named tool "
@@ -734,14 +745,29 @@ def reasoning_mode(llm: Any, reasoning_split: bool | None) -> str | None:
     return {"minimax_m2": "split", "minimax_m2_append_think": "passthrough"}.get(llm.reasoning_parser)
 
 
-def chat_params(llm: Any, params: SamplingParams, prompt: str,
+def starts_reasoning(job: ChatJob, prompt: str) -> bool:
+    """P1, the state the output starts in: reasoning when the prompt ends in ``<think>``, or when the
+    job continues a final message whose text opens a ``<think>`` it does not close (a prefill of
+    reasoning: docs/parsers.md §2; the template writes that text as given, so the prompt does not end
+    in the tag)."""
+    if starts_in_reasoning(prompt):
+        return True
+    if not job.continue_final_message or not job.messages:
+        return False
+    content = job.messages[-1].get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return isinstance(content, str) and opens_reasoning(content)
+
+
+def chat_params(llm: Any, params: SamplingParams, in_reasoning: bool,
                 reasoning_budget: int | None = None) -> SamplingParams:
     """``params`` with the reasoning-state fields the sampler needs for thinking_temperature (the
     request's, else ``llm.thinking_temperature``; docs/serving.md §10) and the checkpoint's reasoning
     cap (generation_config.json ``max_reasoning_tokens``: a reply still reasoning after that many
     tokens ends with ``length``) unless the params set one, the job has its own ``reasoning_budget``
     (which forces ``</think>`` instead), or the request asks for its length (``ignore_eos``,
-    ``min_tokens``: benchmarks)."""
+    ``min_tokens``: benchmarks); ``in_reasoning``: the output starts in reasoning (:func:`starts_reasoning`)."""
     thinking = params.thinking_temperature
     if thinking is None:
         thinking = llm.thinking_temperature
@@ -751,16 +777,19 @@ def chat_params(llm: Any, params: SamplingParams, prompt: str,
     return replace(
         params,
         thinking_temperature=thinking,
-        start_in_reasoning=starts_in_reasoning(prompt),
+        start_in_reasoning=in_reasoning,
         reasoning_end_token_ids=llm.reasoning_end_ids,
         max_reasoning_tokens=cap,
     )
 
 
 def new_parser(
-    llm: Any, prompt: str, tools: list[dict[str, Any]] | None, mode: str | None, request_id: str = ""
+    llm: Any, in_reasoning: bool, tools: list[dict[str, Any]] | None, mode: str | None, request_id: str = "",
+    continued: bool = False,
 ) -> StreamingParser | None:
-    """A streaming parser for one chat choice, or None when nothing is to be parsed.
+    """A streaming parser for one chat choice, or None when nothing is to be parsed. ``in_reasoning``:
+    the output starts in reasoning (:func:`starts_reasoning`); ``continued``: it continues a final
+    message, whose text already holds any ``<think>`` (no P7 prefix in passthrough).
 
     mode None (``--reasoning-parser none``): reasoning is not parsed; if tools are on, the parser runs
     in passthrough mode from the CONTENT state, so only tool blocks are extracted. Tools are not parsed
@@ -771,7 +800,8 @@ def new_parser(
     return StreamingParser(
         tools=list(tools) if use_tools else None,
         mode=mode or "passthrough",
-        prompt_tail=prompt[-64:] if mode is not None else "",
+        start_in_reasoning=in_reasoning and mode is not None,
+        emit_think_prefix=not continued,
         request_id=request_id,
     )
 
@@ -785,7 +815,8 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     prompt = render_prompt(ctx, job.messages, job.tools, job.chat_template_kwargs, job.add_generation_prompt,
                            job.messages_param, job.continue_final_message)
     ids = encode(ctx, prompt, job.messages_param, check_length=True, tools=job.tools)
-    params = chat_params(llm, job.params, prompt, job.reasoning_budget)
+    in_reasoning = starts_reasoning(job, prompt)
+    params = chat_params(llm, job.params, in_reasoning, job.reasoning_budget)
     reasoning = "inside" if params.start_in_reasoning else "may_open"
     new_constraint = constraint_factory(ctx, spec, reasoning, job.reasoning_budget)
     if job.max_tokens_is_cap:
@@ -793,7 +824,8 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     check_length(ctx, ids, job.messages_param, params.max_tokens, job.max_tokens_param)
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = reasoning_mode(llm, job.reasoning_split)
-    return PreparedChat(job, prompt, ids, params, lambda rid: new_parser(llm, prompt, tools, mode, rid),
+    return PreparedChat(job, prompt, ids, params,
+                        lambda rid: new_parser(llm, in_reasoning, tools, mode, rid, job.continue_final_message),
                         new_constraint)
 
 

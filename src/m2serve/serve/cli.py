@@ -95,6 +95,7 @@ UNSET_MEANING: dict[str, str] = {
     "thinking_signing_key": "random per process",
     "max_queue_size": "unbounded",
     "prompts": "a few built-in chat prompts, run as chats",
+    "model_tag": "--model",
     "prompts_file": "none",
     "top_p": "the checkpoint's generation_config.json",
     "top_k": "the checkpoint's generation_config.json",
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = _sub(sub, "serve", "HTTP server: OpenAI Chat Completions, Completions and Responses, Anthropic "
              "Messages")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the checkpoint, as --model (vLLM's `serve MODEL` shape)")
     _add_deployment_flags(s)
     _add_engine_flags(s)
     s.add_argument("--host", help="address to listen on")
@@ -280,7 +283,12 @@ def resolve_options(
     from m2serve.serve.recipe import load_recipe, recipe_overrides
 
     environ = os.environ if environ is None else environ
-    cli = {k: v for k, v in vars(ns).items() if v is not None and k != "command"}
+    cli = {k: v for k, v in vars(ns).items() if v is not None and k not in ("command", "model_tag")}
+    tag = getattr(ns, "model_tag", None)
+    if tag is not None:   # serve MODEL: the --model of vLLM's command line shape
+        if cli.get("model", tag) != tag:
+            raise ValueError(f"the model is given twice ({tag!r} and --model {cli['model']!r}); give one")
+        cli["model"] = tag
     defaults = {f.name: f.default for f in fields(EngineArgs)}
     defaults.update(
         {"serve": SERVE_DEFAULTS, "generate": GENERATE_DEFAULTS, "plan": PLAN_DEFAULTS}[ns.command]
@@ -290,17 +298,33 @@ def resolve_options(
     if config_file:
         opts.update(recipe_overrides(load_recipe(config_file)))
     types = _flag_types(parser, ns.command) if parser is not None else {}
+    aliases = _alias_env_names(parser, ns.command) if parser is not None else {}
     for dest in set(opts) | set(types):
-        raw = environ.get(ENV_PREFIX + dest.upper())
-        if raw is None or dest in ("prompts",):
+        names = [ENV_PREFIX + dest.upper(), *aliases.get(dest, ())]   # the flag's own name first
+        name = next((n for n in names if n in environ), None)
+        if name is None or dest in ("prompts", "model_tag"):
             continue
+        raw = environ[name]
         conv = types.get(dest, str)
         try:
             opts[dest] = conv(raw)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{ENV_PREFIX}{dest.upper()}={raw!r}: {e}") from e
+            raise ValueError(f"{name}={raw!r}: {e}") from e
     opts.update(cli)
     return opts
+
+
+def _alias_env_names(parser: argparse.ArgumentParser, command: str) -> dict[str, list[str]]:
+    """dest -> ``M2SERVE_<ALIAS>`` for each other long name of a flag (``--max-model-len`` ->
+    ``M2SERVE_MAX_MODEL_LEN`` for ``max_length``)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    out: dict[str, list[str]] = {}
+    for act in sub._actions:
+        for opt in act.option_strings:
+            name = opt.lstrip("-").replace("-", "_").upper()
+            if opt.startswith("--") and not opt.startswith("--no-") and name != act.dest.upper():
+                out.setdefault(act.dest, []).append(ENV_PREFIX + name)
+    return out
 
 
 def _flag_types(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:

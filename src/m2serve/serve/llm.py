@@ -320,7 +320,8 @@ class LLM:
         docs/constrained-decoding.md, "Tool-call cap"); parallel_tool_calls False: at most one call
         per choice; response_format: OpenAI's
         ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``;
-        structured_outputs: vLLM's ``{"json" | "regex" | "choice" | "grammar": ...}`` (one of the two);
+        structured_outputs: vLLM's ``{"json" | "regex" | "choice" | "grammar": ..., "json_object": true}``
+        (one of the two);
         reasoning_budget: the most reasoning tokens before ``</think>`` is forced
         (docs/constrained-decoding.md); add_generation_prompt / continue_final_message: vLLM's
         (``continue_final_message``: the reply continues the last message, an assistant's, whose text

@@ -120,7 +120,7 @@ class _SamplingFields(APIRequest):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
-    structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar
+    structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar, json_object
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI allows one string or a list of up to 4)."""
@@ -149,6 +149,17 @@ class ChatMessage(BaseModel):
         return self
 
 
+def _continue_rule(req: Any) -> Any:
+    """vLLM's rule for ``continue_final_message`` (chat and /tokenize): a continued final message gets no
+    generation prompt. Left unset, ``add_generation_prompt`` is off with it; both sent true is a 400."""
+    if req.continue_final_message and req.add_generation_prompt:
+        if "add_generation_prompt" in req.model_fields_set:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt true "
+                             "(the reply continues the last message; no new turn is opened)")
+        req.add_generation_prompt = False
+    return req
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -173,14 +184,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _continue_without_generation_prompt(self) -> ChatCompletionRequest:
-        """vLLM's rule: a continued final message gets no generation prompt. Left unset, the generation
-        prompt is off with ``continue_final_message``; both sent true is a 400."""
-        if self.continue_final_message and self.add_generation_prompt:
-            if "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("continue_final_message: cannot be true with add_generation_prompt true "
-                                 "(the reply continues the last message; no new turn is opened)")
-            self.add_generation_prompt = False
-        return self
+        return _continue_rule(self)
 
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (newer name) or else ``max_tokens``."""
@@ -207,6 +211,10 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _continue_without_generation_prompt(self) -> TokenizeRequest:
+        return _continue_rule(self)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -273,7 +273,7 @@ def _json_value(schema: Mapping[str, Any], root: Mapping[str, Any], exclude: boo
     plain = _json_schema(full)
     if not exclude or not allowed_types(schema) & {"object", "array", "string"}:
         return plain, 0
-    if not _intersectable(schema, root):  # this parameter as written; the others keep the exclusion
+    if not _intersectable(schema, full):  # this parameter as written; the others keep the exclusion
         log.info("a tool parameter schema kept without the value-end exclusion (recursive, or with "
                  "patternProperties: llguidance cannot intersect it)")
         return plain, 0

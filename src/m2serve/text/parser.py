@@ -130,6 +130,12 @@ def starts_in_reasoning(prompt_tail: str) -> bool:
     return prompt_tail.rstrip().endswith(THINK)
 
 
+def opens_reasoning(text: str) -> bool:
+    """P1 for a continued assistant message (docs/parsers.md §2): its text holds a ``<think>`` that no
+    ``</think>`` after it closes, so the continuation starts in reasoning."""
+    return text.rfind(THINK) > text.rfind(THINK_END)
+
+
 def _find_tag(buf: str, pos: int, tags: tuple[str, ...]) -> tuple[int, str | None]:
     """Earliest tag in ``buf[pos:]``.
 
@@ -194,7 +200,8 @@ class StreamingParser:
             ``tool_choice`` is ``"none"``).
         mode: ``"split"`` (reasoning_content + clean content) or ``"passthrough"`` (raw text as content,
             tool blocks extracted), P7.
-        prompt_tail: the end of the rendered prompt; decides the start state (P1).
+        prompt_tail: the end of the rendered prompt; decides the start state (P1) unless
+            ``start_in_reasoning`` is given (a continued message, :func:`opens_reasoning`).
         request_id: used only in the one-line error log of P20.
         emit_think_prefix: passthrough only; False leaves out the ``<think>`` that P7 puts before
             output that started in reasoning (for a server run without a reasoning parser).
@@ -205,7 +212,8 @@ class StreamingParser:
     """
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, mode: Mode = "split",
-                 prompt_tail: str = "", request_id: str = "", emit_think_prefix: bool = True) -> None:
+                 prompt_tail: str = "", request_id: str = "", emit_think_prefix: bool = True,
+                 start_in_reasoning: bool | None = None) -> None:
         if mode not in ("split", "passthrough"):
             raise ValueError(f"parser mode={mode!r} is not one of 'split', 'passthrough'")
         self.request_id = request_id
@@ -222,7 +230,7 @@ class StreamingParser:
                 props = props if isinstance(props, Mapping) else {}
                 self._tools.setdefault(fn["name"], {k: resolve_refs(v, params) for k, v in props.items()})
         self._tools_on = bool(self._tools)
-        reasoning = starts_in_reasoning(prompt_tail)
+        reasoning = starts_in_reasoning(prompt_tail) if start_in_reasoning is None else start_in_reasoning
         self._state = _State.REASONING if reasoning else _State.CONTENT
         self._at_start = not reasoning  # P2 window: only whitespace seen so far in CONTENT
         self._think_prefix = reasoning and not self._split and emit_think_prefix  # P7 "<think>" prefix

@@ -176,10 +176,12 @@ class ChatTemplate:
 
     def _continued(self, msgs: list[dict[str, Any]], variables: dict[str, Any]) -> str:
         """The conversation rendered without a generation prompt and cut right after the final
-        assistant message's content. Where that content ends is found by rendering it once more with
-        the content replaced by a marker: the text before the marker and the text after it must frame
-        the real rendering (so the template writes the content as given, whatever it is, even empty,
-        or repeated earlier in the conversation); the prompt is the real rendering less that suffix."""
+        assistant message's content as the template writes it. Where that content ends is found by
+        rendering once more with the content replaced by a marker: the text before the marker and the
+        text after it must frame the real rendering (so an empty content, or one repeated earlier in
+        the conversation, is placed right); the prompt is the real rendering less that suffix. A
+        template that transforms the marker too (upper-cases the content) cannot be continued: a
+        TemplateError naming the message."""
         n = len(msgs)
         last = msgs[-1] if msgs else {}
         if last.get("role") != "assistant":

@@ -180,11 +180,24 @@ def tool_choice_fields(req: CountTokensRequest) -> dict[str, Any]:
             "one_call": bool(choice is not None and choice.disable_parallel_tool_use)}
 
 
-def prefilled(messages: list[dict[str, Any]]) -> bool:
+def prefilled(req: CountTokensRequest) -> bool:
     """True when the conversation ends with an assistant message: Anthropic's prefilled response,
     which the reply continues (the prompt ends right after that message's text; the returned content
-    is the continuation only, as the Messages API returns it)."""
-    return bool(messages) and messages[-1].get("role") == "assistant"
+    is the continuation only, as the Messages API returns it). A prefill the Messages API refuses is
+    a 400 naming it here too: one with a ``tool_use`` block, one whose text ends in whitespace (the
+    template would strip it, and the reply would not continue what the client holds)."""
+    if not req.messages or req.messages[-1].role != "assistant":
+        return False
+    i, content = len(req.messages) - 1, req.messages[-1].content
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if any(isinstance(b, dict) and b.get("type") == "tool_use" for b in blocks):
+        raise APIError(400, f"messages.{i}.content: a prefilled (last) assistant message holds text only; "
+                            "this one has a tool_use block", param=f"messages.{i}.content")
+    texts = [b["text"] for b in blocks if isinstance(b, dict) and isinstance(b.get("text"), str)]
+    if texts and texts[-1] != texts[-1].rstrip():
+        raise APIError(400, f"messages.{i}: final assistant content cannot end with trailing whitespace",
+                       param=f"messages.{i}.content")
+    return True
 
 
 def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, bool]:
@@ -213,7 +226,7 @@ def messages_job(ctx: ServeContext, req: MessagesRequest) -> tuple[cp.ChatJob, b
         params=params,
         reasoning_split=True,
         max_tokens_is_cap=True,
-        continue_final_message=prefilled(messages),
+        continue_final_message=prefilled(req),
     )
     return job, thinking is None or thinking.type != "disabled"
 
@@ -398,7 +411,7 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> dict[str, i
     def work() -> list[int]:
         # the tool choice refused as /v1/messages refuses it (its grammar compiled, off the event loop)
         cp.constraint_factory(ctx, cp.spec_or_400(job), "inside", None)
-        prompt = cp.render_prompt(ctx, messages, tools, continue_final_message=prefilled(messages))
+        prompt = cp.render_prompt(ctx, messages, tools, continue_final_message=prefilled(req))
         return cp.encode(ctx, prompt, "messages", check_length=True, tools=tools)
 
     return {"input_tokens": len(await run_in_threadpool(work))}
