@@ -202,7 +202,7 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
     vllm = ["serve", "MiniMaxAI/MiniMax-M2", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
             "--gpu-memory-utilization", "0.8", "--block-size", "16", "--tool-call-parser", "minimax_m2",
             "--reasoning-parser", "minimax_m2_append_think", "--enable-auto-tool-choice",
-            "--trust-remote-code"]
+            "--trust-remote-code", "--dtype", "auto"]
     opts = resolve_options(parser.parse_args(vllm), parser, {})
     assert opts["model"] == "MiniMaxAI/MiniMax-M2"   # `serve MODEL`, vLLM's shape
     assert {k: opts[k] for k in ("max_length", "max_batch_size", "max_batch_input_tokens",
@@ -211,6 +211,7 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
         "max_length": 512, "max_batch_size": 4, "max_batch_input_tokens": 256,
         "device_memory_utilization": 0.8, "kv_cache_page_size": 16, "tool_parser": "minimax_m2",
         "reasoning_parser": "minimax_m2_append_think"}
+    assert opts["dtype"] == "bfloat16"   # vLLM's --dtype auto: the default
     plan = resolve_options(parser.parse_args(["plan", "--max-num-seqs", "3"]), parser, {})
     assert plan["max_batch_size"] == 3
     # the environment under either name (M2SERVE_<FLAG>), the flag's own name first

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 #: Compute ("activation") dtypes by name -> bytes per element. The names are torch's
 #: (``getattr(torch, name)``); the CLI choices, the planner and the engine all read this table.
 COMPUTE_DTYPES = {"bfloat16": 2, "float32": 4}
+#: The compute dtype when none is given (MiniMax-M2's own; vLLM's ``--dtype auto``).
+DEFAULT_DTYPE = "bfloat16"
 #: KV-cache element formats by name -> bytes per element (fp8 KV: docs/checkpoints.md §3.6).
 KV_CACHE_FORMATS = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -217,7 +219,7 @@ class EngineArgs:
 
     model: str | None = None
     served_model_name: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     devices: str = "cpu"
     data_parallel_degree: int = 1
     ep_size: int = 1

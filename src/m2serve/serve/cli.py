@@ -35,6 +35,7 @@ from m2serve.config.engine_args import (
     ACTIVATION_QUANT_MODES,
     ATTENTION_BACKENDS,
     COMPUTE_DTYPES,
+    DEFAULT_DTYPE,
     FP8_LINEAR_MODES,
     KV_CACHE_FORMATS,
     QUANTIZE_UNQUANTIZED_MODES,
@@ -132,6 +133,11 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true/false)")
 
 
+def _auto_dtype(text: str) -> str:
+    """``--dtype``: vLLM's ``auto`` is the default compute dtype (MiniMax-M2's bf16)."""
+    return DEFAULT_DTYPE if text == "auto" else text
+
+
 def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by serve, generate and plan (MAX names)."""
     a = p.add_argument
@@ -171,7 +177,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--served-model-name", help="the model name the APIs answer to and report")
-    a("--dtype", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    a("--dtype", type=_auto_dtype, choices=list(COMPUTE_DTYPES),
+      help="compute dtype (auto, vLLM's spelling: the default)")
     a("--max-batch-size", "--max-num-seqs", type=int, help="max running requests")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse the KV pages of a prompt prefix already computed")
