@@ -409,19 +409,26 @@ def test_rejected_tool_calls_counter_exported_before_first_rejection():
 
 
 def test_vllm_gauge_names_carry_the_engine_snapshot():
-    # vLLM dashboards read vllm:num_requests_running / _waiting and vllm:kv_cache_usage_perc (0..1):
+    # vLLM dashboards read vllm:num_requests_running / _waiting and vllm:kv_cache_usage_perc (0..1),
+    # by model_name:
     # 3 running, 2 waiting, 30 of 120 pages held (the rest free or cached) -> 0.25
     from m2serve.engine.core import EngineStats
     from m2serve.serve.metrics import ServerMetrics
 
+    def stats(preemptions: int) -> EngineStats:
+        return EngineStats(running=3, waiting=2, kv_pages_total=120, kv_pages_used=30, kv_pages_free=70,
+                           kv_page_size=16, prefix_cache_queries=0, prefix_cache_hits=0,
+                           prefix_cache_requests=0, prefix_cache_requests_hit=0, chunked_prefill_steps=0,
+                           preemptions=preemptions, generated_tokens=0, steps=0)
+
     m = ServerMetrics()
-    m.set_engine(EngineStats(running=3, waiting=2, kv_pages_total=120, kv_pages_used=30, kv_pages_free=70,
-                             kv_page_size=16, prefix_cache_queries=0, prefix_cache_hits=0,
-                             prefix_cache_requests=0, prefix_cache_requests_hit=0, chunked_prefill_steps=0,
-                             preemptions=0, generated_tokens=0, steps=0))
+    m.set_engine(stats(2))   # before the engine is installed: no name yet
+    m.label_model("tiny", stats(5))   # install(): the served model name; the counts carried over whole
     lines = set(m.render().decode().splitlines())
-    assert {"vllm:num_requests_running 3.0", "vllm:num_requests_waiting 2.0",
-            "vllm:kv_cache_usage_perc 0.25"} <= lines
+    assert {'vllm:num_requests_running{model_name="tiny"} 3.0', 'vllm:num_requests_waiting{model_name="tiny"} 2.0',
+            'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25', 'vllm:num_preemptions_total{model_name="tiny"} 5.0',
+            "m2serve_num_requests_running 3.0"} <= lines
+    assert not any('model_name=""' in line for line in lines)
 
 
 # --------------------------------------------------------------------------- request-size limits

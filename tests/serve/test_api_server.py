@@ -208,10 +208,19 @@ def test_unknown_model_404(client):
     assert "no-such-model" in str(e.value)
 
 
-def test_tokenize_detokenize(server, tokenizer):
+def test_tokenize_detokenize(server, tokenizer, tiny_random_dir):
+    from transformers import AutoTokenizer
+
     text = "Hello <think> world"
     r = httpx.post(server.url + "/tokenize", headers=_headers(), json={"model": MODEL, "prompt": text}).json()
     assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    # vLLM's fields: add_special_tokens accepted (the tokenizer adds none), token strings as transformers
+    # spells them; an unknown field is ignored as on the other routes
+    hf = AutoTokenizer.from_pretrained(str(tiny_random_dir))
+    strs = httpx.post(server.url + "/tokenize", headers=_headers(), json={
+        "prompt": text, "add_special_tokens": True, "return_token_strs": True, "some_new_field": 1}).json()
+    assert strs["tokens"] == r["tokens"] == hf.encode(text, add_special_tokens=True)
+    assert strs["token_strs"] == hf.convert_ids_to_tokens(r["tokens"])
     back = httpx.post(server.url + "/detokenize", headers=_headers(), json={"tokens": r["tokens"]}).json()
     assert back["prompt"] == text
     chat = httpx.post(server.url + "/tokenize", headers=_headers(), json={"messages": MESSAGES}).json()

@@ -143,6 +143,19 @@ def test_resolve_local_and_shipped(tiny_random_dir, tmp_path):
     )
     with pytest.raises(ModelNotFoundError, match="no such directory"):
         resolve_model(str(tmp_path / "missing" / "dir"))
+    # the shipped checkpoints by the names the API gives them (`m2serve serve tiny-chat`)
+    shipped = Path(__file__).resolve().parents[2] / "src" / "m2serve" / "checkpoints"
+    assert resolve_model("tiny-chat") == shipped / "tiny-chat" == resolve_model(None)
+    assert resolve_config("tiny-chat") == shipped / "tiny-chat" / "config.json"
+    assert resolve_model("tiny-chat-eagle3") == shipped / "tiny-chat-eagle3"
+    local = tmp_path / "tiny-chat"   # a local directory of that name wins
+    local.mkdir()
+    cwd = Path.cwd()
+    try:
+        os.chdir(tmp_path)
+        assert resolve_model("tiny-chat") == Path("tiny-chat")
+    finally:
+        os.chdir(cwd)
     with pytest.raises(ModelNotFoundError, match="MiniMaxAI/MiniMax-M2.7"):  # names the shipped ids
         resolve_config("nobody/nothing-" + tmp_path.name)
 

@@ -223,3 +223,13 @@ def test_a_continued_message_refuses_a_structured_output_or_forced_call(llm):
     with pytest.raises(ValueError, match=r"^tool_choice cannot be combined with continuing"):
         llm.chat(conv, GREEDY, tools=[WEATHER], tool_choice="required", continue_final_message=True)
     assert llm.chat(conv, GREEDY, response_format=fmt).outputs[0].content is not None   # a new turn: fine
+
+
+def test_a_continued_message_cannot_end_inside_a_tool_call(llm):
+    # the parser never starts inside a call: it would drop the stray </minimax:tool_call> and return the
+    # call's rest as content; a 400 naming the message instead
+    inside = '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+    conv = [{"role": "user", "content": "What's the weather in Paris?"}, {"role": "assistant", "content": inside}]
+    with pytest.raises(ValueError, match=r"^messages\[1\]: a continued assistant message cannot end inside a tool"):
+        llm.chat(conv, GREEDY, tools=[WEATHER], continue_final_message=True)
+

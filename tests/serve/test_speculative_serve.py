@@ -60,6 +60,9 @@ def test_llm_argument_and_banner(tiny_random_dir):
         LLM(str(tiny_random_dir), speculative_config={"method": "ngram"})
 
 
+M = (("model_name", "m"),)   # the served model name, vLLM's label
+
+
 def _metrics(client) -> dict[tuple, float]:
     text = client.get("/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -72,16 +75,16 @@ def test_spec_decode_counters_on_metrics_with_vllm_names(tiny_random_dir):
     engine = AsyncEngine(llm, ServerMetrics())
     with TestClient(build_app(engine, ServerSettings(served_model_name="m"))) as client:
         m = _metrics(client)
-        assert m[("vllm:spec_decode_num_draft_tokens_total", ())] == 0
+        assert m[("vllm:spec_decode_num_draft_tokens_total", M)] == 0   # vLLM's model_name label
         body = {"prompt": [7, 8, 9] * 8, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
         assert client.post("/v1/completions", json=body).status_code == 200
         m = _metrics(client)
     st = llm.engine.stats
     assert st.spec_draft_tokens > 0   # the prompt's repeats always give a draft at the first decode
-    assert m[("vllm:spec_decode_num_drafts_total", ())] == st.spec_drafts
-    assert m[("vllm:spec_decode_num_draft_tokens_total", ())] == st.spec_draft_tokens
-    assert m[("vllm:spec_decode_num_accepted_tokens_total", ())] == st.spec_accepted_tokens
-    per_pos = [m.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),)), 0)
+    assert m[("vllm:spec_decode_num_drafts_total", M)] == st.spec_drafts
+    assert m[("vllm:spec_decode_num_draft_tokens_total", M)] == st.spec_draft_tokens
+    assert m[("vllm:spec_decode_num_accepted_tokens_total", M)] == st.spec_accepted_tokens
+    per_pos = [m.get(("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*M, ("position", str(i)))), 0)
                for i in range(3)]
     assert per_pos == st.spec_accepted_per_pos + [0] * (3 - len(st.spec_accepted_per_pos))
     assert sum(per_pos) == st.spec_accepted_tokens

@@ -188,6 +188,17 @@ def test_vllm_structured_outputs_on_chat_and_completions(oai):
         "choice": ["yes", "no"], "json": None, "regex": None, "structural_tag": None,
         "disable_additional_properties": False}})
     assert r.choices[0].message.content in ("yes", "no")
+    # vLLM's older guided_* names are the same kinds (they were ignored, so the output was free text)
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={
+        "guided_choice": ["maybe", "never"], "guided_decoding_backend": "xgrammar"})
+    assert r.choices[0].message.content in ("maybe", "never")
+    r = oai.completions.create(model=MODEL, prompt="The answer is", max_tokens=32, temperature=1.0, seed=3,
+                               extra_body={"guided_regex": "[0-9]{3}"})
+    assert re.fullmatch(r"[0-9]{3}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={
+            "guided_json": {"type": "object"}, "structured_outputs": {"regex": "a"}})
+    assert e.value.body["param"] == "structured_outputs"
     with pytest.raises(openai.BadRequestError) as e:   # an option that would change the schema: not ignored
         oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={
             "structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}})

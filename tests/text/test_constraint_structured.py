@@ -55,6 +55,14 @@ def test_lark_grammar(compiler):
     assert all(re.fullmatch(r"[a-z]{1,4}=[0-9]{1,2}(,[a-z]{1,4}=[0-9]{1,2}){0,2}", b) for b in bodies)
 
 
+@pytest.mark.parametrize("grammar", ['root ::= "yes" | "no"', 'answer-rule ::= [a-z]+\nroot ::= answer-rule'])
+def test_a_gbnf_grammar_is_named_as_such(grammar):
+    # vLLM's docs show GBNF (`root ::= ...`); llguidance reads Lark and said "Expected token '_'"
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: this looks like GBNF"):
+        lark_spec(grammar)
+    lark_spec('start: "a ::= b"')   # the text inside a Lark literal is not GBNF
+
+
 def test_json_object(compiler):
     n, bodies = _bodies(compiler, json_spec(None), "off", seed=10)
     assert n >= 0.2 * N  # unbounded keys and values: many hit max_tokens with random logits

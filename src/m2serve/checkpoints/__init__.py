@@ -14,6 +14,9 @@ from pathlib import Path
 
 TINY_CHAT = Path(__file__).resolve().with_name("tiny-chat")
 CHAT_TEMPLATE = TINY_CHAT / "chat_template.jinja"
+#: The shipped checkpoints by the names ``--model`` (and ``speculative_config.model``) accept for them:
+#: ``m2serve serve tiny-chat`` serves the embedded default, as the API names it.
+EMBEDDED_MODELS = {"tiny-chat": TINY_CHAT, "tiny-chat-eagle3": TINY_CHAT.with_name("tiny-chat-eagle3")}
 
 
 def default_model_path() -> Path:

@@ -473,7 +473,9 @@ def build_loading_app(
 
 
 def install(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
-    """Serve ``engine`` from ``app``: from now on the routes read ``app.state.ctx``."""
+    """Serve ``engine`` from ``app``: from now on the routes read ``app.state.ctx``; the metrics'
+    ``model_name`` label is the served model name."""
+    engine.metrics.label_model(settings.served_model_name, engine.llm.engine.stats)
     app.state.ctx = ServeContext(engine, settings, ModelCapabilities.of(engine.llm),
                                  Sealer(settings.thinking_signing_key))
 

@@ -65,7 +65,13 @@ from m2serve.text.constraint import (
     regex_spec,
     tool_calls_spec,
 )
-from m2serve.text.parser import StreamingParser, ToolCallDelta, opens_reasoning, starts_in_reasoning
+from m2serve.text.parser import (
+    StreamingParser,
+    ToolCallDelta,
+    opens_reasoning,
+    opens_tool_block,
+    starts_in_reasoning,
+)
 from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, TemplateError
 
 log = logging.getLogger(__name__)
@@ -750,14 +756,26 @@ def starts_reasoning(job: ChatJob, prompt: str) -> bool:
     job continues a final message whose text opens a ``<think>`` it does not close (a prefill of
     reasoning: docs/parsers.md §2; the template writes that text as given, so the prompt does not end
     in the tag)."""
-    if starts_in_reasoning(prompt):
-        return True
+    text = continued_text(job)   # "" unless continuing; a 400 for a text ending inside a tool call
+    return starts_in_reasoning(prompt) or opens_reasoning(text)
+
+
+def continued_text(job: ChatJob) -> str:
+    """The text of the message a job continues (its last, ``continue_final_message``), else "". A
+    text that opens a tool-call block it does not close is a 400 naming the message: the
+    continuation would start inside a call, which the parser cannot read (and would cut)."""
     if not job.continue_final_message or not job.messages:
-        return False
+        return ""
     content = job.messages[-1].get("content")
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return isinstance(content, str) and opens_reasoning(content)
+    text = content if isinstance(content, str) else ""
+    if opens_tool_block(text):
+        index = len(job.messages) - 1
+        raise APIError(400, f"{job.messages_param}[{index}]: a continued assistant message cannot end inside "
+                            "a tool call (<minimax:tool_call> without its end); send the call as tool_calls",
+                       param=job.messages_param)
+    return text
 
 
 def chat_params(llm: Any, params: SamplingParams, in_reasoning: bool,

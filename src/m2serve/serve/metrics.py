@@ -39,6 +39,9 @@ class ServerMetrics:
       ``position``, 0-based); all 0 with speculation off;
     - vLLM's gauges ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (pages
       held / all pages, 0..1), the same values as m2serve's.
+
+    Every ``vllm:`` series carries vLLM's ``model_name`` label, the served model name (``model_name``,
+    set by api.py ``install``), which vLLM's dashboards select on.
     """
 
     def __init__(self) -> None:
@@ -65,14 +68,17 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # vLLM's gauge names too (v1 PrometheusStatLogger; no model_name label), for its dashboards
+        # vLLM's names carry vLLM's model_name label (its dashboards select on it): the served model
+        # name, set when the engine is installed (api.py install); no series before that
+        self.model_name = ""
+        m = ["model_name"]
         self.vllm_gauges = {
             "running": Gauge("vllm:num_requests_running", "Number of requests in model execution batches",
-                             registry=r),
+                             m, registry=r),
             "waiting": Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed",
-                             registry=r),
+                             m, registry=r),
             "kv_usage": Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
-                              registry=r),
+                              m, registry=r),
         }
         self.running = Gauge("m2serve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("m2serve_num_requests_waiting", "Requests waiting for admission", registry=r)
@@ -102,13 +108,14 @@ class ServerMetrics:
         self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
         # EngineStats field -> counter following it (the engine's counts are cumulative)
         self.engine_counters = {
-            "preemptions": Counter("vllm:num_preemptions", "Cumulative number of preemptions", registry=r),
+            "preemptions": Counter("vllm:num_preemptions", "Cumulative number of preemptions", m, registry=r),
             "prefix_cache_queries": Counter(
                 "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens",
-                registry=r,
+                m, registry=r,
             ),
             "prefix_cache_hits": Counter(
-                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", registry=r
+                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", m,
+                registry=r,
             ),
             "prefix_cache_requests": Counter(
                 "m2serve_prefix_cache_requests", "Prefix cache lookups (one per admitted prompt)", registry=r
@@ -120,19 +127,19 @@ class ServerMetrics:
         }
         self.engine_counters.update({
             "spec_drafts": Counter(
-                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts", registry=r
+                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts", m, registry=r
             ),
             "spec_draft_tokens": Counter(
-                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens", registry=r
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens", m, registry=r
             ),
             "spec_accepted_tokens": Counter(
-                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens", registry=r
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens", m, registry=r
             ),
         })
         self._engine_counts = dict.fromkeys(self.engine_counters, 0)
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position", ["position"], registry=r,
+            "Accepted tokens per draft position", ["model_name", "position"], registry=r,
         )
         self._per_pos: list[int] = []
 
@@ -149,18 +156,19 @@ class ServerMetrics:
             "spec_accepted_tokens": g.spec_accepted_tokens,
         }
         for name, value in counts.items():
-            self.engine_counters[name].inc(value - self._engine_counts[name])
+            self._series(self.engine_counters[name]).inc(value - self._engine_counts[name])
             self._engine_counts[name] = value
         for i, value in enumerate(g.spec_accepted_per_pos):
             if i == len(self._per_pos):
                 self._per_pos.append(0)
-            self.spec_accepted_per_pos.labels(position=str(i)).inc(value - self._per_pos[i])
+            self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(i)).inc(
+                value - self._per_pos[i])
             self._per_pos[i] = value
         self.running.set(g.running)
         self.waiting.set(g.waiting)
         for name, value in (("running", g.running), ("waiting", g.waiting),
                             ("kv_usage", g.kv_pages_used / g.kv_pages_total if g.kv_pages_total else 0.0)):
-            self.vllm_gauges[name].set(value)
+            self.vllm_gauges[name].labels(model_name=self.model_name).set(value)
         self.kv_used.set(g.kv_pages_used)
         self.kv_free.set(g.kv_pages_free)
         for i, rep in enumerate(g.replicas):
@@ -169,6 +177,23 @@ class ServerMetrics:
         self.prefix_hit_rate.set(
             g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0
         )
+
+    def label_model(self, name: str, g: EngineStats) -> None:
+        """Use ``name`` as vLLM's ``model_name`` label from now on: the ``vllm:`` series under the old
+        name are dropped and ``g``'s counts (cumulative) published under the new one."""
+        self.model_name = name
+        for metric in (*self.vllm_gauges.values(), self.spec_accepted_per_pos):
+            metric.clear()
+        for key, metric in self.engine_counters.items():
+            if metric._labelnames:
+                metric.clear()
+                self._engine_counts[key] = 0
+        self._per_pos = []
+        self.set_engine(g)
+
+    def _series(self, metric: Counter) -> Counter:
+        """``metric`` itself, or its ``model_name`` series for a vLLM-named one."""
+        return metric.labels(model_name=self.model_name) if metric._labelnames else metric
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""

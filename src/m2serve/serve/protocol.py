@@ -121,6 +121,26 @@ class _SamplingFields(APIRequest):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar, json_object
+    # vLLM's older names of structured_outputs' kinds (guided_decoding_backend and
+    # guided_whitespace_pattern are ignored like any unused field)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @model_validator(mode="after")
+    def _guided_as_structured_outputs(self) -> _SamplingFields:
+        """vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` are the
+        ``structured_outputs`` kinds of those names (older clients still send them); with
+        ``structured_outputs`` too it is a 400."""
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        if guided:
+            if self.structured_outputs is not None:
+                raise ValueError(f"structured_outputs: give it or vLLM's older guided_{next(iter(guided))}, "
+                                 "not both")
+            self.structured_outputs = guided
+        return self
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI allows one string or a list of up to 4)."""
@@ -203,9 +223,15 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(APIRequest):
+    """vLLM's /tokenize body. ``add_special_tokens`` is accepted and changes nothing (m2serve's
+    tokenizer adds none: a chat prompt's markers come from the template, a raw prompt is encoded as
+    given, as /v1/completions encodes it); ``return_token_strs`` adds each id's token string."""
+
     model: str | None = None
     prompt: str | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
@@ -223,7 +249,7 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(APIRequest):
     model: str | None = None
     tokens: list[int]
 

@@ -3,6 +3,8 @@
 - None -> the embedded default checkpoint, ``tiny-chat`` (``m2serve.checkpoints.default_model_path``),
   shipped in the package; no download.
 - An existing local directory -> itself.
+- A shipped checkpoint's name (``tiny-chat``, ``tiny-chat-eagle3``: ``m2serve.checkpoints.EMBEDDED_MODELS``)
+  with no local directory of that name -> the shipped directory.
 - A hub id ``org/name`` -> a snapshot in the huggingface_hub cache (its layout, ``HF_HOME`` /
   ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``): no network when the snapshot is cached; downloaded
   when online and missing.
@@ -22,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from m2serve.checkpoints import default_model_path
+from m2serve.checkpoints import EMBEDDED_MODELS, default_model_path
 from m2serve.config.engine_args import looks_like_hub_id, parse_speculative_config
 
 __all__ = ["HUB_CONFIGS", "ModelNotFoundError", "looks_like_hub_id", "resolve_config", "resolve_engine_args",
@@ -56,9 +58,12 @@ def resolve_model(model: str | None, what: str = "--model", config_only: bool = 
     p = Path(model).expanduser()
     if p.is_dir():
         return p
+    if model in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[model]
     if not looks_like_hub_id(model):
         raise ModelNotFoundError(
-            f"{what} {model!r}: no such directory (and not a hub id of the form org/name)"
+            f"{what} {model!r}: no such directory (and not a hub id of the form org/name, nor a shipped "
+            f"checkpoint: {', '.join(EMBEDDED_MODELS)})"
         )
     from huggingface_hub import snapshot_download
 
@@ -115,8 +120,11 @@ def resolve_config(model: str | None) -> Path:
         return p
     if p.is_dir():
         return p / "config.json"
+    if model in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[model] / "config.json"
     if not looks_like_hub_id(model):
-        raise ModelNotFoundError(f"--model {model!r}: no such file or directory (and not a hub id org/name)")
+        raise ModelNotFoundError(f"--model {model!r}: no such file or directory (and not a hub id org/name, "
+                                 f"nor a shipped checkpoint: {', '.join(EMBEDDED_MODELS)})")
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(model, "config.json")

@@ -349,6 +349,9 @@ def lark_spec(grammar: str, field: str = "structured_outputs.grammar") -> Constr
     """Body = a sentence of the user's Lark grammar (llguidance dialect, rule ``start``)."""
     if not isinstance(grammar, str) or not grammar.strip():
         raise ValueError(f"{field}: expected a non-empty Lark grammar string")
+    if re.search(r"^\s*[\w-]+\s*::=", grammar, re.M):
+        raise ValueError(f"{field}: this looks like GBNF / EBNF (`rule ::= ...`); write it in Lark syntax "
+                         "(`rule: ...`, the start rule named `start`; docs/constrained-decoding.md)")
     return ConstraintSpec(f"lark:{grammar}", field, "body: @user\n", (("user", grammar),))
 
 

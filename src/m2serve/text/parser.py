@@ -136,6 +136,12 @@ def opens_reasoning(text: str) -> bool:
     return text.rfind(THINK) > text.rfind(THINK_END)
 
 
+def opens_tool_block(text: str) -> bool:
+    """A continued assistant message's text opens a ``<minimax:tool_call>`` block it does not close:
+    its continuation would start inside a call, where the parser never starts (docs/parsers.md §2)."""
+    return text.rfind(BLOCK) > text.rfind(BLOCK_END)
+
+
 def _find_tag(buf: str, pos: int, tags: tuple[str, ...]) -> tuple[int, str | None]:
     """Earliest tag in ``buf[pos:]``.
 

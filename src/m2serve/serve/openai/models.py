@@ -46,7 +46,10 @@ async def tokenize(req: P.TokenizeRequest, request: Request) -> dict[str, Any]:
         return cp.encode(ctx, req.prompt or "", "prompt", check_length=True)
 
     ids = await run_in_threadpool(work)
-    return {"tokens": ids, "count": len(ids), "max_model_len": ctx.caps.max_length}
+    out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": ctx.caps.max_length}
+    if req.return_token_strs:
+        out["token_strs"] = [ctx.llm.tokenizer.id_to_token(i) for i in ids]
+    return out
 
 
 @router.post("/detokenize")
