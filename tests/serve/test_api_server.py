@@ -250,6 +250,15 @@ def test_metrics_counters(server, client):
     assert delta("m2serve_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
     assert delta("m2serve_time_to_first_token_seconds_count") == 2
     assert delta("m2serve_inter_token_latency_seconds_count") == 10  # 6 tokens -> 5 gaps, per request
+    # vLLM's names, by the served model name, move by the same amounts (its dashboards read these)
+    name = {"model_name": MODEL}
+    assert delta("vllm:generation_tokens_total", **name) == 12
+    assert delta("vllm:prompt_tokens_total", **name) == sum(u.prompt_tokens for u in usage)
+    assert delta("vllm:time_to_first_token_seconds_count", **name) == 2
+    assert delta("vllm:inter_token_latency_seconds_count", **name) == 10
+    assert delta("vllm:e2e_request_latency_seconds_count", **name) == 2
+    assert delta("vllm:request_success_total", finished_reason="length", **name) == 2   # max_tokens 6 (labels sorted)
+    assert metric(after, "vllm:num_requests_running", **name) == 0
     assert metric(after, "m2serve_num_requests_running") == 0
     assert metric(after, "m2serve_kv_pages_used") == 0
     assert metric(after, "m2serve_kv_pages_free") > 0

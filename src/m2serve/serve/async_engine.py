@@ -134,7 +134,7 @@ class AsyncEngine:
                 q.put_nowait(e)
                 return q
         self._wake.set()
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self.metrics.count_prompt(len(prompt_token_ids))
         if not self.alive:  # the engine died while it was added: its record may have missed fail_all
             self.abort(request_id)
             self._check_alive()
@@ -213,12 +213,11 @@ class AsyncEngine:
     def _deliver(self, rec: RequestRecord, d: OutputDelta, now: float) -> None:
         """Count the delta in the metrics and hand it to its consumer."""
         if d.token_ids:
-            self.metrics.generation_tokens.inc(len(d.token_ids))
-            if rec.last_output is None:
-                self.metrics.ttft.observe(now - rec.arrival)
-            else:
-                self.metrics.itl.observe(now - rec.last_output)
+            last = None if rec.last_output is None else now - rec.last_output
+            self.metrics.count_output(len(d.token_ids), now - rec.arrival, last)
             rec.last_output = now
+        if d.finished and d.finish_reason != "abort":
+            self.metrics.count_finished(d.finish_reason, now - rec.arrival)
         parser = rec.processor.parser
         if d.finished and parser is not None:
             if parser.rejected_tool_calls:

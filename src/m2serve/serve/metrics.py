@@ -38,7 +38,11 @@ class ServerMetrics:
       ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`` (accepted at draft position
       ``position``, 0-based); all 0 with speculation off;
     - vLLM's gauges ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (pages
-      held / all pages, 0..1), the same values as m2serve's.
+      held / all pages, 0..1), the same values as m2serve's; vLLM's ``vllm:prompt_tokens_total``,
+      ``vllm:generation_tokens_total``, ``vllm:time_to_first_token_seconds``,
+      ``vllm:inter_token_latency_seconds`` (the same counts and times as m2serve's),
+      ``vllm:e2e_request_latency_seconds`` and ``vllm:request_success_total{finished_reason}`` (requests
+      that finished, not aborted).
 
     Every ``vllm:`` series carries vLLM's ``model_name`` label, the served model name (``model_name``,
     set by api.py ``install``), which vLLM's dashboards select on.
@@ -80,6 +84,20 @@ class ServerMetrics:
             "kv_usage": Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
                               m, registry=r),
         }
+        # vLLM's request counters and latency histograms, updated with m2serve's (count_prompt, count_output,
+        # count_finished)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed", m,
+                                          registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed",
+                                              m, registry=r)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                   "seconds", m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                  "seconds", m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                                  "seconds", m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests",
+                                    ["model_name", "finished_reason"], registry=r)
         self.running = Gauge("m2serve_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("m2serve_num_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("m2serve_kv_pages_used", "KV cache pages held by requests", registry=r)
@@ -178,11 +196,35 @@ class ServerMetrics:
             g.prefix_cache_hits / g.prefix_cache_queries if g.prefix_cache_queries else 0.0
         )
 
+    def count_prompt(self, num_tokens: int) -> None:
+        """A request's prompt admitted (``num_tokens`` tokens)."""
+        self.prompt_tokens.inc(num_tokens)
+        self.vllm_prompt_tokens.labels(model_name=self.model_name).inc(num_tokens)
+
+    def count_output(self, num_tokens: int, since_arrival: float, since_last: float | None) -> None:
+        """One delta of ``num_tokens`` tokens: seconds since the request arrived, and since its previous
+        delta (None for its first: a time to first token, else an inter-token latency)."""
+        self.generation_tokens.inc(num_tokens)
+        self.vllm_generation_tokens.labels(model_name=self.model_name).inc(num_tokens)
+        if since_last is None:
+            self.ttft.observe(since_arrival)
+            self.vllm_ttft.labels(model_name=self.model_name).observe(since_arrival)
+        else:
+            self.itl.observe(since_last)
+            self.vllm_itl.labels(model_name=self.model_name).observe(since_last)
+
+    def count_finished(self, finish_reason: str | None, since_arrival: float) -> None:
+        """A request finished, not aborted: vLLM's success counter by its finished_reason (vLLM's engine
+        reasons: ``length``, else ``stop``; a chat's ``tool_calls`` is a stop) and end-to-end latency."""
+        reason = "length" if finish_reason == "length" else "stop"
+        self.vllm_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        self.vllm_e2e.labels(model_name=self.model_name).observe(since_arrival)
+
     def label_model(self, name: str, g: EngineStats) -> None:
         """Use ``name`` as vLLM's ``model_name`` label from now on: the ``vllm:`` series under the old
         name are dropped and ``g``'s counts (cumulative) published under the new one."""
         self.model_name = name
-        for metric in (*self.vllm_gauges.values(), self.spec_accepted_per_pos):
+        for metric in (*self.vllm_gauges.values(), self.spec_accepted_per_pos):   # (request series: none yet)
             metric.clear()
         for key, metric in self.engine_counters.items():
             if metric._labelnames:
