@@ -150,6 +150,19 @@ def test_completions_token_ids_and_list_prompts(client, tokenizer):
     assert r2.choices[0].text == r.choices[0].text  # same ids, greedy
 
 
+def test_stop_reason_as_vllm_returns_it(client):
+    # vLLM's choice field: the stop string (or stop_token_ids id) that ended the choice, None at the limit;
+    # streamed, on the finishing chunk
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(prompt="Once upon a time", **kw).choices[0]
+    assert free.finish_reason == "length" and free.model_extra.get("stop_reason") is None
+    stop = free.text.strip()[:3]
+    r = client.completions.create(prompt="Once upon a time", stop=["never said", stop], **kw).choices[0]
+    assert (r.finish_reason, r.model_extra["stop_reason"]) == ("stop", stop)
+    chunks = list(client.completions.create(prompt="Once upon a time", stop=[stop], stream=True, **kw))
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
 def test_bad_fields_400(server, client):
     # issue 5 item 2: 400 in the OpenAI error shape, naming the field
     url = server.url + "/v1/chat/completions"

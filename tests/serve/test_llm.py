@@ -77,6 +77,13 @@ def test_stop_string_split_across_tokens_is_never_emitted(llm):
     assert stop not in o.text
     assert o.text == full[: full.index(stop)]
     assert not llm.has_unfinished_requests() and llm.engine.stats.kv_pages_used == 0  # aborted in the engine
+    # vLLM's stop_reason: the stop string that ended it (the earlier of two), a stop_token_ids id, else None
+    [r] = llm.generate([prompt], SamplingParams(max_tokens=24, stop=("never said", stop), **GREEDY))
+    assert r.outputs[0].stop_reason == stop
+    [r] = llm.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=(ids[5],), **GREEDY))
+    assert (r.outputs[0].finish_reason, r.outputs[0].stop_reason) == ("stop", ids[5])
+    assert r.outputs[0].token_ids == ids[:ids.index(ids[5]) + 1]
+    assert free.outputs[0].stop_reason is None   # the length limit
 
 
 def test_stream_concatenates_to_generate(llm):

@@ -308,6 +308,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_reasoning_tokens: int = 0
     parts: list[OutputPart] = field(default_factory=list)
 
@@ -386,6 +387,7 @@ class ChoiceAccumulator:
         self.out.num_reasoning_tokens = d.num_reasoning_tokens
         if d.finished:
             self.out.finish_reason = d.finish_reason
+            self.out.stop_reason = d.stop_reason
 
     def result(self) -> CompletionOutput:
         """The accumulated choice; empty reasoning/content are None (docs/parsers.md P7). A call whose

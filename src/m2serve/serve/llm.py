@@ -206,6 +206,7 @@ class LLM:
             parser=parser,
             reasoning_end_ids=self.reasoning_end_ids,
             start_in_reasoning=params.start_in_reasoning,
+            stop_token_ids=params.stop_token_ids,
         )
 
     # ------------------------------------------------------------------ engine requests

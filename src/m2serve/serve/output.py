@@ -45,7 +45,9 @@ class OutputDelta:
     parser ``content == text``); token_ids / logprobs: the new tokens (logprobs None unless
     requested); prompt_logprobs: once, in the first delta of a request that asked for them;
     tail: the end of ``content`` that the parser's finish step added (held-back text, the raw text of
-    a call cut by the limit, P18): it follows this delta's tool-call fragments in the stream.
+    a call cut by the limit, P18): it follows this delta's tool-call fragments in the stream;
+    stop_reason (finished deltas, vLLM's field): the stop string that ended the output, or the
+    ``stop_token_ids`` id it ended on; None for an end of turn, the length limit or an abort.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class OutputDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     stop_hit: bool = False
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -84,8 +87,10 @@ class OutputProcessor:
         parser: StreamingParser | None = None,
         reasoning_end_ids: tuple[int, ...] = (),
         start_in_reasoning: bool = False,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
+        self.stop_token_ids = set(stop_token_ids)
         self.decoder = decoder
         self.parser = parser
         self.reasoning_end_ids = set(reasoning_end_ids)
@@ -147,6 +152,10 @@ class OutputProcessor:
             self.finished = True
             out.finished = True
             out.finish_reason = self._finish_reason(finish_reason)
+            if out.stop_hit:
+                out.stop_reason = self.decoder.stop_matched
+            elif finish_reason == "stop" and new_token_ids and new_token_ids[-1] in self.stop_token_ids:
+                out.stop_reason = new_token_ids[-1]
         return self._stamp(out)
 
     def _count(self, token_ids: list[int]) -> None:

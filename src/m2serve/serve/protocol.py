@@ -325,6 +325,7 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
 
 
 class ChatCompletionResponse(_Response):
@@ -360,6 +361,7 @@ class ChatStreamChoice(_Response):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -383,6 +385,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(_Response):

@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self._stops = [s for s in stop if s]
         self._pending = ""  # decoded text held back for stop strings
         self.stopped = False
+        self.stop_matched: str | None = None  # the stop string that ended the text (earliest in it)
 
     @property
     def has_stops(self) -> bool:
@@ -78,11 +79,12 @@ class IncrementalDetokenizer:
         if not self._stops:
             return text
         text = self._pending + text
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, n, s) for n, s in enumerate(self._stops) if (i := text.find(s)) >= 0]
         if hits:
+            at, _, self.stop_matched = min(hits)   # the earliest; a tie goes to the first listed
             self.stopped = True
             self._pending = ""
-            return text[:min(hits)]
+            return text[:at]
         keep = 0 if final else _stop_prefix_len(text, self._stops)
         self._pending = text[len(text) - keep:]
         return text[:len(text) - keep]

@@ -98,15 +98,18 @@ def chat_response(ctx: ServeContext, base: str, model: str, choices: list[cp.Cho
                         for t in o.tool_calls] or None,
         )
         lp = P.ChoiceLogprobs(content=chat_logprobs(ctx, o.logprobs)) if want_logprobs else None
-        out.append(P.ChatChoice(index=c.index, message=msg, logprobs=lp, finish_reason=o.finish_reason))
+        out.append(P.ChatChoice(index=c.index, message=msg, logprobs=lp, finish_reason=o.finish_reason,
+                                stop_reason=o.stop_reason))
     return P.ChatCompletionResponse(id=base, model=model, choices=out, usage=usage(u))
 
 
 async def chat_stream(ctx: ServeContext, base: str, model: str, sub: cp.Submission, include_usage: bool,
                       want_logprobs: bool) -> AsyncIterator[str]:
-    def chunk(i: int, delta: P.DeltaMessage, finish: str | None = None, lps=None) -> str:
+    def chunk(i: int, delta: P.DeltaMessage, finish: str | None = None, lps=None,
+              stop_reason: int | str | None = None) -> str:
         lp = P.ChoiceLogprobs(content=chat_logprobs(ctx, lps)) if want_logprobs and lps else None
-        choice = P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish)
+        choice = P.ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish,
+                                    stop_reason=stop_reason)
         c = P.ChatCompletionChunk(id=base, model=model, choices=[choice])
         return sse(c.model_dump(mode="json", exclude_none=True))
 
@@ -125,7 +128,8 @@ async def chat_stream(ctx: ServeContext, base: str, model: str, sub: cp.Submissi
                     delta = P.DeltaMessage(content="")
                 yield chunk(d.index, delta, lps=piece.logprobs)
             if d.choice is not None:  # the finished choice (docs/serving.md §10.1)
-                yield chunk(d.index, P.DeltaMessage(), finish=d.choice.output.finish_reason)
+                yield chunk(d.index, P.DeltaMessage(), finish=d.choice.output.finish_reason,
+                            stop_reason=d.choice.output.stop_reason)
     except APIError as e:
         yield sse_error(e)
     if include_usage:

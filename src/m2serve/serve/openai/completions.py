@@ -114,7 +114,8 @@ def _response(ctx: ServeContext, base: str, model: str, choices: list[cp.Choice]
             lp = _echo_logprobs(ctx, ids, c.prompt_logprobs) if req.echo else P.CompletionLogprobs()
             _extend(lp, _gen_logprobs(ctx, o.logprobs or [], len(prompt_text) if req.echo else 0))
         text = (prompt_text if req.echo else "") + o.text
-        out.append(P.CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=o.finish_reason))
+        out.append(P.CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=o.finish_reason,
+                                      stop_reason=o.stop_reason))
     return P.CompletionResponse(id=base, model=model, choices=out, usage=usage(u, with_reasoning=False))
 
 
@@ -140,7 +141,8 @@ async def _stream(ctx: ServeContext, base: str, model: str, sub: cp.Submission,
                 lp = gen if lp is None else _extend(lp, gen)
             if text or lp is not None or d.finished:
                 choice = P.CompletionChoice(index=cd.index, text=text, logprobs=lp,
-                                            finish_reason=d.finish_reason if d.finished else None)
+                                            finish_reason=d.finish_reason if d.finished else None,
+                                            stop_reason=d.stop_reason if d.finished else None)
                 c = P.CompletionResponse(id=base, model=model, choices=[choice])
                 yield sse(c.model_dump(mode="json", exclude_none=True))
     except APIError as e:
