@@ -425,8 +425,10 @@ def test_vllm_gauge_names_carry_the_engine_snapshot():
     m.set_engine(stats(2))   # before the engine is installed: no name yet
     m.label_model("tiny", stats(5))   # install(): the served model name; the counts carried over whole
     lines = set(m.render().decode().splitlines())
-    assert {'vllm:num_requests_running{model_name="tiny"} 3.0', 'vllm:num_requests_waiting{model_name="tiny"} 2.0',
-            'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25', 'vllm:num_preemptions_total{model_name="tiny"} 5.0',
+    assert {'vllm:num_requests_running{model_name="tiny"} 3.0',
+            'vllm:num_requests_waiting{model_name="tiny"} 2.0',
+            'vllm:kv_cache_usage_perc{model_name="tiny"} 0.25',
+            'vllm:num_preemptions_total{model_name="tiny"} 5.0',
             "m2serve_num_requests_running 3.0"} <= lines
     assert not any('model_name=""' in line for line in lines)
 

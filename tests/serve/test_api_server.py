@@ -270,7 +270,8 @@ def test_metrics_counters(server, client):
     assert delta("vllm:time_to_first_token_seconds_count", **name) == 2
     assert delta("vllm:inter_token_latency_seconds_count", **name) == 10
     assert delta("vllm:e2e_request_latency_seconds_count", **name) == 2
-    assert delta("vllm:request_success_total", finished_reason="length", **name) == 2   # max_tokens 6 (labels sorted)
+    # max_tokens 6; the labels in sorted order, as prometheus_client prints them
+    assert delta("vllm:request_success_total", finished_reason="length", **name) == 2
     assert metric(after, "vllm:num_requests_running", **name) == 0
     assert metric(after, "m2serve_num_requests_running") == 0
     assert metric(after, "m2serve_kv_pages_used") == 0

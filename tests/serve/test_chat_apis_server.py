@@ -99,7 +99,8 @@ def test_messages_tool_use_stream_assembles_to_the_same_message(claude):
             "message_delta", "message_stop"} <= kinds
     # the same message; the usage differs only in how much of the prompt the cache served (the stream
     # came second, so its prompt's pages were cached)
-    assert _without_ids(final.model_dump(exclude={"usage"})) == _without_ids(msg.model_dump(exclude={"usage"}))
+    no_usage = {"usage"}
+    assert _without_ids(final.model_dump(exclude=no_usage)) == _without_ids(msg.model_dump(exclude=no_usage))
     total = [u.input_tokens + u.cache_read_input_tokens for u in (final.usage, msg.usage)]
     assert total[0] == total[1] and final.usage.output_tokens == msg.usage.output_tokens
 
@@ -390,14 +391,17 @@ def test_chat_continue_final_message_as_vllm(oai, server):
     assert getattr(message, "reasoning_content", None) is None
     auth = {"Authorization": f"Bearer {API_KEY}"}
     tok = httpx.post(server.url + "/tokenize", headers=auth,
-                     json={"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": False})
+                     json={"messages": PREFILL, "continue_final_message": True,
+                           "add_generation_prompt": False})
     assert tok.json()["count"] == r.usage.prompt_tokens
     both = httpx.post(server.url + "/tokenize", headers=auth,
-                      json={"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True})
+                      json={"messages": PREFILL, "continue_final_message": True,
+                            "add_generation_prompt": True})
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=4,
-                                    extra_body={"continue_final_message": True, "add_generation_prompt": True})
+                                    extra_body={"continue_final_message": True,
+                                                "add_generation_prompt": True})
     assert e.value.body["param"] == "continue_final_message", e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=PREFILL[:1], max_tokens=4,

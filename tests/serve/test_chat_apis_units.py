@@ -57,7 +57,7 @@ def _stream(deltas):
         d = ChoiceDelta(d.index, d.prompt_index, d.delta)
         collector.add(d)
         if d.delta.finished:
-            d.choice = collector.choice(None, "r-0-0", ())
+            d.choice = collector.choice("r-0-0")
         out.append(d)
     return out
 

@@ -212,7 +212,8 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
     from m2serve.serve.cli import build_parser, resolve_options
 
     parser = build_parser()
-    vllm = ["serve", "MiniMaxAI/MiniMax-M2", "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    vllm = ["serve", "MiniMaxAI/MiniMax-M2", "--max-model-len", "512", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "256",
             "--gpu-memory-utilization", "0.8", "--block-size", "16", "--tool-call-parser", "minimax_m2",
             "--reasoning-parser", "minimax_m2_append_think", "--enable-auto-tool-choice",
             "--trust-remote-code", "--dtype", "auto"]
@@ -241,7 +242,8 @@ def test_vllm_flag_names_are_aliases_of_the_max_flags():
 
 
 @pytest.mark.parametrize("argv, hint", [
-    (["serve", "--tensor-parallel-size", "4"], "vLLM's --tensor-parallel-size: ranks are placed with --devices"),
+    (["serve", "--tensor-parallel-size", "4"],
+     "vLLM's --tensor-parallel-size: ranks are placed with --devices"),
     (["generate", "--kv-cache-dtype=fp8"], "vLLM's --kv-cache-dtype: use --kv-cache-format"),
     (["serve", "-dp", "2", "--enable-expert-parallel"], "vLLM's --enable-expert-parallel: use --ep-size N"),
 ])

@@ -42,8 +42,9 @@ def test_help_text_prints_the_defaults(command):
     assert r.returncode == 0
     text = " ".join(r.stdout.split())  # argparse wraps lines
     assert f"usage: m2serve {command}" in text
-    assert ("--max-batch-input-tokens MAX_BATCH_INPUT_TOKENS, --max-num-batched-tokens MAX_BATCH_INPUT_TOKENS "
-            "tokens per step, prefill chunks and decodes together (default: 8192)") in text
+    assert ("--max-batch-input-tokens MAX_BATCH_INPUT_TOKENS, --max-num-batched-tokens "
+            "MAX_BATCH_INPUT_TOKENS tokens per step, prefill chunks and decodes together "
+            "(default: 8192)") in text
     if command == "serve":
         assert "--port PORT port to listen on (0 = any free port) (default: 8000)" in text
         assert "--host HOST address to listen on (default: 127.0.0.1)" in text

@@ -229,7 +229,8 @@ def test_a_continued_message_cannot_end_inside_a_tool_call(llm):
     # the parser never starts inside a call: it would drop the stray </minimax:tool_call> and return the
     # call's rest as content; a 400 naming the message instead
     inside = '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
-    conv = [{"role": "user", "content": "What's the weather in Paris?"}, {"role": "assistant", "content": inside}]
-    with pytest.raises(ValueError, match=r"^messages\[1\]: a continued assistant message cannot end inside a tool"):
+    conv = [{"role": "user", "content": "What's the weather in Paris?"},
+            {"role": "assistant", "content": inside}]
+    with pytest.raises(ValueError, match=r"^messages\[1\]: a continued assistant message cannot end inside"):
         llm.chat(conv, GREEDY, tools=[WEATHER], continue_final_message=True)
 

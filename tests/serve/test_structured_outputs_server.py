@@ -184,9 +184,10 @@ def test_vllm_structured_outputs_on_chat_and_completions(oai):
     assert e.value.body["param"] == "structured_outputs.regexp", e.value.body
     assert e.value.body["message"].startswith("structured_outputs.regexp: unknown or not supported")
     # vLLM's whole StructuredOutputsParams object, its unused fields null: accepted
-    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={"structured_outputs": {
-        "choice": ["yes", "no"], "json": None, "regex": None, "structural_tag": None,
-        "disable_additional_properties": False}})
+    whole = {"choice": ["yes", "no"], "json": None, "regex": None, "structural_tag": None,
+             "disable_additional_properties": False}
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY,
+                                    extra_body={"structured_outputs": whole})
     assert r.choices[0].message.content in ("yes", "no")
     # vLLM's older guided_* names are the same kinds (they were ignored, so the output was free text)
     r = oai.chat.completions.create(model=MODEL, messages=QUESTION, **GREEDY, extra_body={

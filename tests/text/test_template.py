@@ -229,7 +229,8 @@ def test_continue_final_message_as_transformers_does(template, hf_tokenizer, fin
     after the last assistant message's content, no end of turn, no generation prompt. The oracle is
     transformers' own ``apply_chat_template(continue_final_message=True)``."""
     msgs = [{"role": "user", "content": "Paris?"}, final]
-    want = hf_tokenizer.apply_chat_template(normalize_messages(msgs), tokenize=False, continue_final_message=True)
+    want = hf_tokenizer.apply_chat_template(normalize_messages(msgs), tokenize=False,
+                                            continue_final_message=True)
     assert template.render(msgs, continue_final_message=True) == want
     assert template.render(msgs, add_generation_prompt=True, continue_final_message=True) == want
 
@@ -255,7 +256,8 @@ def test_what_cannot_be_continued_is_named(template, msgs, message):
 
 def test_a_template_that_rewrites_the_content_cannot_be_continued():
     # the content is written upper-cased: no place in the prompt holds it as given
-    tpl = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}</{{ m.role }}>{% endfor %}")
+    tpl = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}</{{ m.role }}>"
+                       "{% endfor %}")
     with pytest.raises(TemplateError, match="does not write this assistant message's content"):
         tpl.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                    continue_final_message=True)

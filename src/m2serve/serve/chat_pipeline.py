@@ -187,7 +187,6 @@ class Submission:
     num_prompt_tokens: int
     one_call: bool
     record: AccessRecord
-    stops: tuple[str, ...] = ()
     constraints: dict[str, TokenConstraint] = field(default_factory=dict)  # rid -> its constraint
     out: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (output, reasoning) tokens
     cached: int = 0
@@ -475,7 +474,8 @@ def structured_outputs(value: Any) -> OutputFormat | None:
                                              *_STRUCTURED_OPTIONS)]
     if unknown:
         raise APIError(400, f"structured_outputs.{unknown[0]}: unknown or not supported; give exactly one of "
-                            "json, regex, choice, grammar, json_object", param=f"structured_outputs.{unknown[0]}")
+                            "json, regex, choice, grammar, json_object",
+                       param=f"structured_outputs.{unknown[0]}")
     given = [k for k in kinds if value.get(k) is not None]
     if value.get("json_object") is not None and value["json_object"] is not False:
         if value["json_object"] is not True:
@@ -611,7 +611,8 @@ def render_prompt(
 ) -> str:
     """:func:`render_template` with template errors as 400s."""
     try:
-        return render_template(ctx.llm, messages, tools, kwargs, add_generation_prompt, continue_final_message)
+        return render_template(ctx.llm, messages, tools, kwargs, add_generation_prompt,
+                               continue_final_message)
     except TemplateError as e:  # raise_exception, bad history: the request's fault
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else messages_param
         raise APIError(400, f"chat template error: {e}", param=param) from e
@@ -787,7 +788,8 @@ def chat_params(llm: Any, params: SamplingParams, in_reasoning: bool,
     cap (generation_config.json ``max_reasoning_tokens``: a reply still reasoning after that many
     tokens ends with ``length``) unless the params set one, the job has its own ``reasoning_budget``
     (which forces ``</think>`` instead), or the request asks for its length (``ignore_eos``,
-    ``min_tokens``: benchmarks); ``in_reasoning``: the output starts in reasoning (:func:`starts_reasoning`)."""
+    ``min_tokens``: benchmarks); ``in_reasoning``: the output starts in reasoning
+    (:func:`starts_reasoning`)."""
     thinking = params.thinking_temperature
     if thinking is None:
         thinking = llm.thinking_temperature
@@ -845,7 +847,8 @@ def prepare_blocking(ctx: AnyContext, job: ChatJob) -> PreparedChat:
     tools = job.tools if job.tools and job.tool_choice != "none" else None
     mode = reasoning_mode(llm, job.reasoning_split)
     return PreparedChat(job, prompt, ids, params,
-                        lambda rid: new_parser(llm, in_reasoning, tools, mode, rid, job.continue_final_message),
+                        lambda rid: new_parser(llm, in_reasoning, tools, mode, rid,
+                                               job.continue_final_message),
                         new_constraint)
 
 
@@ -936,7 +939,7 @@ def submit(
     record = access_record(request.scope)
     n_prompt = record.prompt_tokens = sum(len(ids) for ids in prompts)
     ctx.live[q] = base_id
-    return Submission(rids, q, slots, n_prompt, one_call, record, params.stop, constraints)
+    return Submission(rids, q, slots, n_prompt, one_call, record, constraints)
 
 
 class ServerClosing(Exception):
@@ -992,7 +995,7 @@ async def stream(ctx: ServeContext, sub: Submission) -> AsyncIterator[ChoiceDelt
             cd = choice_delta(sub.slots, sub.one_call, d)
             sub.collector.add(cd)
             if d.finished:
-                cd.choice = sub.collector.choice(ctx, d.request_id, sub.stops)
+                cd.choice = sub.collector.choice(d.request_id)
             yield cd
     except (ValueError, EngineDeadError, ServerClosing) as e:
         err = engine_error(e)
@@ -1043,46 +1046,33 @@ class ChoiceCollector:
     def __init__(self, slots: dict[str, tuple[int, int]]) -> None:
         self.slots = slots
         self.accs = {rid: ChoiceAccumulator(index) for rid, (_, index) in slots.items()}
-        self.stopped: set[str] = set()
 
     def add(self, d: ChoiceDelta) -> None:
         """Append one delta (in stream order)."""
         self.accs[d.delta.request_id].add(d.delta)
-        if d.delta.stop_hit:
-            self.stopped.add(d.delta.request_id)
 
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (the most of any choice)."""
         return max((a.num_cached_tokens for a in self.accs.values()), default=0)
 
-    def choice(self, ctx: AnyContext, rid: str, stops: tuple[str, ...]) -> Choice:
+    def choice(self, rid: str) -> Choice:
         """The choice of engine request ``rid`` as collected so far (finished: the final result);
-        ``stop_sequence``: which of ``stops`` ended it."""
+        ``stop_sequence``: the stop string that ended it (the detokeniser's match, ``stop_reason``)."""
         acc = self.accs[rid]
         o = acc.result()
-        stop = matched_stop(ctx, o.text, o.token_ids, stops) if rid in self.stopped else None
+        stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         return Choice(o.index, self.slots[rid][0], o, acc.prompt_logprobs, stop)
 
-    def choices(self, ctx: AnyContext, stops: tuple[str, ...]) -> list[Choice]:
+    def choices(self) -> list[Choice]:
         """Every choice, in choice order (:meth:`choice`)."""
-        return sorted((self.choice(ctx, rid, stops) for rid in self.accs), key=lambda c: c.index)
+        return sorted((self.choice(rid) for rid in self.accs), key=lambda c: c.index)
 
 
 async def collect(ctx: ServeContext, request: Request, sub: Submission) -> list[Choice]:
     """Every choice of ``sub`` once finished, in choice order (collected by :func:`stream`)."""
     await consume(ctx, request, sub, lambda d: None)
-    return sub.collector.choices(ctx, sub.stops)
-
-
-def matched_stop(ctx: AnyContext, text: str, token_ids: list[int], stops: tuple[str, ...]) -> str | None:
-    """Which of ``stops`` ended a choice whose emitted text is ``text``: the one the decoded tokens
-    continue with after ``text`` (the detokeniser cut the text where the stop string began)."""
-    full = ctx.llm.decode(token_ids, skip_special_tokens=False)
-    at = full.find(text)
-    if at < 0:  # special tokens skipped from the text: the first stop string found
-        return next((s for s in stops if s in full), None)
-    return next((s for s in stops if full.startswith(s, at + len(text))), None)
+    return sub.collector.choices()
 
 
 def _lone_surrogate(text: str) -> UnicodeEncodeError | None:

@@ -3,7 +3,8 @@
 Flags follow MAX (``--devices``, ``--data-parallel-degree``, ``--ep-size`` ...); where a vLLM flag means
 the same, its name is an alias (``--max-model-len`` for ``--max-length``, ``--tool-call-parser``,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--block-size``), and
-vLLM's ``--enable-auto-tool-choice`` and ``--trust-remote-code`` are accepted and change nothing. Every option can
+vLLM's ``--enable-auto-tool-choice`` and ``--trust-remote-code`` are accepted and change nothing. Every
+option can
 also come from the environment (``M2SERVE_<FLAG>``, e.g. ``M2SERVE_API_KEY``, ``M2SERVE_PORT``)
 and from a recipe (``--config-file``, recipe.py). Precedence: CLI > environment > recipe >
 defaults. With no model, ``serve`` and ``generate`` use the embedded default checkpoint.
@@ -449,7 +450,8 @@ def banner(llm: Any, opts: dict[str, Any]) -> str:
     spec = getattr(llm.engine, "speculative", None)
     return (
         f"m2serve {llm.served_model_name} | model {llm.model_path} | encoding {enc} | "
-        f"devices {llm.args.devices} {f'mode {mode.value}' if world > 1 else '(one rank)'} | threads {torch.get_num_threads()} intra-op "
+        f"devices {llm.args.devices} {f'mode {mode.value}' if world > 1 else '(one rank)'} | "
+        f"threads {torch.get_num_threads()} intra-op "
         f"({llm.threads.rule}) | KV {pages} pages x {stats.kv_page_size} tokens{dp} "
         f"({llm.args.kv_cache_format}, "
         f"{kv_pool_bytes(llm.config, llm.args, pages, world) / GiB:.2f} GiB) | "
@@ -749,9 +751,9 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = next(a for a in parser._actions
                           if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
     if unknown:
-        hints = [f"vLLM's {flag}: {VLLM_HINTS[flag]}" for flag in dict.fromkeys(a.split("=")[0] for a in unknown)
-                 if flag in VLLM_HINTS]
-        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"; {h}" for h in hints))
+        flags = dict.fromkeys(a.split("=")[0] for a in unknown)
+        hints = "".join(f"; vLLM's {flag}: {VLLM_HINTS[flag]}" for flag in flags if flag in VLLM_HINTS)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
     if ns.command == "build-kernels":
         from m2serve.kernels.build import build_kernels_main
         return build_kernels_main()

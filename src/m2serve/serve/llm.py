@@ -71,12 +71,11 @@ class RequestResult:
 @dataclass(slots=True)
 class _Run:
     """One offline request while it runs: its result, its engine requests (the pipeline's fan-out),
-    the one-call rule and stop strings, their choice collector and how many are still running."""
+    the one-call rule, their choice collector and how many are still running."""
 
     result: RequestResult
     requests: list[cp.EngineRequest]
     one_call: bool = False
-    stops: tuple[str, ...] = ()
     collector: cp.ChoiceCollector = field(init=False)
     pending: int = field(init=False)
 
@@ -283,8 +282,8 @@ class LLM:
             rid = f"req-{next(self._ids)}"
             text = prompt if isinstance(prompt, str) else None
             requests = list(cp.engine_requests(ctx, rid, [ids], params, new_constraint=new_constraint))
-            runs.append(_Run(RequestResult(rid, text, ids, []), requests, stops=params.stop))
-        return self._run(ctx, runs, use_tqdm)
+            runs.append(_Run(RequestResult(rid, text, ids, []), requests))
+        return self._run(runs, use_tqdm)
 
     def chat(
         self,
@@ -361,8 +360,8 @@ class LLM:
             requests = list(cp.engine_requests(ctx, rid, [prepared.ids], prepared.params, prepared.new_parser,
                                                job.skip_special_tokens, prepared.new_constraint))
             runs.append(_Run(RequestResult(rid, prepared.prompt, prepared.ids, []), requests,
-                             one_call=job.one_call, stops=prepared.params.stop))
-        results = self._run(ctx, runs, use_tqdm)
+                             one_call=job.one_call))
+        results = self._run(runs, use_tqdm)
         return results[0] if single else results
 
     def stream(
@@ -394,7 +393,7 @@ class LLM:
             for rid in open_ids:
                 self.abort_request(rid)
 
-    def _run(self, ctx: cp.TextContext, runs: list[_Run], use_tqdm: bool) -> list[RequestResult]:
+    def _run(self, runs: list[_Run], use_tqdm: bool) -> list[RequestResult]:
         """Add every run's engine requests, step until all finish, return the results in order."""
         owner: dict[str, _Run] = {}
         bar = None
@@ -425,7 +424,7 @@ class LLM:
             for rid in owner:
                 self.abort_request(rid)
         for run in runs:
-            choices = run.collector.choices(ctx, run.stops)
+            choices = run.collector.choices()
             run.result.outputs = [c.output for c in choices]
             run.result.prompt_logprobs = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
             run.result.num_cached_tokens = run.collector.num_cached_tokens

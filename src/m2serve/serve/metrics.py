@@ -88,8 +88,8 @@ class ServerMetrics:
         # count_finished)
         self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed", m,
                                           registry=r)
-        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed",
-                                              m, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens",
+                                              "Number of generation tokens processed", m, registry=r)
         self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
                                    "seconds", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
