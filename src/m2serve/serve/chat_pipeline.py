@@ -72,7 +72,7 @@ from m2serve.text.parser import (
     opens_tool_block,
     starts_in_reasoning,
 )
-from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, TemplateError
+from m2serve.text.template import RESERVED_TEMPLATE_VARIABLES, TemplateError, normalize_messages
 
 log = logging.getLogger(__name__)
 
@@ -769,9 +769,7 @@ def continued_text(job: ChatJob) -> str:
     continuation would start inside a call, which the parser cannot read (and would cut)."""
     if not job.continue_final_message or not job.messages:
         return ""
-    content = job.messages[-1].get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    content = normalize_messages(job.messages[-1:])[0].get("content")   # text parts joined, as rendered
     text = content if isinstance(content, str) else ""
     if opens_tool_block(text):
         index = len(job.messages) - 1

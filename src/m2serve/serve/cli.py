@@ -322,10 +322,15 @@ def resolve_options(
     return opts
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command`` (``serve``, ``generate``, ``plan``, ``build-kernels``)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
 def _alias_env_names(parser: argparse.ArgumentParser, command: str) -> dict[str, list[str]]:
     """dest -> ``M2SERVE_<ALIAS>`` for each other long name of a flag (``--max-model-len`` ->
     ``M2SERVE_MAX_MODEL_LEN`` for ``max_length``)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub = _subparser(parser, command)
     out: dict[str, list[str]] = {}
     for act in sub._actions:
         for opt in act.option_strings:
@@ -336,7 +341,7 @@ def _alias_env_names(parser: argparse.ArgumentParser, command: str) -> dict[str,
 
 
 def _flag_types(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub = _subparser(parser, command)
     out = {}
     for act in sub._actions:
         if isinstance(act, argparse.BooleanOptionalAction) or isinstance(act, argparse._StoreTrueAction):
@@ -748,8 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     mistyped flag of ``serve`` shows ``usage: m2serve serve ...``, not the top-level usage."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
-    command_parser = next(a for a in parser._actions
-                          if isinstance(a, argparse._SubParsersAction)).choices[ns.command]
+    command_parser = _subparser(parser, ns.command)
     if unknown:
         flags = dict.fromkeys(a.split("=")[0] for a in unknown)
         hints = "".join(f"; vLLM's {flag}: {VLLM_HINTS[flag]}" for flag in flags if flag in VLLM_HINTS)

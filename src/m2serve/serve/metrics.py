@@ -10,6 +10,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from m2serve.engine.core import EngineStats
 
+# The engine's cumulative counters: (EngineStats field, metric name, help); vLLM's where it has one.
+_ENGINE_COUNTERS = (
+    ("preemptions", "vllm:num_preemptions", "Cumulative number of preemptions"),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens"),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens"),
+    ("prefix_cache_requests", "m2serve_prefix_cache_requests",
+     "Prefix cache lookups (one per admitted prompt)"),
+    ("prefix_cache_requests_hit", "m2serve_prefix_cache_requests_hit",
+     "Prefix cache lookups that found at least one page"),
+    ("spec_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts"),
+    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens"),
+    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens"),
+)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -124,36 +138,13 @@ class ServerMetrics:
         )
         self.tool_calls_rejected.labels(reason="undeclared")  # exported as 0 before the first rejection (P13)
         self.parser_errors = Counter("m2serve_parser_errors", "Internal parser errors (P20)", registry=r)
-        # EngineStats field -> counter following it (the engine's counts are cumulative)
+        # EngineStats field -> counter following it (the engine's counts are cumulative); vLLM's names
+        # carry the model_name label
         self.engine_counters = {
-            "preemptions": Counter("vllm:num_preemptions", "Cumulative number of preemptions", m, registry=r),
-            "prefix_cache_queries": Counter(
-                "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens",
-                m, registry=r,
-            ),
-            "prefix_cache_hits": Counter(
-                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", m,
-                registry=r,
-            ),
-            "prefix_cache_requests": Counter(
-                "m2serve_prefix_cache_requests", "Prefix cache lookups (one per admitted prompt)", registry=r
-            ),
-            "prefix_cache_requests_hit": Counter(
-                "m2serve_prefix_cache_requests_hit", "Prefix cache lookups that found at least one page",
-                registry=r,
-            ),
+            field: Counter(name, text, m if name.startswith("vllm:") else [], registry=r)
+            for field, name, text in _ENGINE_COUNTERS
         }
-        self.engine_counters.update({
-            "spec_drafts": Counter(
-                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts", m, registry=r
-            ),
-            "spec_draft_tokens": Counter(
-                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens", m, registry=r
-            ),
-            "spec_accepted_tokens": Counter(
-                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens", m, registry=r
-            ),
-        })
+        self._labelled = {field for field, name, _ in _ENGINE_COUNTERS if name.startswith("vllm:")}
         self._engine_counts = dict.fromkeys(self.engine_counters, 0)
         self.spec_accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -163,18 +154,10 @@ class ServerMetrics:
 
     def set_engine(self, g: EngineStats) -> None:
         """Update the gauges and the engine's counters from an engine snapshot (LLMEngine.stats)."""
-        counts = {
-            "preemptions": g.preemptions,
-            "prefix_cache_queries": g.prefix_cache_queries,
-            "prefix_cache_hits": g.prefix_cache_hits,
-            "prefix_cache_requests": g.prefix_cache_requests,
-            "prefix_cache_requests_hit": g.prefix_cache_requests_hit,
-            "spec_drafts": g.spec_drafts,
-            "spec_draft_tokens": g.spec_draft_tokens,
-            "spec_accepted_tokens": g.spec_accepted_tokens,
-        }
-        for name, value in counts.items():
-            self._series(self.engine_counters[name]).inc(value - self._engine_counts[name])
+        for name, counter in self.engine_counters.items():
+            value = getattr(g, name)
+            series = counter.labels(model_name=self.model_name) if name in self._labelled else counter
+            series.inc(value - self._engine_counts[name])
             self._engine_counts[name] = value
         for i, value in enumerate(g.spec_accepted_per_pos):
             if i == len(self._per_pos):
@@ -226,16 +209,11 @@ class ServerMetrics:
         self.model_name = name
         for metric in (*self.vllm_gauges.values(), self.spec_accepted_per_pos):   # (request series: none yet)
             metric.clear()
-        for key, metric in self.engine_counters.items():
-            if metric._labelnames:
-                metric.clear()
-                self._engine_counts[key] = 0
+        for key in self._labelled:
+            self.engine_counters[key].clear()
+            self._engine_counts[key] = 0
         self._per_pos = []
         self.set_engine(g)
-
-    def _series(self, metric: Counter) -> Counter:
-        """``metric`` itself, or its ``model_name`` series for a vLLM-named one."""
-        return metric.labels(model_name=self.model_name) if metric._labelnames else metric
 
     def render(self) -> bytes:
         """Prometheus text exposition format."""
